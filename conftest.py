@@ -1,0 +1,3 @@
+"""Root conftest: the plugin tests itself with pytester."""
+
+pytest_plugins = ["pytester"]

@@ -1,0 +1,100 @@
+"""The engine's KV-cache arithmetic (DESIGN.md section 2), as pure functions over measured figures."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MiB = 1 << 20
+GiB = 1 << 30
+KV_ALIGN = 2 * MiB  # the KV cache is carved in allocator-block multiples, so sizing never rounds up
+
+
+@dataclass(frozen=True)
+class ProfileWindow:
+    """What the baseline and closing snapshots of the profiling window measured (device bytes)."""
+
+    weights: int
+    nontorch: int
+    baseline_reserved: int
+    closing_reserved: int
+    closing_allocated: int
+    peak_allocated: int
+
+    @property
+    def consumed(self) -> int:
+        """Reserved at the closing measurement beyond the baseline: the persistent memory, segments and all.
+
+        Both snapshots are taken after ``empty_cache``, so cached free segments do not count.
+        """
+        return self.closing_reserved - self.baseline_reserved
+
+    @property
+    def transient_headroom(self) -> int:
+        """How far the window's allocated peak rose above what is still allocated at its end.
+
+        This is the term that misses persistent memory which did not coexist with the activation
+        peak: memory freed before the peak, or created after it without a profile replay.
+        """
+        return self.peak_allocated - self.closing_allocated
+
+    @property
+    def non_kv(self) -> int:
+        return self.baseline_reserved + self.consumed + self.transient_headroom + self.nontorch
+
+    def persistent_allocated(self, baseline_allocated: int) -> int:
+        return self.closing_allocated - baseline_allocated
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A case's memory budget, laid out as engines log it."""
+
+    total: int
+    gmu: float
+    weights: int
+    nontorch: int
+    persistent_workspace: int
+    persistent_reserved: int
+    peak_activation: int
+    non_kv: int
+    graph_pool_estimate: int
+    graph_pool_high_water: int
+    available_kv: int
+    kv_bytes_per_token: int
+    kv_tokens: int
+    reservation_kv_tokens: int
+
+    @property
+    def limit(self) -> int:
+        return int(self.total * self.gmu)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        def gib(n: int) -> str:
+            return f"{n / GiB:.2f} GiB"
+
+        return [
+            f"total {gib(self.total)} x gmu {self.gmu:.2f} = {gib(self.limit)}",
+            f"weights {gib(self.weights)}, peak activation {gib(self.peak_activation)}, "
+            f"non-torch {gib(self.nontorch)}, persistent workspace {self.persistent_workspace / MiB:.1f} MiB "
+            f"({self.persistent_reserved / MiB:.1f} MiB reserved)",
+            f"CUDA-graph pool estimate {self.graph_pool_estimate / MiB:.1f} MiB "
+            f"(high-water {self.graph_pool_high_water / MiB:.1f} MiB)",
+            f"available KV {gib(self.available_kv)} = {self.kv_tokens} tokens "
+            f"({self.kv_bytes_per_token} B/token); the reservation costs {self.reservation_kv_tokens} tokens",
+        ]
+
+
+def available_kv_bytes(total: int, gmu: float, non_kv: int, graph_estimate: int) -> int:
+    """``total * gmu - non_kv - graph_estimate``, rounded down to allocator blocks, never negative."""
+    raw = int(total * gmu) - non_kv - graph_estimate
+    return max(0, raw // KV_ALIGN * KV_ALIGN)
+
+
+def tokens_for(nbytes: int, kv_bytes_per_token: int) -> int:
+    """KV tokens that ``nbytes`` would hold (rounded up: the cost of a reservation is never understated)."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // kv_bytes_per_token)

@@ -1,0 +1,448 @@
+"""The conformance checks: pure functions from a LifecycleResult to a list of violations.
+
+Each check names the rule it enforces and the phase it needs; a run that aborted before that phase
+fails the check with the builder, phase and error that stopped it. An empty list is a pass.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import lifecycle as lc
+from .budget import MiB, tokens_for
+from .support import ProfilingSupport, declared_support
+
+DEFAULT_WASTE_SLACK = 2 * MiB  # one large-block rounding of the caching allocator
+PROFILING = "profiling"
+LEGACY = "legacy"
+BOTH = "both"
+
+
+class CheckSkipped(Exception):
+    """The check cannot apply to this case (e.g. a single micro-batch cannot alias)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    rule: str
+    path: str  # which lifecycle path it applies to
+    needs: str  # the last phase it reads
+    bugs: tuple[int, ...]
+    fn: Callable[[Any], list[str]]
+
+    def applies(self, path: str) -> bool:
+        return self.path == BOTH or self.path == path
+
+    def run(self, result: Any) -> list[str]:
+        abort = aborted_before(result, self.needs)
+        if abort:
+            return [abort]
+        return self.fn(result)
+
+
+def aborted_before(result: Any, phase: str) -> str | None:
+    """Why the phases this check needs never ran (a builder or engine error), or None."""
+    if result.aborted_in is None:
+        return None
+    order = lc.PHASE_ORDER
+    if result.aborted_in in order and phase in order and order.index(result.aborted_in) > order.index(phase):
+        return None
+    err = next((e for e in result.errors if not e.injected), None)
+    detail = err.describe() if err else f"aborted in phase {result.aborted_in!r}"
+    return f"the lifecycle stopped before phase {phase!r}: {detail}"
+
+
+def _fmt_alloc(a: Any) -> str:
+    where = f" at {a.stack}" if getattr(a, "stack", None) else ""
+    return f"{a.owner}: {a.tag!r} {a.nbytes / MiB:.2f} MiB ({a.nbytes} bytes) in phase {a.phase!r}{where}"
+
+
+def _builder_names(result: Any) -> set[str]:
+    return set(result.builder_names())
+
+
+def _live_builder_device_bytes(result: Any, owner: str, at_phase: str) -> int:
+    """Device bytes owned by ``owner`` alive at the end of ``at_phase``."""
+    order = lc.PHASE_ORDER
+    limit = order.index(at_phase)
+    total = 0
+    for a in result.allocations:
+        if a.owner != owner or a.kind != "device" or a.phase not in order or order.index(a.phase) > limit:
+            continue
+        freed = a.freed_phase
+        if freed is None or (freed in order and order.index(freed) > limit):
+            total += a.nbytes
+    return total
+
+
+# -- support ----------------------------------------------------------------------------------
+def check_support_declaration(result: Any) -> list[str]:
+    if result.declaration_error:
+        return [result.declaration_error]
+    res = result.resolution
+    out = []
+    decls = [s for _, s in res.declarations]
+    expect = all(s is not ProfilingSupport.UNSUPPORTED for s in decls) and ProfilingSupport.REQUIRED in decls
+    if res.enabled != expect:
+        out.append(f"resolver answered enabled={res.enabled} for {res.declarations}; the rule says {expect}")
+    if result.path != (PROFILING if res.enabled else LEGACY):
+        out.append(f"the engine took the {result.path} path although the resolver said enabled={res.enabled}")
+    if not res.enabled:
+        calls = [(p, b) for p, b, m in result.calls if m == "reserve_persistent_workspace"]
+        if calls:
+            out.append(f"reserve_persistent_workspace() was called on the legacy path: {calls}")
+    return out
+
+
+def check_legacy_path_unchanged(result: Any) -> list[str]:
+    out = []
+    if result.leases:
+        out.append(f"leases were taken on the legacy path: {[r.owner for r in result.leases]}")
+    ran = [p.name for p in result.phases]
+    for phase in (lc.RESERVATION, lc.PROFILE_WARMUP, lc.PROFILE_REPLAY, lc.LEASE_RELEASE):
+        if phase in ran:
+            out.append(f"phase {phase!r} ran although the model is on the legacy path ({result.resolution.reason})")
+    names = _builder_names(result)
+    for a in result.allocations:
+        if a.owner in names and a.phase in lc.WINDOW_PHASES and a.kind == "device":
+            freed = a.freed_phase
+            if freed is None or freed not in lc.WINDOW_PHASES:
+                out.append(
+                    "a builder on the legacy path kept memory from the profiling window, which changes legacy "
+                    f"KV sizing: {_fmt_alloc(a)}"
+                )
+    return out
+
+
+# -- leases ------------------------------------------------------------------------------------
+def check_persistent_memory_visible(result: Any) -> list[str]:
+    """Every builder byte alive after KV sizing was already held at the closing measurement."""
+    out = []
+    by_id = {a.id: a for a in result.allocations}
+    for owner in result.builder_names():
+        held = _live_builder_device_bytes(result, owner, lc.CLOSING)
+        for phase in lc.POST_KV_PHASES:
+            if result.phase(phase) is None:
+                continue
+            live = _live_builder_device_bytes(result, owner, phase)
+            if live > held:
+                late = [
+                    by_id[a.id] for a in result.allocations
+                    if a.owner == owner and a.kind == "device" and a.phase in lc.POST_KV_PHASES
+                    and lc.PHASE_ORDER.index(a.phase) <= lc.PHASE_ORDER.index(phase)
+                    and (a.freed_phase is None or lc.PHASE_ORDER.index(a.freed_phase) > lc.PHASE_ORDER.index(phase))
+                ]
+                detail = "; ".join(_fmt_alloc(a) for a in late[:6]) or "(memory re-used from earlier phases)"
+                out.append(
+                    f"builder {owner!r} holds {live / MiB:.2f} MiB after KV sizing (phase {phase!r}) but held only "
+                    f"{held / MiB:.2f} MiB at the closing measurement: {(live - held) / MiB:.2f} MiB invisible to "
+                    f"KV sizing. Allocated after KV sizing: {detail}"
+                )
+                break
+    return out
+
+
+def check_lease_outlives_closing(result: Any) -> list[str]:
+    out = []
+    early = result.extra.get("released_before_closing", ())
+    for owner in early:
+        out.append(f"the lease of {owner!r} was released before the closing measurement")
+    by_id = {a.id: a for a in result.allocations}
+    for rec in result.leases:
+        for aid in rec.allocation_ids:
+            a = by_id[aid]
+            if a.kind == "device" and a.freed_phase in lc.WINDOW_PHASES + (lc.BASELINE,):
+                out.append(
+                    f"memory under the lease of {rec.owner!r} was freed in phase {a.freed_phase!r}, before the "
+                    f"closing measurement could see it: {_fmt_alloc(a)}"
+                )
+    return out
+
+
+def check_lease_released_before_graph_profiling(result: Any) -> list[str]:
+    out = []
+    by_id = {a.id: a for a in result.allocations}
+    for rec in result.leases:
+        if not rec.lease.released:
+            out.append(f"the lease of {rec.owner!r} was never released")
+        leaked = [
+            by_id[aid] for aid in rec.allocation_ids
+            if by_id[aid].freed_phase not in lc.WINDOW_PHASES + (lc.CLOSING, lc.LEASE_RELEASE)
+        ]
+        if leaked:
+            total = sum(a.nbytes for a in leaked)
+            out.append(
+                f"{total / MiB:.2f} MiB leased by {rec.owner!r} is still alive after lease release and leaks into "
+                f"CUDA-graph profiling (counted twice): " + "; ".join(_fmt_alloc(a) for a in leaked[:6])
+            )
+    return out
+
+
+# -- warmup and replay -------------------------------------------------------------------------
+def check_profile_replayed(result: Any) -> list[str]:
+    warmed = [
+        a for a in result.allocations
+        if a.phase == lc.PROFILE_WARMUP and a.kind == "device" and a.freed_phase not in lc.WINDOW_PHASES
+    ]
+    if warmed and result.phase(lc.PROFILE_REPLAY) is None:
+        total = sum(a.nbytes for a in warmed)
+        return [
+            f"warmup inside the window made {total / MiB:.2f} MiB persistent but the profile was not replayed, so "
+            "the closing measurement never saw the persistent baseline and the activation peak together: "
+            + "; ".join(_fmt_alloc(a) for a in warmed[:6])
+        ]
+    return []
+
+
+def check_warmup_idempotent(result: Any) -> list[str]:
+    repeat = [a for a in result.allocations if a.phase == lc.WARMUP_REPEAT and a.kind == "device"]
+    kept = [a for a in repeat if a.freed_phase is None]
+    if kept:
+        return [
+            "a repeated warmup allocated new persistent memory (warmup must run once): "
+            + "; ".join(_fmt_alloc(a) for a in kept[:6])
+        ]
+    return []
+
+
+def check_warmup_retryable(result: Any) -> list[str]:
+    from .probes import warmup_retry_violations
+
+    return warmup_retry_violations(result)
+
+
+# -- arena -------------------------------------------------------------------------------------
+def check_arena_stable(result: Any) -> list[str]:
+    closing = result.phase(lc.CLOSING)
+    out = []
+    for phase in (lc.LEASE_RELEASE, lc.GRAPH_PROFILING, lc.KV_SIZING, lc.REBIND, lc.WARMUP, lc.CAPTURE, lc.LOCK,
+                  lc.SERVING):
+        rec = result.phase(phase)
+        if rec is None:
+            continue
+        if rec.arena != closing.arena:
+            out.append(
+                f"the float arena moved or resized in phase {phase!r}: {_fmt_arena(closing.arena)} at the closing "
+                f"measurement, {_fmt_arena(rec.arena)} now (captured CUDA graphs hold the old pointer)"
+            )
+            break
+    capture = result.phase(lc.CAPTURE)
+    serving = result.phase(lc.SERVING)
+    if capture is not None and serving is not None and capture.bound != serving.bound:
+        moved = sorted(set(capture.bound) ^ set(serving.bound))
+        out.append(f"workspace pointers bound at capture changed before replay: {moved[:4]}")
+    return out
+
+
+def _fmt_arena(arena: tuple) -> str:
+    return ", ".join(f"ubatch {u}: ptr {ptr:#x} size {size / MiB:.2f} MiB" for u, ptr, size in arena) or "none"
+
+
+def check_arena_not_grown_after_lock(result: Any) -> list[str]:
+    out = []
+    for err in result.errors:
+        if err.exc_type == "WorkspaceLockedError":
+            out.append(f"{err.who} asked the locked arena to grow in phase {err.phase!r}: {err.message}")
+    if result.phase(lc.LOCK) is not None:
+        probe = result.lock_probe_error
+        if probe is None:
+            out.append("the workspace manager let the arena grow after lock()")
+        elif "kvprofile-lock-probe" not in probe or "bytes" not in probe:
+            out.append(f"the growth-after-lock error does not name the requester and sizes: {probe!r}")
+    if out:
+        return out
+    aborted = aborted_before(result, lc.SERVING)
+    return [aborted] if aborted else []
+
+
+def check_ubatch_arenas_disjoint(result: Any) -> list[str]:
+    if result.case.envelope.num_ubatches < 2:
+        raise CheckSkipped("the case has a single micro-batch arena; nothing can alias")
+    out = []
+    for rec in result.phases:
+        arenas = {u: (ptr, ptr + size) for u, ptr, size in rec.arena if size}
+        spans = sorted(arenas.items(), key=lambda kv: kv[1])
+        for (u1, (s1, e1)), (u2, (s2, e2)) in zip(spans, spans[1:]):
+            if s2 < e1:
+                out.append(f"phase {rec.name!r}: the arenas of ubatch {u1} and ubatch {u2} overlap")
+        for owner, ub, role, ptr, nbytes in rec.bound:
+            if ub not in arenas:
+                continue
+            start, end = arenas[ub]
+            if not (start <= ptr and ptr + nbytes <= end):
+                other = [u for u, (s, e) in arenas.items() if u != ub and s <= ptr < e]
+                where = f"inside ubatch {other[0]}'s arena" if other else "outside its arena"
+                out.append(
+                    f"phase {rec.name!r}: {owner}'s {role} for ubatch {ub} points {where} "
+                    f"(ptr {ptr:#x}, {nbytes / MiB:.2f} MiB)"
+                )
+        if out:
+            break
+    return out
+
+
+# -- capture -----------------------------------------------------------------------------------
+def check_no_synthetic_in_capture(result: Any) -> list[str]:
+    bad = [
+        a for a in result.allocations
+        if a.phase in (lc.GRAPH_PROFILING, lc.CAPTURE) and a.pool != "default"
+        and result.alloc_origin.get(a.id) == "dummy_run"
+    ]
+    if bad:
+        return [
+            "synthetic profiling workspace was allocated while a CUDA graph was being captured: "
+            + "; ".join(_fmt_alloc(a) for a in bad[:6])
+        ]
+    return []
+
+
+# -- budget ------------------------------------------------------------------------------------
+def check_no_post_kv_overrun(result: Any) -> list[str]:
+    budget = result.budget
+    out = []
+    oom = [e for e in result.errors if e.exc_type == "DeviceOutOfMemory" and e.phase in lc.POST_KV_PHASES]
+    overrun = result.post_kv_peak_used - budget.limit
+    if overrun > 0 or oom:
+        names = _builder_names(result) | {"workspace-manager"}
+        culprits = [a for a in result.post_kv_peak_live if a.owner in names]
+        culprits.sort(key=lambda a: -a.nbytes)
+        tokens = tokens_for(max(overrun, 0), budget.kv_bytes_per_token)
+        head = (
+            f"after KV sizing the device peaked at {result.post_kv_peak_used / MiB:.1f} MiB, "
+            f"{max(overrun, 0) / MiB:.2f} MiB ({max(overrun, 0)} bytes) over total x gmu = {budget.limit / MiB:.1f} MiB"
+        )
+        if oom:
+            head += f"; out of memory: {oom[0].message}"
+        detail = "; ".join(_fmt_alloc(a) for a in culprits[:6]) or "no builder allocation (engine accounting)"
+        out.append(
+            f"{head}. Responsible allocations: {detail}. The case would have to give up {tokens} KV tokens. "
+            f"Budget: {' | '.join(budget.lines())}"
+        )
+    return out
+
+
+def check_graph_pool_full_high_water(result: Any) -> list[str]:
+    budget = result.budget
+    if budget.graph_pool_estimate < result.graph_pool_high_water:
+        missing = result.graph_pool_high_water - budget.graph_pool_estimate
+        return [
+            f"the CUDA-graph pool was estimated at {budget.graph_pool_estimate / MiB:.2f} MiB but its high-water mark "
+            f"is {result.graph_pool_high_water / MiB:.2f} MiB ({result.graph_pool_retained / MiB:.2f} MiB retained): "
+            f"{missing / MiB:.2f} MiB of live reserved pages omitted (gross - retained accounting)"
+        ]
+    return []
+
+
+def check_workspace_covers_planner(result: Any) -> list[str]:
+    from .case_sizing import required_for_case
+
+    need = required_for_case(result.case)
+    out = []
+    per_token = result.budget.kv_bytes_per_token if result.budget else 1
+    for b in result.builders:
+        if declared_support(b) is not ProfilingSupport.REQUIRED:
+            continue
+        decl = result.declared.get(b.name)
+        if decl is None:
+            out.append(f"builder {b.name!r} is REQUIRED but has no declared_workspace(case)")
+            continue
+        if decl.float_bytes < need.float_bytes:
+            short = need.float_bytes - decl.float_bytes
+            out.append(
+                f"builder {b.name!r} reserves {decl.float_bytes / MiB:.2f} MiB of float workspace but FlashInfer "
+                f"{need.flashinfer_version}'s planner carves {need.float_bytes / MiB:.2f} MiB ({need.method}) on "
+                f"{result.case.gpu.num_sm} SMs for worst batch {_fmt_batch(need.worst_batch)}: short by "
+                f"{short / MiB:.2f} MiB (Buffer overflow ... Increase the workspace buffer size)"
+            )
+        if decl.int_bytes < need.int_bytes:
+            out.append(
+                f"builder {b.name!r} reserves {decl.int_bytes} bytes of int workspace per wrapper but the planner "
+                f"needs {need.int_bytes}"
+            )
+        excess = decl.float_bytes - need.float_bytes
+        slack = result.extra.get("waste_slack_bytes", DEFAULT_WASTE_SLACK)
+        if excess > slack:
+            out.append(
+                f"builder {b.name!r} reserves {decl.float_bytes / MiB:.2f} MiB of float workspace where FlashInfer "
+                f"{need.flashinfer_version}'s planner needs at most {need.float_bytes / MiB:.2f} MiB ({need.method}) on "
+                f"{result.case.gpu.num_sm} SMs: {excess / MiB:.2f} MiB wasted, {tokens_for(excess, per_token)} KV "
+                f"tokens per rank (allowed slack {slack / MiB:.2f} MiB, ini kvprofile_workspace_slack_mib)"
+            )
+        if not out:
+            result.extra.setdefault("sizing", {})[b.name] = {
+                "declared_float": decl.float_bytes, "required_float": need.float_bytes,
+                "headroom_mib": excess / MiB, "headroom_kv_tokens": tokens_for(excess, per_token),
+                "method": need.method,
+            }
+    return out
+
+
+def _fmt_batch(batch: Any) -> str:
+    try:
+        qo, kv, graph = batch
+        return f"({len(qo)} requests, {sum(qo)} q tokens, max kv {max(kv) if kv else 0}, cuda_graph={graph})"
+    except (TypeError, ValueError):
+        return repr(batch)
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("support_declaration", "a builder declares a ProfilingSupport member; REQUIRED+NEUTRAL enables, any "
+          "UNSUPPORTED disables, all-NEUTRAL does not", BOTH, lc.SETUP, (6,), check_support_declaration),
+    Check("legacy_path_unchanged", "a model off the new path runs the legacy lifecycle and keeps nothing from "
+          "the profiling window", LEGACY, lc.CLOSING, (6,), check_legacy_path_unchanged),
+    Check("persistent_memory_visible_at_closing", "every builder byte alive after KV sizing was held at the "
+          "closing measurement", PROFILING, lc.WARMUP_REPEAT, (1, 2, 3, 7), check_persistent_memory_visible),
+    Check("lease_outlives_closing_measurement", "nothing under a lease is freed before the closing measurement",
+          PROFILING, lc.CLOSING, (2,), check_lease_outlives_closing),
+    Check("lease_released_before_graph_profiling", "leases are released after the closing measurement and "
+          "before CUDA-graph profiling", PROFILING, lc.LEASE_RELEASE, (3,), check_lease_released_before_graph_profiling),
+    Check("profile_replayed_after_warmup", "persistent memory made by in-window warmup is measured together "
+          "with the activation peak (profile replay)", PROFILING, lc.CLOSING, (8,), check_profile_replayed),
+    Check("warmup_idempotent", "a second warmup allocates nothing", PROFILING, lc.WARMUP_REPEAT, (7,),
+          check_warmup_idempotent),
+    Check("warmup_retryable", "a warmup that fails part-way leaks nothing and the retry completes it",
+          PROFILING, lc.SETUP, (7,), check_warmup_retryable),
+    Check("arena_stable_after_closing", "the arena's pointer and size never change after the closing "
+          "measurement", PROFILING, lc.SERVING, (4,), check_arena_stable),
+    Check("arena_not_grown_after_lock", "growth after lock raises, naming the requester and sizes", PROFILING,
+          lc.LOCK, (4,), check_arena_not_grown_after_lock),
+    Check("ubatch_arenas_disjoint", "micro-batch arenas never overlap and wrappers stay in their own",
+          PROFILING, lc.SERVING, (5,), check_ubatch_arenas_disjoint),
+    Check("no_synthetic_workspace_in_capture", "nothing allocates synthetic profiling workspace during graph "
+          "capture", PROFILING, lc.CAPTURE, (9,), check_no_synthetic_in_capture),
+    Check("no_post_kv_overrun", "peak usage after KV allocation stays within total x gmu", PROFILING,
+          lc.WARMUP_REPEAT, (1, 2, 3, 4, 7, 8, 10), check_no_post_kv_overrun),
+    Check("graph_pool_full_high_water", "the CUDA-graph pool is accounted at its full high-water mark",
+          PROFILING, lc.KV_SIZING, (10,), check_graph_pool_full_high_water),
+    Check("workspace_covers_planner", "the declared float/int workspace covers what FlashInfer's planner "
+          "carves for the worst batch, without wasting KV capacity", PROFILING, lc.SETUP, (11, 12),
+          check_workspace_covers_planner),
+)
+CHECKS_BY_NAME = {c.name: c for c in CHECKS}
+
+
+def checks_for(path: str) -> list[Check]:
+    return [c for c in CHECKS if c.applies(path)]
+
+
+def failing_checks(result: Any) -> dict[str, list[str]]:
+    """Run every applicable check; {check name: violations} for those that fail."""
+    out = {}
+    for check in checks_for(result.path):
+        try:
+            violations = check.run(result)
+        except CheckSkipped:
+            continue
+        if violations:
+            out[check.name] = violations
+    return out
+
+
+def count_violations(results: list[Any]) -> Counter:
+    counter: Counter = Counter()
+    for r in results:
+        counter.update(failing_checks(r).keys())
+    return counter

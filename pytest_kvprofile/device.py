@@ -1,0 +1,467 @@
+"""A simulated GPU whose memory figures follow PyTorch's caching allocator.
+
+The harness drives thousands of engine lifecycles (profile, lease, KV sizing, capture) on CPU, so
+the device must be pure Python and cheap, yet report ``mem_get_info``/``memory_reserved`` the way a
+real GPU under PyTorch would: KV sizing reads reserved bytes, not tensor bytes. Every allocation is
+a ledger entry with an owner, a tag and the phase it was made in, so a violation can be reported
+in bytes and traced to the allocation that caused it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Protocol, runtime_checkable
+
+from .allocator import CachingAllocator, GraphPool, MemPool, Segment, round_size, segment_size
+
+if TYPE_CHECKING:
+    from .topology import GpuSpec
+
+__all__ = [
+    "Allocation",
+    "Device",
+    "DeviceEvent",
+    "DeviceOutOfMemory",
+    "GraphPool",
+    "MemPool",
+    "SimDevice",
+    "format_size",
+]
+
+HOST_ADDRESS_BASE = 0x7E00_0000_0000
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def format_size(nbytes: int) -> str:
+    """Human size the way PyTorch's OOM message prints it (``format_size`` in the allocator)."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= 1048576:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes <= 1073741824:
+        return f"{nbytes / 1048576:.2f} MiB"
+    return f"{nbytes / 1073741824:.2f} GiB"
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """Raised like ``torch.cuda.OutOfMemoryError``, but naming the owner, tag and phase."""
+
+    def __init__(
+        self,
+        *,
+        requested: int,
+        segment: int,
+        free: int,
+        capacity: int,
+        allocated: int,
+        reserved: int,
+        nontorch: int,
+        owner: str,
+        tag: str,
+        phase: str,
+        device_name: str = "",
+        injected: bool = False,
+    ) -> None:
+        self.requested = requested
+        self.segment = segment
+        self.free = free
+        self.capacity = capacity
+        self.allocated = allocated
+        self.reserved = reserved
+        self.nontorch = nontorch
+        self.owner = owner
+        self.tag = tag
+        self.phase = phase
+        self.injected = injected
+        self.device_name = device_name
+        cause = " (injected by fail_after)" if injected else ""
+        super().__init__(
+            f"CUDA out of memory{cause}. Tried to allocate {format_size(segment)} "
+            f"(owner {owner!r}, tag {tag!r}, phase {phase!r}; {requested} bytes requested). "
+            f"GPU {device_name or 0} has a total capacity of {format_size(capacity)} of which "
+            f"{format_size(free)} is free. Non-PyTorch memory: {format_size(nontorch)}. "
+            f"Of the allocated memory {format_size(allocated)} is allocated by PyTorch, and "
+            f"{format_size(reserved - allocated)} is reserved by PyTorch but unallocated."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_oom, (self.__dict__.copy(), self.args))
+
+
+def _rebuild_oom(state: dict[str, Any], args: tuple[Any, ...]) -> DeviceOutOfMemory:
+    err = DeviceOutOfMemory.__new__(DeviceOutOfMemory)
+    RuntimeError.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
+
+@dataclass(eq=False)
+class Allocation:
+    """One ledger entry: who asked for how much, when, and what the allocator gave."""
+
+    id: int
+    ptr: int
+    nbytes: int
+    size: int
+    owner: str
+    tag: str
+    kind: str
+    pool: str
+    phase: str
+    stack: str | None = None
+    alive: bool = True
+    freed_phase: str | None = None
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the block: live allocations occupy ``[ptr, end)``."""
+        return self.ptr + self.size
+
+
+@dataclass(frozen=True)
+class DeviceEvent:
+    """A change to the device. ``allocated``/``reserved`` are device bytes after the event;
+    segment events carry the segment's bytes, pool and address in ``nbytes``/``pool``/``ptr``."""
+
+    seq: int
+    kind: str
+    phase: str
+    alloc: Allocation | None
+    allocated: int
+    reserved: int
+    nbytes: int = 0
+    pool: str = ""
+    ptr: int = 0
+
+
+@runtime_checkable
+class Device(Protocol):
+    """What the harness needs from a device: the simulated one, or a wrapper over ``torch.cuda``."""
+
+    name: str
+    total_memory: int
+    num_sm: int
+    phase: str
+
+    def allocate(self, nbytes: int, *, owner: str, tag: str = "", pinned_host: bool = False) -> Allocation: ...
+    def free(self, alloc: Allocation) -> None: ...
+    def mem_get_info(self) -> tuple[int, int]: ...
+    def memory_allocated(self) -> int: ...
+    def memory_reserved(self) -> int: ...
+    def max_memory_allocated(self) -> int: ...
+    def max_memory_reserved(self) -> int: ...
+    def reset_peak_memory_stats(self) -> None: ...
+    def empty_cache(self) -> None: ...
+    def memory_stats(self) -> dict[str, int]: ...
+
+
+def _caller_stack() -> str:
+    """``path:line in func`` of the first frame outside this package (the code that allocated)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    code = frame.f_code
+    return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+
+
+def _host_size(nbytes: int) -> int:
+    """Pinned host blocks are rounded up to a power of two (CachingHostAllocator)."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+class SimDevice:
+    """A simulated GPU: PyTorch caching-allocator figures, an allocation ledger, and events.
+
+    ``free = total - nontorch - reserved``, where ``nontorch_bytes`` stands for the CUDA context,
+    NCCL buffers and other memory PyTorch does not see.
+    """
+
+    GraphPool = GraphPool
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        total_memory: int,
+        num_sm: int = 0,
+        nontorch_bytes: int = 0,
+        record_stacks: bool = False,
+        compute_capability: tuple[int, int] = (0, 0),
+    ) -> None:
+        if total_memory <= 0:
+            raise ValueError(f"total_memory must be positive, got {total_memory}")
+        if not 0 <= nontorch_bytes <= total_memory:
+            raise ValueError(f"nontorch_bytes {nontorch_bytes} outside [0, total_memory={total_memory}]")
+        self.name = name
+        self.total_memory = total_memory
+        self.num_sm = num_sm
+        self.nontorch_bytes = nontorch_bytes
+        self.record_stacks = record_stacks
+        self.compute_capability = compute_capability
+        self.allocator = CachingAllocator(self._can_reserve, self._on_segment)
+        self._phase = "init"
+        self._seq = 0
+        self._next_id = 0
+        self._live: dict[int, Allocation] = {}
+        self._subscribers: list[Callable[[DeviceEvent], None]] = []
+        self._fail_countdown: int | None = None
+        self._graph_pool_counter = 0
+        self._host_next_ptr = HOST_ADDRESS_BASE
+        self.host_allocated = 0
+        self.max_host_allocated = 0
+
+    @classmethod
+    def from_gpu(cls, gpu: "GpuSpec", *, nontorch_bytes: int = 0, record_stacks: bool = False) -> "SimDevice":
+        """A device shaped like a catalog GPU (name, SM count, memory)."""
+        return cls(
+            name=gpu.name,
+            total_memory=gpu.memory_bytes,
+            num_sm=gpu.num_sm,
+            nontorch_bytes=nontorch_bytes,
+            record_stacks=record_stacks,
+            compute_capability=gpu.compute_capability,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"SimDevice(name={self.name!r}, total={format_size(self.total_memory)}, "
+            f"allocated={self.memory_allocated()}, reserved={self.memory_reserved()}, phase={self._phase!r})"
+        )
+
+    # -- phase and events ----------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self._emit("phase", None)
+
+    @property
+    def capturing(self) -> bool:
+        return self.allocator.capture_pool is not None
+
+    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` for every event from now on; the returned function unsubscribes."""
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _emit(self, kind: str, alloc: Allocation | None, nbytes: int = 0, pool: str = "", ptr: int = 0) -> None:
+        self._seq += 1
+        if not self._subscribers:
+            return
+        a = self.allocator
+        event = DeviceEvent(
+            self._seq,
+            kind,
+            self._phase,
+            alloc,
+            a.allocated_bytes[0].current,
+            a.reserved_bytes[0].current,
+            nbytes,
+            pool,
+            ptr,
+        )
+        for callback in tuple(self._subscribers):
+            callback(event)
+
+    def _on_segment(self, kind: str, segment: Segment) -> None:
+        self._emit(kind, None, segment.size, segment.pool.id, segment.ptr)
+
+    def _can_reserve(self, nbytes: int) -> bool:
+        return self.allocator.reserved_bytes[0].current + self.nontorch_bytes + nbytes <= self.total_memory
+
+    # -- allocate / free -----------------------------------------------------------------------------
+
+    def fail_after(self, n: int) -> None:
+        """Fault injection: the next ``n`` calls to ``allocate`` succeed, the one after raises
+        ``DeviceOutOfMemory`` (once). Counts device and pinned-host allocations alike."""
+        if n < 0:
+            raise ValueError(f"fail_after needs n >= 0, got {n}")
+        self._fail_countdown = n
+
+    def allocate(
+        self,
+        nbytes: int,
+        *,
+        owner: str,
+        tag: str = "",
+        pinned_host: bool = False,
+        stack: str | None = None,
+    ) -> Allocation:
+        """Allocate ``nbytes`` for ``owner``; raises ``DeviceOutOfMemory`` when the allocator cannot
+        reserve a segment even after releasing its cache. ``stack`` overrides the recorded frame."""
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes (owner {owner!r}, tag {tag!r})")
+        if self._fail_countdown is not None:
+            if self._fail_countdown == 0:
+                self._fail_countdown = None
+                self._raise_oom(nbytes, owner, tag, injected=True)
+            self._fail_countdown -= 1
+        if stack is None and self.record_stacks:
+            stack = _caller_stack()
+        self._next_id += 1
+        if pinned_host:
+            size = _host_size(nbytes)
+            ptr = self._host_next_ptr
+            self._host_next_ptr += max(size, 512)
+            self.host_allocated += size
+            if self.host_allocated > self.max_host_allocated:
+                self.max_host_allocated = self.host_allocated
+            alloc = Allocation(self._next_id, ptr, nbytes, size, owner, tag, "pinned_host", "default", self._phase, stack)
+        elif nbytes == 0:
+            # torch hands out a null pointer for empty tensors and reserves nothing.
+            alloc = Allocation(self._next_id, 0, 0, 0, owner, tag, "device", self._pool_id(), self._phase, stack)
+        else:
+            block = self.allocator.malloc(nbytes)
+            if block is None:
+                self._next_id -= 1
+                self._raise_oom(nbytes, owner, tag)
+            pool = block.segment.pool.id
+            alloc = Allocation(self._next_id, block.ptr, nbytes, block.size, owner, tag, "device", pool, self._phase, stack)
+            alloc._block = block  # not a field: asdict()/replace() must not walk the allocator's lists
+        self._live[alloc.id] = alloc
+        self._emit("alloc", alloc)
+        return alloc
+
+    def _pool_id(self) -> str:
+        pool = self.allocator.capture_pool
+        return "default" if pool is None else pool.id
+
+    def _raise_oom(self, nbytes: int, owner: str, tag: str, injected: bool = False) -> NoReturn:
+        a = self.allocator
+        if injected:
+            a.num_ooms += 1
+        err = DeviceOutOfMemory(
+            requested=nbytes,
+            segment=segment_size(round_size(nbytes)),
+            free=self.mem_get_info()[0],
+            capacity=self.total_memory,
+            allocated=a.allocated,
+            reserved=a.reserved,
+            nontorch=self.nontorch_bytes,
+            owner=owner,
+            tag=tag,
+            phase=self._phase,
+            device_name=self.name,
+            injected=injected,
+        )
+        self._emit("oom", None, nbytes)
+        raise err
+
+    def free(self, alloc: Allocation) -> None:
+        """Return an allocation to the allocator's cache (reserved bytes do not drop)."""
+        if not alloc.alive:
+            raise ValueError(
+                f"double free of allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}, "
+                f"allocated in phase {alloc.phase!r}, freed in phase {alloc.freed_phase!r})"
+            )
+        if self._live.pop(alloc.id, None) is not alloc:
+            raise ValueError(
+                f"allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}) does not belong to {self.name!r}"
+            )
+        alloc.alive = False
+        alloc.freed_phase = self._phase
+        if alloc.kind == "device":
+            block = alloc.__dict__.pop("_block", None)
+            if block is not None:
+                self.allocator.free(block)
+        else:
+            self.host_allocated -= alloc.size
+        self._emit("free", alloc)
+
+    def live_allocations(self) -> list[Allocation]:
+        """Live allocations (device and pinned host) in allocation order."""
+        return list(self._live.values())
+
+    # -- torch.cuda-shaped queries -------------------------------------------------------------------
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` as ``cudaMemGetInfo`` reports it."""
+        return (self.total_memory - self.nontorch_bytes - self.allocator.reserved_bytes[0].current, self.total_memory)
+
+    def memory_allocated(self) -> int:
+        return self.allocator.allocated_bytes[0].current
+
+    def memory_reserved(self) -> int:
+        return self.allocator.reserved_bytes[0].current
+
+    def max_memory_allocated(self) -> int:
+        return self.allocator.allocated_bytes[0].peak
+
+    def max_memory_reserved(self) -> int:
+        return self.allocator.reserved_bytes[0].peak
+
+    def reset_peak_memory_stats(self) -> None:
+        """Set every peak (device, graph pools, pinned host) to its current value."""
+        self.allocator.reset_peak()
+        self.max_host_allocated = self.host_allocated
+
+    def empty_cache(self) -> None:
+        """Release fully-free cached segments. Ignored during capture, where ``cudaFree`` is illegal
+        and torch's graph capture would fail."""
+        if self.capturing:
+            return
+        self.allocator.release_cached()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Torch's flat statistics dict (``allocated_bytes.all.current`` etc.)."""
+        return self.allocator.stats()
+
+    def segments(self) -> list[Segment]:
+        """Reserved segments in address order (for snapshots and fragmentation reports)."""
+        return self.allocator.segments()
+
+    # -- CUDA graphs ---------------------------------------------------------------------------------
+
+    def new_graph_pool(self) -> GraphPool:
+        """A fresh private pool (``torch.cuda.graph_pool_handle()``)."""
+        self._graph_pool_counter += 1
+        return self.allocator.new_graph_pool(f"graph_pool_{self._graph_pool_counter}")
+
+    @contextmanager
+    def graph_capture(self, pool: GraphPool | None = None) -> Iterator[GraphPool]:
+        """Capture one graph: allocations inside come from ``pool`` (a new one by default) and its
+        segments stay reserved after capture until ``release_graph_pool``. Each capture counts as
+        one graph using the pool."""
+        if self.capturing:
+            raise RuntimeError("graph_capture() is already active on this device; captures do not nest")
+        if pool is None:
+            pool = self.new_graph_pool()
+        elif pool.released or self.allocator.graph_pools.get(pool.id) is not pool:
+            raise ValueError(f"graph pool {pool.id!r} was released or belongs to another device")
+        pool.use_count += 1
+        self.allocator.capture_pool = pool
+        try:
+            yield pool
+        finally:
+            self.allocator.capture_pool = None
+
+    def release_graph_pool(self, pool: GraphPool, *, lazy: bool = False, graphs: int | None = None) -> None:
+        """The graphs captured into ``pool`` were deleted (``graphs``: only that many of them), so
+        its free segments return to the device and reserved drops; segments still holding live
+        tensors return when those are freed. ``lazy=True`` defers the return to the next
+        ``empty_cache``, as torch does. Releasing an already released pool is a no-op."""
+        if self.allocator.graph_pools.get(pool.id) is not pool:
+            if pool.released:
+                return
+            raise ValueError(f"graph pool {pool.id!r} belongs to another device")
+        if self.allocator.capture_pool is pool:
+            raise RuntimeError(f"cannot release graph pool {pool.id!r} while capturing into it")
+        self.allocator.release_graph_pool(pool, lazy=lazy, graphs=graphs)
+
+    def graph_pools(self) -> list[GraphPool]:
+        """Graph pools that still hold segments or are used by a graph."""
+        return [p for p in self.allocator.graph_pools.values() if p.segments or p.use_count > 0]

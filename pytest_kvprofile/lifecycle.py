@@ -1,0 +1,525 @@
+"""The reference lifecycle: the phases of DESIGN.md section 2 driven over a builder set, traced.
+
+One run takes a backend (builders + engine policy) and a case, drives the builders through
+profiling, KV sizing and serving on a device, and records what the checks need: every allocation
+with owner, phase and size, the arena at each phase boundary, leases, the budget, and any error
+with the builder and phase that raised it. Runs never raise for a builder's fault; the checks turn
+what was recorded into verdicts.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .budget import Budget, ProfileWindow, available_kv_bytes, tokens_for
+from .lease import Lease
+from .models import kv_bytes_per_token
+from .protocol import Batch, BuilderContext, call_optional
+from .support import DeclarationError, ProfilingSupport, SupportResolution, builder_name, declared_support, resolve_support
+from .workspace import WorkspaceLockedError, WorkspaceManager
+
+SETUP = "setup"
+BASELINE = "baseline"
+RESERVATION = "reservation"
+PROFILE_RUN = "profile_run"
+PROFILE_WARMUP = "profile_warmup"
+PROFILE_REPLAY = "profile_replay"
+CLOSING = "closing_measurement"
+LEASE_RELEASE = "lease_release"
+GRAPH_PROFILING = "graph_profiling"
+KV_SIZING = "kv_sizing"
+REBIND = "rebind"
+WARMUP = "warmup"
+CAPTURE = "capture"
+LOCK = "lock"
+SERVING = "serving"
+WARMUP_REPEAT = "warmup_repeat"
+TEARDOWN = "teardown"
+
+WINDOW_PHASES = (RESERVATION, PROFILE_RUN, PROFILE_WARMUP, PROFILE_REPLAY)
+POST_KV_PHASES = (KV_SIZING, REBIND, WARMUP, CAPTURE, LOCK, SERVING, WARMUP_REPEAT)
+PHASE_ORDER = (
+    SETUP, BASELINE, RESERVATION, PROFILE_RUN, PROFILE_WARMUP, PROFILE_REPLAY, CLOSING, LEASE_RELEASE,
+    GRAPH_PROFILING, KV_SIZING, REBIND, WARMUP, CAPTURE, LOCK, SERVING, WARMUP_REPEAT,
+)
+ENGINE_OWNERS = ("model", "kv-cache", "workspace-manager", "engine")
+
+
+@dataclass(frozen=True)
+class EnginePolicy:
+    """How the engine integrates the backend; the correct values are the defaults.
+
+    ``warmup_in_window``: None means "when any builder says its warmup materializes persistent
+    resources". ``graph_estimate``: "high_water" (the pool's full high-water mark) or
+    "gross_minus_retained" (the older accounting that omits live reserved pages).
+    """
+
+    warmup_in_window: bool | None = None
+    replay_after_warmup: bool = True
+    graph_estimate: str = "high_water"
+
+
+@dataclass
+class PhaseRecord:
+    name: str
+    allocated: int
+    reserved: int
+    arena: tuple
+    bound: tuple
+    locked: bool
+
+
+@dataclass
+class PhaseError:
+    phase: str
+    who: str
+    exc_type: str
+    message: str
+    traceback: str
+    injected: bool = False
+
+    def describe(self) -> str:
+        return f"{self.who} raised {self.exc_type} in phase {self.phase!r}: {self.message}"
+
+
+@dataclass
+class LeaseRecord:
+    owner: str
+    lease: Lease
+    allocation_ids: tuple[int, ...]
+
+
+@dataclass
+class LifecycleResult:
+    """Everything one run recorded; checks read it, nothing here is a verdict."""
+
+    backend: str
+    case: Any
+    builders: list[Any]
+    resolution: SupportResolution | None
+    declaration_error: str | None
+    path: str  # "profiling" or "legacy"
+    policy: EnginePolicy
+    allocations: list[Any] = field(default_factory=list)
+    phases: list[PhaseRecord] = field(default_factory=list)
+    errors: list[PhaseError] = field(default_factory=list)
+    leases: list[LeaseRecord] = field(default_factory=list)
+    calls: list[tuple[str, str, str]] = field(default_factory=list)  # (phase, builder, method)
+    window: ProfileWindow | None = None
+    budget: Budget | None = None
+    graph_pool_high_water: int = 0
+    graph_pool_retained: int = 0
+    post_kv_peak_used: int = 0
+    post_kv_peak_live: list[Any] = field(default_factory=list)
+    lock_probe_error: str | None = None
+    aborted_in: str | None = None
+    declared: dict[str, Any] = field(default_factory=dict)
+    kv_allocation: Any = None
+    alloc_origin: dict[int, str] = field(default_factory=dict)  # allocation id -> builder method
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def phase(self, name: str) -> PhaseRecord | None:
+        for rec in self.phases:
+            if rec.name == name:
+                return rec
+        return None
+
+    def allocs_in(self, *phases: str) -> list[Any]:
+        return [a for a in self.allocations if a.phase in phases]
+
+    def builder_names(self) -> list[str]:
+        return [builder_name(b) for b in self.builders]
+
+
+class _Abort(Exception):
+    """Stops a run after a builder's error has been recorded."""
+
+
+class LifecycleRun:
+    """Drives one backend over one case on one device. Use ``run_lifecycle``."""
+
+    def __init__(self, backend: Any, case: Any, device: Any, builders: list[Any]):
+        self.backend = backend
+        self.case = case
+        self.device = device
+        self.builders = builders
+        self.policy: EnginePolicy = getattr(backend, "policy", None) or EnginePolicy()
+        self.manager = WorkspaceManager(device, num_ubatches=case.envelope.num_ubatches)
+        self.in_window = False
+        self.in_dummy_forward = False
+        self._contexts = {builder_name(b): BuilderContext(self, builder_name(b)) for b in builders}
+        self._post_kv = False
+        self._peak_used = 0
+        self._current_call: str | None = None
+        self.result = LifecycleResult(
+            backend=getattr(backend, "name", str(backend)), case=case, builders=builders,
+            resolution=None, declaration_error=None, path="legacy", policy=self.policy,
+        )
+        self.result.extra["backend"] = backend
+        self._unsubscribe = device.subscribe(self._on_event)
+
+    # -- recording ---------------------------------------------------------------------------
+    def _on_event(self, event: Any) -> None:
+        if event.kind == "alloc" and event.alloc is not None:
+            self.result.allocations.append(event.alloc)
+            if self._current_call is not None:
+                self.result.alloc_origin[event.alloc.id] = self._current_call
+            if self._post_kv and event.alloc.kind == "device":
+                used = event.reserved + self.device.nontorch_bytes
+                if used > self._peak_used:
+                    self._peak_used = used
+                    self.result.post_kv_peak_live = [
+                        a for a in self.result.allocations if a.alive and a.kind == "device" and a.phase in POST_KV_PHASES
+                    ]
+
+    def _enter(self, phase: str) -> None:
+        self.device.phase = phase
+
+    def _record_phase(self, phase: str) -> None:
+        bound = []
+        for b in self.builders:
+            fn = getattr(b, "bound_workspaces", None)
+            if fn is not None:
+                try:
+                    bound.extend((builder_name(b), w.ubatch, w.role, w.ptr, w.nbytes) for w in fn())
+                except Exception:  # noqa: BLE001 - a broken introspection method is reported by the checks
+                    bound.append((builder_name(b), -1, "<bound_workspaces raised>", 0, 0))
+        self.result.phases.append(
+            PhaseRecord(
+                name=phase,
+                allocated=self.device.memory_allocated(),
+                reserved=self.device.memory_reserved(),
+                arena=self.manager.snapshot(),
+                bound=tuple(bound),
+                locked=self.manager.locked,
+            )
+        )
+
+    def _call(self, builder: Any, method: str, *args: Any) -> Any:
+        name = builder_name(builder)
+        self.result.calls.append((self.device.phase, name, method))
+        self._current_call = method
+        try:
+            return call_optional(builder, method, *args)
+        except Exception as exc:  # noqa: BLE001 - every builder failure becomes a recorded error
+            self._fail(name, exc)
+        finally:
+            self._current_call = None
+
+    def _fail(self, who: str, exc: BaseException) -> None:
+        self.result.errors.append(
+            PhaseError(
+                phase=self.device.phase, who=who, exc_type=type(exc).__name__, message=str(exc),
+                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            )
+        )
+        self.result.aborted_in = self.device.phase
+        raise _Abort from exc
+
+    def ctx(self, builder: Any) -> BuilderContext:
+        return self._contexts[builder_name(builder)]
+
+    # -- the model side of a forward pass ----------------------------------------------------
+    def _activation_bytes(self, num_tokens: int) -> int:
+        """A transformer layer's live activations for ``num_tokens`` on one rank (bf16).
+
+        Rounded to the allocator's 2 MiB large-block granularity so that the budget's allocated-byte
+        headroom and the post-KV reserved bytes agree for a correct backend.
+        """
+        model = self.case.model
+        raw = max(1 << 20, num_tokens * model.hidden * 2 * 12 // self.case.tp)
+        return -(-raw // (2 << 20)) * (2 << 20)
+
+    def _dummy_forward(self, num_tokens: int, batch: Batch | None) -> None:
+        """A dummy forward: activations, each builder's layer hooks and, with a batch, planning."""
+        self.in_dummy_forward = True
+        try:
+            act = self._alloc_engine(self._activation_bytes(num_tokens), "model", "activations")
+            for b in self.builders:
+                self._call(b, "dummy_run", self.ctx(b))
+                if batch is not None:
+                    self._call(b, "build", self.ctx(b), batch)
+            self.device.free(act)
+        finally:
+            self.in_dummy_forward = False
+
+    def _alloc_engine(self, nbytes: int, owner: str, tag: str) -> Any:
+        try:
+            return self.device.allocate(nbytes, owner=owner, tag=tag)
+        except Exception as exc:  # noqa: BLE001 - an engine-side OOM is a recorded outcome
+            self._fail(f"engine ({owner}: {tag})", exc)
+
+    def _serve_step(self, batch: Batch) -> None:
+        act = self._alloc_engine(self._activation_bytes(batch.num_tokens), "model", "activations")
+        for b in self.builders:
+            for ub in range(self.manager.num_ubatches):
+                self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
+        self.device.free(act)
+
+    # -- the phases --------------------------------------------------------------------------
+    def run(self) -> LifecycleResult:
+        try:
+            self._run()
+        except _Abort:
+            pass
+        finally:
+            self._teardown()
+        return self.result
+
+    def _resolve(self) -> None:
+        try:
+            self.result.resolution = resolve_support(self.builders)
+        except DeclarationError as exc:
+            self.result.declaration_error = str(exc)
+            self.result.resolution = None
+        for b in self.builders:
+            fn = getattr(b, "declared_workspace", None)
+            if fn is not None:
+                try:
+                    self.result.declared[builder_name(b)] = fn(self.case)
+                except Exception as exc:  # noqa: BLE001
+                    self._enter(SETUP)
+                    self._fail(builder_name(b), exc)
+        enabled = self.result.resolution is not None and self.result.resolution.enabled
+        self.result.path = "profiling" if enabled else "legacy"
+
+    def _warmup_in_window(self) -> bool:
+        if self.policy.warmup_in_window is not None:
+            return self.policy.warmup_in_window
+        return any(getattr(b, "warmup_materializes_persistent", False) for b in self.builders)
+
+    def _run(self) -> None:
+        case, dev = self.case, self.device
+        self._enter(SETUP)
+        self._resolve()
+        profiling = self.result.path == "profiling"
+        self._alloc_engine(case.weights_bytes, "model", "weights")
+        self._record_phase(SETUP)
+
+        self._enter(BASELINE)
+        dev.empty_cache()
+        dev.reset_peak_memory_stats()
+        baseline_reserved = dev.memory_reserved()
+        self._baseline_allocated = dev.memory_allocated()
+        self.in_window = True
+        self._record_phase(BASELINE)
+
+        if profiling:
+            self._enter(RESERVATION)
+            arena = max((d.float_bytes for d in self.result.declared.values()), default=0)
+            if arena:
+                try:
+                    self.manager.reserve("engine", arena)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail("engine (float arena reservation)", exc)
+            for b in self.builders:
+                if declared_support(b) is ProfilingSupport.REQUIRED:
+                    before = len(self.result.allocations)
+                    lease = self._call(b, "reserve_persistent_workspace", self.ctx(b))
+                    if not isinstance(lease, Lease):
+                        self._fail(
+                            builder_name(b),
+                            TypeError(f"reserve_persistent_workspace() returned {type(lease).__name__}, not a Lease"),
+                        )
+                    ids = tuple(
+                        a.id for a in self.result.allocations[before:] if a.owner == builder_name(b)
+                    )
+                    self.result.leases.append(LeaseRecord(builder_name(b), lease, ids))
+            self._record_phase(RESERVATION)
+
+        self._enter(PROFILE_RUN)
+        self._dummy_forward(case.envelope.max_num_batched_tokens, None)
+        self._record_phase(PROFILE_RUN)
+
+        if profiling and self._warmup_in_window():
+            self._enter(PROFILE_WARMUP)
+            for b in self.builders:
+                self._call(b, "warmup", self.ctx(b))
+            self._record_phase(PROFILE_WARMUP)
+            if self.policy.replay_after_warmup:
+                self._enter(PROFILE_REPLAY)
+                self._dummy_forward(case.envelope.max_num_batched_tokens, None)
+                self._record_phase(PROFILE_REPLAY)
+
+        self._enter(CLOSING)
+        peak_allocated = dev.max_memory_allocated()
+        dev.empty_cache()
+        self.result.window = ProfileWindow(
+            weights=case.weights_bytes,
+            nontorch=dev.nontorch_bytes,
+            baseline_reserved=baseline_reserved,
+            closing_reserved=dev.memory_reserved(),
+            closing_allocated=dev.memory_allocated(),
+            peak_allocated=peak_allocated,
+        )
+        self.in_window = False
+        self.result.extra["released_before_closing"] = tuple(r.owner for r in self.result.leases if r.lease.released)
+        self._record_phase(CLOSING)
+
+        if profiling:
+            self._enter(LEASE_RELEASE)
+            for rec in self.result.leases:
+                try:
+                    rec.lease.release()
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(rec.owner, exc)
+            self._record_phase(LEASE_RELEASE)
+
+        self._enter(GRAPH_PROFILING)
+        pool = self._graph_profile()
+        self._record_phase(GRAPH_PROFILING)
+
+        self._enter(KV_SIZING)
+        self._size_kv(pool)
+        self._record_phase(KV_SIZING)
+
+        self._enter(REBIND)
+        for b in self.builders:
+            self._call(b, "rebind", self.ctx(b))
+        self._record_phase(REBIND)
+
+        self._enter(WARMUP)
+        for b in self.builders:
+            self._call(b, "warmup", self.ctx(b))
+        self._record_phase(WARMUP)
+
+        self._enter(CAPTURE)
+        self._capture(pool)
+        self._record_phase(CAPTURE)
+
+        self._enter(LOCK)
+        self.manager.lock()
+        try:
+            self.manager.get_workspace("kvprofile-lock-probe", self.manager.size(0) + self.manager.alignment, 0)
+        except WorkspaceLockedError as exc:
+            self.result.lock_probe_error = str(exc)
+        self._record_phase(LOCK)
+
+        self._enter(SERVING)
+        for batch in self._serving_batches():
+            self._serve_step(batch)
+        self._record_phase(SERVING)
+
+        self._enter(WARMUP_REPEAT)
+        for b in self.builders:
+            self._call(b, "warmup", self.ctx(b))
+        self._record_phase(WARMUP_REPEAT)
+
+    def _graph_sizes(self) -> list[int]:
+        env = self.case.envelope
+        return [s for s in env.cuda_graph_sizes if s <= env.max_num_seqs]
+
+    def _graph_batch(self, size: int) -> Batch:
+        q = 1 + self.case.mtp
+        return Batch("decode", size, size * q, cuda_graph=True)
+
+    def _graph_profile(self) -> Any:
+        """Capture dummy graphs in a private pool and estimate the pool's footprint."""
+        pool = None
+        for size in sorted(self._graph_sizes(), reverse=True):
+            with self.device.graph_capture(pool) as pool:
+                self._graph_forward(size, plan=False)
+        if pool is not None:
+            self.result.graph_pool_high_water = pool.high_water_reserved
+            self.result.graph_pool_retained = pool.reserved
+        return pool
+
+    def _graph_forward(self, size: int, plan: bool) -> None:
+        """One captured decode step: the same allocations in graph profiling and in the real capture."""
+        batch = self._graph_batch(size)
+        self.in_dummy_forward = True
+        try:
+            act = self._alloc_engine(self._activation_bytes(batch.num_tokens), "model", "activations")
+            for b in self.builders:
+                self._call(b, "dummy_run", self.ctx(b))
+                if plan:
+                    for ub in range(self.manager.num_ubatches):
+                        self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
+            out = self._alloc_engine(batch.num_tokens * self.case.model.hidden * 2, "model", f"graph output bs={size}")
+            self.device.free(act)
+            self.device.free(out)
+        finally:
+            self.in_dummy_forward = False
+
+    def _size_kv(self, pool: Any) -> None:
+        case, dev, window = self.case, self.device, self.result.window
+        assert window is not None
+        if self.policy.graph_estimate == "gross_minus_retained":
+            estimate = self.result.graph_pool_high_water - self.result.graph_pool_retained
+        else:
+            estimate = self.result.graph_pool_high_water
+        per_token = kv_bytes_per_token(case.model, case.tp, case.dcp)
+        available = available_kv_bytes(dev.total_memory, case.gmu, window.non_kv, estimate)
+        persistent = window.consumed
+        self.result.budget = Budget(
+            total=dev.total_memory, gmu=case.gmu, weights=window.weights, nontorch=window.nontorch,
+            persistent_workspace=window.persistent_allocated(self._baseline_allocated),
+            persistent_reserved=persistent, peak_activation=window.transient_headroom, non_kv=window.non_kv,
+            graph_pool_estimate=estimate, graph_pool_high_water=self.result.graph_pool_high_water,
+            available_kv=available, kv_bytes_per_token=per_token, kv_tokens=available // per_token,
+            reservation_kv_tokens=tokens_for(persistent, per_token),
+        )
+        dev.empty_cache()
+        dev.reset_peak_memory_stats()
+        self._post_kv = True
+        self._peak_used = dev.memory_reserved() + dev.nontorch_bytes
+        if available > 0:
+            self.result.kv_allocation = self._alloc_engine(available, "kv-cache", "kv cache")
+
+    def _capture(self, pool: Any) -> None:
+        for size in sorted(self._graph_sizes(), reverse=True):
+            with self.device.graph_capture(pool) as pool:
+                self._graph_forward(size, plan=True)
+
+    def _serving_batches(self) -> list[Batch]:
+        env = self.case.envelope
+        q = 1 + self.case.mtp
+        decode_reqs = max(1, min(env.max_num_seqs, env.max_num_batched_tokens // q))
+        graph_max = max(self._graph_sizes(), default=0)
+        batches = [
+            Batch("prefill", 1, env.max_num_batched_tokens),
+            Batch("mixed", min(env.max_num_seqs, 8), env.max_num_batched_tokens),
+            Batch("decode", decode_reqs, decode_reqs * q),
+        ]
+        if graph_max:
+            batches.append(self._graph_batch(graph_max))
+        return batches
+
+    def _teardown(self) -> None:
+        self._post_kv = False
+        self.result.post_kv_peak_used = self._peak_used
+        self._unsubscribe()
+
+
+def _with_ubatch(batch: Batch, ubatch: int) -> Batch:
+    return Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, ubatch)
+
+
+def make_device(case: Any) -> Any:
+    from .device import SimDevice
+
+    return SimDevice(
+        name=case.gpu.name, total_memory=case.gpu.memory_bytes, num_sm=case.gpu.num_sm,
+        nontorch_bytes=case.nontorch_bytes,
+    )
+
+
+def run_lifecycle(backend: Any, case: Any, device_factory: Callable[[Any], Any] = make_device) -> LifecycleResult:
+    """Build the backend's builders for ``case`` and drive them through every phase."""
+    device = device_factory(case)
+    run_error: PhaseError | None = None
+    try:
+        builders = list(backend.make_builders(case))
+    except Exception as exc:  # noqa: BLE001
+        run_error = PhaseError(SETUP, f"backend {getattr(backend, 'name', backend)!r} factory", type(exc).__name__,
+                               str(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        builders = []
+    run = LifecycleRun(backend, case, device, builders)
+    if run_error is not None:
+        run.result.errors.append(run_error)
+        run.result.aborted_in = SETUP
+        run._teardown()
+        return run.result
+    return run.run()

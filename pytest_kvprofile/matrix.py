@@ -1,0 +1,463 @@
+"""Matrix files: YAML that names models, GPUs and parallel layouts, expanded into cases.
+
+Expansion is deterministic (file order, then models x gpus x tp x dcp x mtp x gmu), derives the
+per-rank heads as DESIGN.md section 5 says, and keeps impossible combinations as cases that carry
+a skip reason, so they show up in the id list instead of vanishing. Validation happens once, at
+load; a bad file raises MatrixError naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from .models import KV_DTYPE_BYTES, ModelSpec, RankHeads, impossible_layout, rank_heads
+from .topology import GIB, GpuSpec, lookup_gpu, slugify
+
+GB = 10**9
+
+
+class MatrixError(ValueError):
+    """A matrix file is malformed; the message names the file and the key."""
+
+    def __init__(self, path: str, key: str, message: str):
+        self.path, self.key = path, key
+        super().__init__(f"{path}: {key}: {message}")
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The engine limits a case is profiled and sized for."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 32768
+    page_size: int = 16
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    num_ubatches: int = 1
+    nontorch_mib: int = 512
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A non-builder owner of persistent device memory that a case carries (e.g. a DMA workspace)."""
+
+    kind: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One (model, GPU, TP, DCP, MTP, gmu) point of a matrix."""
+
+    id: str
+    matrix: str
+    model: ModelSpec
+    gpu: GpuSpec
+    tp: int
+    dcp: int
+    mtp: int
+    gmu: float
+    envelope: Envelope
+    skip_reason: str | None = None
+    resources: tuple[Resource, ...] = ()
+
+    @property
+    def heads(self) -> RankHeads:
+        return rank_heads(self.model, self.tp, self.dcp)
+
+    @property
+    def weights_bytes(self) -> int:
+        return int(self.model.weights_gib * GIB) // self.tp
+
+    @property
+    def nontorch_bytes(self) -> int:
+        """CUDA context and library handles; TP adds NCCL's buffers."""
+        return (self.envelope.nontorch_mib + (256 if self.tp > 1 else 0)) << 20
+
+    @property
+    def layout_key(self) -> tuple:
+        """Everything but gmu: cases equal under this key run identical pre-KV phases."""
+        return (self.matrix, self.model.name, self.gpu.name, self.tp, self.dcp, self.mtp, self.envelope)
+
+
+@dataclass
+class Matrix:
+    path: str
+    name: str
+    models: dict[str, ModelSpec]
+    cases: list[Case] = field(default_factory=list)
+
+
+_TOP_KEYS = {"name", "description", "envelope", "models", "gpus", "tp", "dcp", "mtp", "gmu", "exclude", "resources"}
+_MODEL_KEYS = {
+    "heads_q": int,
+    "heads_kv": int,
+    "head_dim": int,
+    "head_dim_vo": int,
+    "num_layers": int,
+    "kv_dtype": str,
+    "attention": str,
+    "kv_cache_heads": int,
+    "kv_cache_head_dim": int,
+    "weights_gib": (int, float),
+    "hidden_size": int,
+}
+_MODEL_REQUIRED = ("heads_q", "heads_kv", "head_dim", "num_layers")
+_GPU_KEYS = {"name": str, "num_sm": int, "memory_gib": (int, float), "memory_gb": (int, float), "interconnect": str}
+_ENVELOPE_KEYS = {
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_model_len": int,
+    "page_size": int,
+    "cuda_graph_sizes": list,
+    "num_ubatches": int,
+    "nontorch_mib": int,
+}
+_EXCLUDE_KEYS = {"model", "gpu", "tp", "dcp", "mtp", "gmu"}
+_RESOURCE_KEYS = {"kind", "when", "params"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_type(path: str, key: str, value: Any, expected: Any) -> None:
+    types = expected if isinstance(expected, tuple) else (expected,)
+    ok = any((_is_int(value) if t is int else isinstance(value, t) and not isinstance(value, bool)) for t in types)
+    if not ok:
+        names = " or ".join("integer" if t is int else t.__name__ for t in types)
+        raise MatrixError(path, key, f"expected {names}, got {value!r}")
+
+
+def _mapping(path: str, key: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise MatrixError(path, key, f"expected a mapping, got {type(value).__name__}")
+    for k in value:
+        if not isinstance(k, str):
+            raise MatrixError(path, f"{key}.{k!r}", "keys must be strings")
+    return value
+
+
+def _unknown(path: str, where: str, keys: Iterable[str], allowed: Iterable[str]) -> None:
+    for k in keys:
+        if k not in allowed:
+            choices = ", ".join(sorted(allowed))
+            raise MatrixError(path, f"{where}{k}", f"unknown key (allowed: {choices})")
+
+
+def _int_list(path: str, key: str, value: Any, minimum: int) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise MatrixError(path, key, f"expected a non-empty list of integers, got {value!r}")
+    for i, item in enumerate(value):
+        if not _is_int(item) or item < minimum:
+            raise MatrixError(path, f"{key}[{i}]", f"expected an integer >= {minimum}, got {item!r}")
+    if len(set(value)) != len(value):
+        raise MatrixError(path, key, f"duplicate values in {value!r}")
+    return list(value)
+
+
+def _positive(path: str, key: str, value: Any) -> None:
+    if value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
+        raise MatrixError(path, key, f"must be positive, got {value!r}")
+
+
+def _parse_model(path: str, name: str, raw: Any) -> ModelSpec:
+    where = f"models.{name}"
+    raw = _mapping(path, where, raw)
+    _unknown(path, f"{where}.", raw, _MODEL_KEYS)
+    for key in _MODEL_REQUIRED:
+        if key not in raw:
+            raise MatrixError(path, f"{where}.{key}", "missing required key")
+    for key, value in raw.items():
+        _check_type(path, f"{where}.{key}", value, _MODEL_KEYS[key])
+        if key not in ("kv_dtype", "attention", "weights_gib"):
+            _positive(path, f"{where}.{key}", value)
+    if raw.get("weights_gib", 0) < 0 or not math.isfinite(raw.get("weights_gib", 0)):
+        raise MatrixError(path, f"{where}.weights_gib", f"must be a finite number >= 0, got {raw['weights_gib']!r}")
+    if raw.get("kv_dtype", "bf16") not in KV_DTYPE_BYTES:
+        raise MatrixError(path, f"{where}.kv_dtype", f"unknown KV dtype {raw['kv_dtype']!r} (known: {', '.join(KV_DTYPE_BYTES)})")
+    if raw.get("attention", "mha") not in ("mha", "mla"):
+        raise MatrixError(path, f"{where}.attention", f"expected 'mha' or 'mla', got {raw['attention']!r}")
+    if raw["heads_q"] % raw["heads_kv"]:
+        raise MatrixError(
+            path, f"{where}.heads_kv", f"{raw['heads_q']} query heads are not a multiple of {raw['heads_kv']} KV heads"
+        )
+    return ModelSpec(name=name, **raw)
+
+
+def _parse_gpu(path: str, index: int, raw: Any) -> GpuSpec:
+    where = f"gpus[{index}]"
+    if isinstance(raw, str):
+        try:
+            return lookup_gpu(raw)
+        except KeyError as exc:
+            raise MatrixError(path, where, str(exc.args[0])) from None
+    raw = _mapping(path, where, raw)
+    _unknown(path, f"{where}.", raw, _GPU_KEYS)
+    for key, value in raw.items():
+        _check_type(path, f"{where}.{key}", value, _GPU_KEYS[key])
+    if "name" not in raw:
+        raise MatrixError(path, f"{where}.name", "missing required key")
+    if "num_sm" not in raw and "memory_gib" not in raw and "memory_gb" not in raw:
+        try:
+            return lookup_gpu(raw["name"])
+        except KeyError as exc:
+            raise MatrixError(path, f"{where}.name", str(exc.args[0])) from None
+    for key in ("num_sm",):
+        if key not in raw:
+            raise MatrixError(path, f"{where}.{key}", "missing required key for an inline GPU")
+    _positive(path, f"{where}.num_sm", raw["num_sm"])
+    if "memory_gib" in raw:
+        _positive(path, f"{where}.memory_gib", raw["memory_gib"])
+        memory = int(raw["memory_gib"] * GIB)
+    elif "memory_gb" in raw:
+        _positive(path, f"{where}.memory_gb", raw["memory_gb"])
+        memory = int(raw["memory_gb"] * GB)
+    else:
+        raise MatrixError(path, f"{where}.memory_gib", "missing required key for an inline GPU")
+    interconnect = raw.get("interconnect", "pcie")
+    if interconnect not in ("pcie", "nvlink"):
+        raise MatrixError(path, f"{where}.interconnect", f"expected 'pcie' or 'nvlink', got {interconnect!r}")
+    return GpuSpec(raw["name"], raw["num_sm"], memory, interconnect)
+
+
+def _parse_envelope(path: str, raw: Any) -> Envelope:
+    raw = _mapping(path, "envelope", raw)
+    _unknown(path, "envelope.", raw, _ENVELOPE_KEYS)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        _check_type(path, f"envelope.{key}", value, _ENVELOPE_KEYS[key])
+        if key == "cuda_graph_sizes":
+            values[key] = tuple(sorted(_int_list(path, "envelope.cuda_graph_sizes", value, 1)))
+        else:
+            _positive(path, f"envelope.{key}", value)
+            values[key] = value
+    env = Envelope(**values)
+    if env.max_num_seqs > env.max_num_batched_tokens:
+        raise MatrixError(path, "envelope.max_num_seqs", "exceeds max_num_batched_tokens")
+    return env
+
+
+def _parse_gmu(path: str, value: Any) -> list[float]:
+    if not isinstance(value, list) or not value:
+        raise MatrixError(path, "gmu", f"expected a non-empty list of numbers in (0, 1], got {value!r}")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or not 0 < item <= 1:
+            raise MatrixError(path, f"gmu[{i}]", f"expected a number in (0, 1], got {item!r}")
+        out.append(float(item))
+    if len(set(out)) != len(out):
+        raise MatrixError(path, "gmu", f"duplicate values in {value!r}")
+    return out
+
+
+def _parse_excludes(path: str, raw: Any) -> list[dict]:
+    if not isinstance(raw, list):
+        raise MatrixError(path, "exclude", f"expected a list of mappings, got {type(raw).__name__}")
+    out = []
+    for i, item in enumerate(raw):
+        item = _mapping(path, f"exclude[{i}]", item)
+        _unknown(path, f"exclude[{i}].", item, _EXCLUDE_KEYS)
+        if not item:
+            raise MatrixError(path, f"exclude[{i}]", "an empty exclusion would remove every case")
+        out.append(item)
+    return out
+
+
+def _parse_resources(path: str, raw: Any) -> list[tuple[dict, Resource]]:
+    if not isinstance(raw, list):
+        raise MatrixError(path, "resources", f"expected a list of mappings, got {type(raw).__name__}")
+    out = []
+    for i, item in enumerate(raw):
+        where = f"resources[{i}]"
+        item = _mapping(path, where, item)
+        _unknown(path, f"{where}.", item, _RESOURCE_KEYS)
+        if not isinstance(item.get("kind"), str) or not item["kind"]:
+            raise MatrixError(path, f"{where}.kind", "missing or empty resource kind")
+        when = _mapping(path, f"{where}.when", item.get("when", {}))
+        _unknown(path, f"{where}.when.", when, _EXCLUDE_KEYS | {"interconnect", "min_tp"})
+        params = _mapping(path, f"{where}.params", item.get("params", {}))
+        out.append((when, Resource(item["kind"], tuple(sorted(params.items())))))
+    return out
+
+
+def _matches(rule: dict, model: str, gpu: GpuSpec, tp: int, dcp: int, mtp: int, gmu: float) -> bool:
+    for key, want in rule.items():
+        wants = want if isinstance(want, list) else [want]
+        if key == "model" and model not in wants:
+            return False
+        if key == "gpu" and gpu.slug not in [slugify(str(w)) for w in wants]:
+            return False
+        if key == "tp" and tp not in wants:
+            return False
+        if key == "dcp" and dcp not in wants:
+            return False
+        if key == "mtp" and mtp not in wants:
+            return False
+        if key == "gmu" and not any(abs(gmu - float(w)) < 1e-9 for w in wants):
+            return False
+        if key == "interconnect" and gpu.interconnect not in wants:
+            return False
+        if key == "min_tp" and tp < int(want):
+            return False
+    return True
+
+
+FIT_MARGIN_GIB = 2
+
+
+def _weights_do_not_fit(model: ModelSpec, gpu: GpuSpec, tp: int, gmu: float, envelope: Envelope) -> bool:
+    """A layout whose weights leave no room for activations and KV cannot be served at all."""
+    need = model.weights_gib * GIB / tp + (envelope.nontorch_mib << 20) + FIT_MARGIN_GIB * GIB
+    return need >= gpu.memory_bytes * gmu
+
+
+def case_id(model: str, tp: int, dcp: int, mtp: int, gpu: GpuSpec, gmu: float) -> str:
+    return f"{model}-tp{tp}-dcp{dcp}-mtp{mtp}-{gpu.slug}-gmu{gmu:.2f}"
+
+
+def parse_matrix(data: Any, path: str) -> Matrix:
+    """Validate and expand an already-parsed YAML document."""
+    data = _mapping(path, "<document>", data)
+    _unknown(path, "", data, _TOP_KEYS)
+    for key in ("models", "gpus", "tp"):
+        if key not in data:
+            raise MatrixError(path, key, "missing required key")
+    name = data.get("name", Path(path).stem)
+    if not isinstance(name, str) or not name:
+        raise MatrixError(path, "name", f"expected a non-empty string, got {name!r}")
+    envelope = _parse_envelope(path, data.get("envelope", {}))
+    models_raw = _mapping(path, "models", data["models"])
+    if not models_raw:
+        raise MatrixError(path, "models", "no models")
+    models = {mname: _parse_model(path, mname, mraw) for mname, mraw in models_raw.items()}
+    if not isinstance(data["gpus"], list) or not data["gpus"]:
+        raise MatrixError(path, "gpus", f"expected a non-empty list, got {data['gpus']!r}")
+    gpus = [_parse_gpu(path, i, g) for i, g in enumerate(data["gpus"])]
+    slugs = [g.slug for g in gpus]
+    if len(set(slugs)) != len(slugs):
+        raise MatrixError(path, "gpus", f"duplicate GPUs in {slugs}")
+    tps = _int_list(path, "tp", data["tp"], 1)
+    dcps = _int_list(path, "dcp", data.get("dcp", [1]), 1)
+    mtps = _int_list(path, "mtp", data.get("mtp", [0]), 0)
+    gmus = _parse_gmu(path, data.get("gmu", [0.9]))
+    excludes = _parse_excludes(path, data.get("exclude", []))
+    resources = _parse_resources(path, data.get("resources", []))
+    for i, rule in enumerate(excludes):
+        if "model" in rule:
+            for m in rule["model"] if isinstance(rule["model"], list) else [rule["model"]]:
+                if m not in models:
+                    raise MatrixError(path, f"exclude[{i}].model", f"unknown model {m!r}")
+
+    matrix = Matrix(path=path, name=name, models=models)
+    seen: set[str] = set()
+    for mname, model in models.items():
+        for gpu in gpus:
+            for tp in tps:
+                for dcp in dcps:
+                    for mtp in mtps:
+                        for gmu in gmus:
+                            if any(_matches(rule, mname, gpu, tp, dcp, mtp, gmu) for rule in excludes):
+                                continue
+                            cid = case_id(mname, tp, dcp, mtp, gpu, gmu)
+                            if cid in seen:
+                                raise MatrixError(path, f"models.{mname}", f"case id {cid!r} is generated twice")
+                            seen.add(cid)
+                            reason = impossible_layout(model, tp, dcp, mtp)
+                            if reason is None and _weights_do_not_fit(model, gpu, tp, gmu, envelope):
+                                reason = (
+                                    f"{model.name} weights ({model.weights_gib:g} GiB / tp={tp}) plus "
+                                    f"{FIT_MARGIN_GIB} GiB of runtime headroom do not fit in "
+                                    f"{gpu.name} memory at gmu {gmu:.2f}"
+                                )
+                            carried = tuple(
+                                res for when, res in resources if _matches(when, mname, gpu, tp, dcp, mtp, gmu)
+                            )
+                            matrix.cases.append(
+                                Case(
+                                    id=cid, matrix=name, model=model, gpu=gpu, tp=tp, dcp=dcp, mtp=mtp, gmu=gmu,
+                                    envelope=envelope, skip_reason=reason, resources=carried,
+                                )
+                            )
+    return matrix
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader (no Python object tags) that also rejects duplicate keys."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(None, None, f"unhashable key {key!r}", key_node.start_mark) from None
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_matrix_text(text: str, path: str) -> Matrix:
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "<document>"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise MatrixError(path, where, f"invalid YAML: {problem}") from None
+    except (RecursionError, ValueError, TypeError, OverflowError) as exc:
+        raise MatrixError(path, "<document>", f"invalid YAML: {exc}") from None
+    return parse_matrix(data, path)
+
+
+def load_matrix(path: str | Path) -> Matrix:
+    """Read, validate and expand one matrix file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise MatrixError(str(path), "<file>", f"cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise MatrixError(str(path), "<file>", f"not UTF-8 text: {exc.reason}") from None
+    return load_matrix_text(text, str(path))
+
+
+def packaged_matrix(name: str) -> Path:
+    """Path of a matrix shipped with the package (``ci``, ``default``, ``blackwell``, ``l40s``)."""
+    return Path(__file__).parent / "matrices" / f"{name}.yaml"
+
+
+def load_matrices(paths: Iterable[str | Path]) -> list[Matrix]:
+    """Load several matrices; case ids must stay unique across them."""
+    out: list[Matrix] = []
+    seen: dict[str, tuple[str, Case]] = {}
+    for path in paths:
+        matrix = load_matrix(path)
+        kept = []
+        for case in matrix.cases:
+            if case.id in seen:
+                first_path, first = seen[case.id]
+                if first.layout_key[1:] != case.layout_key[1:] or first.gmu != case.gmu:
+                    raise MatrixError(
+                        str(path), "<cases>", f"case id {case.id!r} is also generated, differently, by {first_path}"
+                    )
+                continue
+            seen[case.id] = (str(path), case)
+            kept.append(case)
+        matrix.cases = kept
+        out.append(matrix)
+    return out

@@ -1,0 +1,185 @@
+"""The mutant catalog: each builder differs from a correct stub by exactly one bug of DESIGN.md section 3.
+
+Every check the suite ships must be shown to fail on the mutant that carries the bug it targets;
+``tests/test_mutants.py`` runs the suite over this catalog and prints the catch table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends import Backend
+from .lifecycle import EnginePolicy
+from .protocol import BuilderContext, WorkspaceDeclaration
+from .stubs import MODULE_GLOBAL_BYTES, FlashInferCore, FlashInferLikeBuilder, MMPrefixLikeBuilder
+from .support import ProfilingSupport
+
+MiB = 1 << 20
+
+
+class LazyWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 1: declares REQUIRED but leaves its wrappers (and int workspaces) to the first plan()."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        return ctx.lease([])
+
+
+class EarlyReleaseBuilder(FlashInferLikeBuilder):
+    """Bug 2: releases its lease inside the profiling block, before the closing measurement."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        lease = super().reserve_persistent_workspace(ctx)
+        lease.release()
+        return lease
+
+
+class NeverReleasedBuilder(FlashInferLikeBuilder):
+    """Bug 3: its lease keeps the profiling wrappers alive forever (they leak into graph profiling)."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        wrappers = self._materialize(ctx)
+        self.leaked = wrappers
+        for key in [k for k, v in self.wrappers.items() if v in wrappers]:
+            del self.wrappers[key]
+        return ctx.lease(wrappers)
+
+
+class GrowAfterLockBuilder(FlashInferLikeBuilder):
+    """Bug 4a: sizes its float request from the live batch, so serving asks the locked arena to grow."""
+
+    def build(self, ctx: BuilderContext, batch: Any) -> None:
+        super().build(ctx, batch)
+        if not ctx.dummy and batch.kind == "prefill":
+            ctx.get_workspace(self.float_bytes() + 2 * MiB, batch.ubatch)
+
+
+class ReallocOnRebindBuilder(FlashInferLikeBuilder):
+    """Bug 4b: rebind asks for a slightly larger arena, which reallocates (moves) it after KV sizing."""
+
+    def rebind(self, ctx: BuilderContext) -> None:
+        for ub in range(ctx.num_ubatches):
+            ctx.get_workspace(ctx.workspace.size(ub) + 4096, ub)
+        super().rebind(ctx)
+
+
+class UbatchAliasBuilder(FlashInferLikeBuilder):
+    """Bug 5: every micro-batch's wrapper is bound to micro-batch 0's arena."""
+
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+        return ctx.get_workspace(self.float_bytes(), 0)
+
+
+class TruthyDeclarationBuilder(FlashInferLikeBuilder):
+    """Bug 6a: answers ``True`` instead of a ProfilingSupport member (fail-open under a truthiness test)."""
+
+    def get_persistent_workspace_memory_profiling_support(self) -> Any:  # type: ignore[override]
+        return True
+
+
+class SelfReservingUnsupportedBuilder(MMPrefixLikeBuilder):
+    """Bug 6b: declares UNSUPPORTED yet reserves persistent memory in the profile run as if opted in."""
+
+    def dummy_run(self, ctx: BuilderContext) -> None:
+        super().dummy_run(ctx)
+        if ctx.profiling and not self.wrappers:
+            self._materialize(ctx)
+
+
+class NonIdempotentWarmupBuilder(FlashInferLikeBuilder):
+    """Bug 7a: every warmup call adds another module-global buffer (an autotune cache that never hits)."""
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self.caches: list[Any] = []
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        scratch = ctx.allocate(64 * MiB, "autotune scratch")
+        try:
+            self.caches.append(ctx.allocate(MODULE_GLOBAL_BYTES, "module-global workspace"))
+        finally:
+            ctx.free(scratch)
+        self.warmed = True
+
+
+class NonRetryableWarmupBuilder(FlashInferLikeBuilder):
+    """Bug 7b: marks itself warmed before it has finished, so a failed warmup is never completed."""
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if self.warmed:
+            return
+        self.warmed = True
+        scratch = ctx.allocate(64 * MiB, "autotune scratch")
+        try:
+            if self.module_global is None:
+                self.module_global = ctx.allocate(MODULE_GLOBAL_BYTES, "module-global workspace")
+        finally:
+            ctx.free(scratch)
+
+
+class SyntheticInCaptureBuilder(FlashInferLikeBuilder):
+    """Bug 9: builds the synthetic profile workspace in every dummy run, graph capture included."""
+
+    def dummy_run(self, ctx: BuilderContext) -> None:
+        if ctx.dummy:
+            synthetic = ctx.allocate(self._synthetic_bytes(), "synthetic profile workspace")
+            ctx.free(synthetic)
+
+
+class DecodeHeuristicSizingBuilder(FlashInferLikeBuilder):
+    """Bug 11: float workspace from a decode-shaped heuristic (16-row tiles keyed on max requests)."""
+
+    def float_bytes(self) -> int:
+        from .sizing.rules import decode_shaped_heuristic
+
+        h, env = self.case.heads, self.case.envelope
+        return decode_shaped_heuristic(
+            h.heads_q, h.heads_kv, self.case.model.head_dim, self.case.gpu.num_sm, env.max_num_seqs,
+            tp=self.case.tp, head_dim_vo=self.case.model.dim_vo,
+        )
+
+
+class WrongVersionFormulaBuilder(FlashInferLikeBuilder):
+    """Bug 12: float workspace from the FlashInfer 0.6.x formula, which ignores CUDA-graph padding on 0.7.x."""
+
+    def float_bytes(self) -> int:
+        from .sizing.rules import formula_06x
+
+        h = self.case.heads
+        return formula_06x(h.heads_q, h.heads_kv, self.case.model.head_dim, self.case.gpu.num_sm,
+                           head_dim_vo=self.case.model.dim_vo)
+
+
+def _mutant(name: str, bug: int, cls: type, policy: EnginePolicy | None = None, extra: tuple = ()) -> Backend:
+    def make(case: Any) -> list[Any]:
+        return [cls(case), *(e(case) for e in extra)]
+
+    return Backend(
+        name=name, make_builders=make, policy=policy or EnginePolicy(), description=(cls.__doc__ or "").strip(),
+        origin="mutant", bug_class=bug,
+    )
+
+
+class _PlainFlashInfer(FlashInferLikeBuilder):
+    """The correct stub, used where the bug lives in the engine integration rather than the builder."""
+
+
+MUTANT_BACKENDS: tuple[Backend, ...] = (
+    _mutant("mutant-01-lazy-workspace", 1, LazyWorkspaceBuilder),
+    _mutant("mutant-02-early-release", 2, EarlyReleaseBuilder),
+    _mutant("mutant-03-never-released", 3, NeverReleasedBuilder),
+    _mutant("mutant-04a-grow-after-lock", 4, GrowAfterLockBuilder),
+    _mutant("mutant-04b-realloc-on-rebind", 4, ReallocOnRebindBuilder),
+    _mutant("mutant-05-ubatch-alias", 5, UbatchAliasBuilder),
+    _mutant("mutant-06a-truthy-declaration", 6, TruthyDeclarationBuilder),
+    _mutant("mutant-06b-unsupported-reserves", 6, FlashInferLikeBuilder, extra=(SelfReservingUnsupportedBuilder,)),
+    _mutant("mutant-07a-warmup-not-idempotent", 7, NonIdempotentWarmupBuilder),
+    _mutant("mutant-07b-warmup-not-retryable", 7, NonRetryableWarmupBuilder),
+    _mutant("mutant-08-profile-once", 8, _PlainFlashInfer, EnginePolicy(replay_after_warmup=False)),
+    _mutant("mutant-09-synthetic-in-capture", 9, SyntheticInCaptureBuilder),
+    _mutant("mutant-10-graph-gross-minus-retained", 10, _PlainFlashInfer,
+            EnginePolicy(graph_estimate="gross_minus_retained")),
+    _mutant("mutant-11-decode-heuristic-sizing", 11, DecodeHeuristicSizingBuilder),
+    _mutant("mutant-12-wrong-version-formula", 12, WrongVersionFormulaBuilder),
+)
+
+__all__ = ["MUTANT_BACKENDS", "WorkspaceDeclaration", "ProfilingSupport", "FlashInferCore"]

@@ -1,0 +1,269 @@
+"""pytest hook implementations for pytest-kvprofile; the logic lives in plain modules beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .backends import BackendError
+from .matrix import MatrixError
+from .session import KvprofileSession, Settings, build_session
+
+SESSION_KEY = pytest.StashKey[KvprofileSession]()
+SUITE_DIR = Path(__file__).parent / "suite"
+RECORD_KEY = "kvprofile"
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvprofile", "KV-cache profiling conformance (pytest-kvprofile)")
+    group.addoption("--kvprofile-gpu", action="store_true", default=None,
+                    help="run the GPU tier on real CUDA devices (a usage error without one)")
+    group.addoption("--kvprofile-matrix", action="append", default=None, metavar="PATH",
+                    help="matrix YAML to expand into cases (repeatable; default: the packaged default.yaml)")
+    group.addoption("--kvprofile-json", default=None, metavar="PATH", help="write the JSON report here")
+    group.addoption("--kvprofile-backend", action="append", default=None, metavar="SPEC",
+                    help="backend to check: 'package.module:factory', 'stubs', 'mutants' or a built-in name "
+                         "(repeatable; default: the correct stubs unless entry points or the hook provide some)")
+    group.addoption("--kvprofile-verdict", default=None, metavar="PATH",
+                    help="write the opt-in verdict document here")
+    group.addoption("--kvprofile-timeout", default=None, type=float, metavar="SECONDS",
+                    help="per-check time limit; a hang becomes a failure with the hanging thread's stack")
+    parser.addini("kvprofile_gpu", "run the GPU tier (like --kvprofile-gpu)", type="bool", default=False)
+    parser.addini("kvprofile_matrix", "matrix YAML files (like --kvprofile-matrix)", type="paths", default=[])
+    parser.addini("kvprofile_json", "JSON report path (like --kvprofile-json)", default="")
+    parser.addini("kvprofile_backends", "backends (like --kvprofile-backend)", type="linelist", default=[])
+    parser.addini("kvprofile_verdict", "verdict document path (like --kvprofile-verdict)", default="")
+    parser.addini("kvprofile_timeout", "per-check time limit in seconds (0: none)", default="0")
+    parser.addini("kvprofile_workspace_slack_mib",
+                  "float workspace a builder may reserve beyond the planner's worst case before it counts as waste",
+                  default="2")
+
+
+def _settings(config: pytest.Config) -> Settings:
+    opt = config.option
+    gpu = opt.kvprofile_gpu if opt.kvprofile_gpu is not None else config.getini("kvprofile_gpu")
+    matrices = opt.kvprofile_matrix or [str(p) for p in config.getini("kvprofile_matrix")]
+    backends = opt.kvprofile_backend or config.getini("kvprofile_backends")
+    timeout = opt.kvprofile_timeout
+    if timeout is None:
+        timeout = _ini_float(config, "kvprofile_timeout")
+    slack = _ini_float(config, "kvprofile_workspace_slack_mib")
+    return Settings(
+        gpu=bool(gpu),
+        matrices=tuple(matrices),
+        json_path=opt.kvprofile_json or config.getini("kvprofile_json") or None,
+        verdict_path=opt.kvprofile_verdict or config.getini("kvprofile_verdict") or None,
+        backend_specs=tuple(backends),
+        timeout=max(0.0, timeout),
+        waste_slack_mib=max(0.0, slack),
+    )
+
+
+def _ini_float(config: pytest.Config, name: str) -> float:
+    raw = config.getini(name)
+    try:
+        return float(raw or 0)
+    except ValueError:
+        raise pytest.UsageError(f"ini option {name}: expected a number, got {raw!r}") from None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kvprofile_check(name): a pytest-kvprofile conformance check")
+    config.addinivalue_line("markers", "kvprofile_gpu: needs a CUDA device; skipped unless --kvprofile-gpu")
+    settings = _settings(config)
+    tier = "gpu" if settings.gpu else "cpu"
+    if settings.gpu:
+        from .gpu_probe import cuda_device_count
+
+        count, why = cuda_device_count()
+        if count == 0:
+            raise pytest.UsageError(f"--kvprofile-gpu: no CUDA device was found ({why}); run without it for the CPU tier")
+    hooked = config.pluginmanager.hook.pytest_kvprofile_backends(config=config)
+    try:
+        session = build_session(settings, hooked, tier)
+    except (MatrixError, BackendError) as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[SESSION_KEY] = session
+    if _is_controller(config):
+        config.pluginmanager.register(_Recorder(session), "kvprofile-recorder")
+
+
+def _session(config: pytest.Config) -> KvprofileSession | None:
+    return config.stash.get(SESSION_KEY, None)
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    session = _session(config)
+    if session is None:
+        return None
+    names = ", ".join(Path(m.path).name for m in session.matrices)
+    return (
+        f"kvprofile: tier {session.tier}, matrices {names} ({len(session.runnable_cases)} cases, "
+        f"{len(session.skipped_cases)} impossible), {len(session.backends)} backends"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    session = _session(metafunc.config)
+    if session is None:
+        return
+    if "kvprofile_pair" in metafunc.fixturenames:
+        from .checks import CHECKS_BY_NAME
+
+        check = CHECKS_BY_NAME[metafunc.function.kvprofile_check]
+        params = []
+        for backend, case in session.pairs_for(check):
+            marks = []
+            reason = backend.xfails.get(check.name)
+            if reason:
+                marks.append(pytest.mark.xfail(strict=True, reason=f"{backend.name} expects to fail: {reason}"))
+            params.append(pytest.param((backend, case), id=f"{backend.name}-{case.id}", marks=marks))
+        metafunc.parametrize("kvprofile_pair", params)
+    elif "kvprofile_impossible_case" in metafunc.fixturenames:
+        params = [
+            pytest.param(case, id=case.id, marks=pytest.mark.skip(reason=f"impossible layout: {case.skip_reason}"))
+            for case in session.skipped_cases
+        ]
+        metafunc.parametrize("kvprofile_impossible_case", params)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group the suite's items by (case, backend) so a lifecycle result is computed once and reused."""
+    state = _session(config)
+    gpu = state is not None and state.tier == "gpu"
+    skip_gpu = pytest.mark.skip(reason="GPU tier: pass --kvprofile-gpu on a machine with a CUDA device")
+    for item in items:
+        if not gpu and item.get_closest_marker("kvprofile_gpu") is not None:
+            item.add_marker(skip_gpu)
+    if state is None:
+        return
+    from .checks import CHECKS, CHECKS_BY_NAME
+
+    def unparametrized(item: pytest.Item) -> bool:
+        """A suite test whose matrix slice is empty (pytest would report a meaningless skip)."""
+        fixtures = getattr(item, "fixturenames", ())
+        if "kvprofile_impossible_case" in fixtures:
+            return not state.skipped_cases
+        if "kvprofile_pair" in fixtures:
+            return not state.pairs_for(CHECKS_BY_NAME[item.function.kvprofile_check])
+        return False
+
+    empty = [it for it in items if unparametrized(it)]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [it for it in items if not unparametrized(it)]
+
+    order = {c.name: i for i, c in enumerate(CHECKS)}
+
+    def key(pair: tuple[int, pytest.Item]) -> tuple:
+        index, item = pair
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "kvprofile_pair" not in callspec.params:
+            return (0, index, 0, 0, 0)
+        backend, case = callspec.params["kvprofile_pair"]
+        return (1, state.case_index[case.id], state.backend_index[backend.name],
+                order.get(item.function.kvprofile_check, 0), index)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
+@pytest.fixture
+def kvprofile_session(request: pytest.FixtureRequest) -> KvprofileSession:
+    """The plugin's session state: matrices, backends and the lifecycle-result cache."""
+    session = _session(request.config)
+    if session is None:
+        pytest.fail("pytest-kvprofile is not configured", pytrace=False)
+    return session
+
+
+@pytest.fixture
+def kvprofile_pair(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+@pytest.fixture
+def kvprofile_impossible_case(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+class _Recorder:
+    """Collects each check's outcome on the controller (xdist forwards user_properties there)."""
+
+    def __init__(self, state: KvprofileSession):
+        self.state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        data = dict(report.user_properties).get(RECORD_KEY)
+        if data is None:
+            return
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            outcome = report.outcome
+            if hasattr(report, "wasxfail"):
+                outcome = "xfailed" if report.outcome == "skipped" else "xpassed"
+            record = dict(data, nodeid=report.nodeid, outcome=outcome)
+            if report.outcome == "failed":
+                record["message"] = _short_message(report)
+            self.state.records.append(record)
+
+
+def _short_message(report: pytest.TestReport) -> str:
+    text = getattr(report, "longreprtext", "") or str(report.longrepr)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    kept = [ln[2:] if ln.startswith("E ") else ln for ln in lines if ln.startswith("E ") or not ln.startswith(" ")]
+    return "\n".join(kept or lines)[-4000:]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    state = _session(config)
+    if state is None or not _is_controller(config):
+        return
+    from .report import json_document, verdict_document
+
+    if state.settings.json_path:
+        doc = json_document(state)
+        config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
+        _write_json(state.settings.json_path, doc)
+    if state.settings.verdict_path:
+        doc = verdict_document(state)
+        config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
+        _write_json(state.settings.verdict_path, doc)
+
+
+def _write_json(path: str, doc: dict) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, target)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    state = _session(config)
+    if state is None or not _is_controller(config) or not state.records:
+        return
+    from .report import summarize, table_lines, verdict_document, verdict_lines
+
+    terminalreporter.section("kvprofile summary")
+    for line in table_lines(summarize(state.records)):
+        terminalreporter.write_line(line)
+    if state.skipped_cases:
+        terminalreporter.write_line(f"{len(state.skipped_cases)} impossible layouts skipped (reasons in the id list)")
+    if state.settings.verdict_path:
+        terminalreporter.section("kvprofile verdict")
+        for line in verdict_lines(verdict_document(state)):
+            terminalreporter.write_line(line)

@@ -1,0 +1,121 @@
+"""Fault-injection probes that need fresh builders (not the main lifecycle run).
+
+The retry probe fails a builder's warmup at each of its allocations in turn, on a fresh device
+each time, and checks that nothing of the failed attempt stays alive and that a retry ends with the
+same persistent memory as a warmup that never failed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from . import lifecycle as lc
+from .budget import MiB
+from .protocol import call_optional
+from .support import ProfilingSupport, builder_name, declared_support
+
+MAX_FAIL_POINTS = 16
+
+
+class _ProbeRun(lc.LifecycleRun):
+    """A run that stops after the reservation: the state a warmup starts from inside the window."""
+
+    def prepare(self) -> None:
+        self._enter(lc.RESERVATION)
+        self.in_window = True
+        arena = max((d.float_bytes for d in self._declared().values()), default=0)
+        if arena:
+            self.manager.reserve("engine", arena)
+        for b in self.builders:
+            if declared_support(b) is ProfilingSupport.REQUIRED:
+                call_optional(b, "reserve_persistent_workspace", self.ctx(b))
+        self._enter(lc.PROFILE_WARMUP)
+
+    def _declared(self) -> dict[str, Any]:
+        out = {}
+        for b in self.builders:
+            fn = getattr(b, "declared_workspace", None)
+            if fn is not None:
+                out[builder_name(b)] = fn(self.case)
+        return out
+
+
+def _fresh(result: Any) -> tuple[_ProbeRun, Any]:
+    device = lc.make_device(result.case)
+    builders = list(result.extra["backend"].make_builders(result.case))
+    run = _ProbeRun(result.extra["backend"], result.case, device, builders)
+    run.prepare()
+    return run, device
+
+
+def _persistent(device: Any, owner: str) -> Counter:
+    return Counter((a.tag, a.nbytes) for a in device.live_allocations() if a.owner == owner and a.kind == "device")
+
+
+def warmup_retry_violations(result: Any) -> list[str]:
+    """For each builder whose warmup allocates, fail it at every allocation and retry."""
+    backend = result.extra.get("backend")
+    if backend is None:
+        return ["the warmup retry probe needs the backend that produced this result"]
+    out: list[str] = []
+    for index, name in enumerate(result.builder_names()):
+        clean_run, clean_dev = _fresh(result)
+        builder = clean_run.builders[index]
+        count = _count_allocations(clean_dev, lambda: call_optional(builder, "warmup", clean_run.ctx(builder)))
+        expected = _persistent(clean_dev, name)
+        for k in range(min(count, MAX_FAIL_POINTS)):
+            run, dev = _fresh(result)
+            b = run.builders[index]
+            ctx = run.ctx(b)
+            live_before = {a.id for a in dev.live_allocations()}
+            dev.fail_after(k)
+            try:
+                call_optional(b, "warmup", ctx)
+            except Exception:  # noqa: BLE001 - the injected failure (or what the builder made of it)
+                pass
+            else:
+                out.append(f"builder {name!r}: warmup swallowed an out-of-memory error at its allocation #{k + 1}")
+                continue
+            leaked = [
+                a for a in dev.live_allocations()
+                if a.id not in live_before and a.owner == name and a.kind == "device"
+                and (a.tag, a.nbytes) not in expected
+            ]
+            if leaked:
+                out.append(
+                    f"builder {name!r}: a warmup that failed at its allocation #{k + 1} leaked "
+                    + "; ".join(f"{a.tag!r} {a.nbytes / MiB:.2f} MiB" for a in leaked[:4])
+                )
+            try:
+                call_optional(b, "warmup", ctx)
+            except Exception as exc:  # noqa: BLE001
+                out.append(f"builder {name!r}: the retry after a failure at allocation #{k + 1} raised "
+                           f"{type(exc).__name__}: {exc}")
+                continue
+            got = _persistent(dev, name)
+            if got != expected:
+                missing = expected - got
+                extra = got - expected
+                parts = []
+                if missing:
+                    parts.append("missing " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in missing))
+                if extra:
+                    parts.append("extra " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in extra))
+                out.append(
+                    f"builder {name!r}: after a warmup failed at allocation #{k + 1} and was retried, its persistent "
+                    f"memory differs from a clean warmup's ({'; '.join(parts)}): the warmup was left half-built"
+                )
+        if out:
+            break
+    return out
+
+
+def _count_allocations(device: Any, fn: Any) -> int:
+    seen = []
+    unsubscribe = device.subscribe(lambda e: seen.append(e) if e.kind == "alloc" else None)
+    try:
+        fn()
+    finally:
+        unsubscribe()
+    return len(seen)

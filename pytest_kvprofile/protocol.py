@@ -1,0 +1,132 @@
+"""The builder protocol the harness drives, and the context it hands to builders.
+
+A third-party attention backend implements a small, duck-typed surface (named as vLLM's seeds name
+it). Only ``name`` is mandatory; every other method is optional and its absence has a defined,
+conservative meaning:
+
+``get_persistent_workspace_memory_profiling_support() -> ProfilingSupport``
+    Fail-closed: a builder without it is UNSUPPORTED.
+``declared_workspace(case) -> WorkspaceDeclaration``
+    The float arena bytes it needs from the shared manager and the dedicated int workspace bytes it
+    will hold per wrapper. The engine reserves the arena at the largest float figure of all builders.
+``reserve_persistent_workspace(ctx) -> Lease``
+    REQUIRED builders only: materialize every persistent resource (wrappers for every enabled route,
+    their int workspaces, module-global buffers) inside the profiling window and hand back a lease.
+``dummy_run(ctx)``
+    What the builder's layers do in a dummy forward (profile run, graph profiling, capture).
+``rebind(ctx)``
+    Re-attach to the final arena after the KV cache is allocated.
+``warmup(ctx)``
+    Kernel warmup: runs once, idempotent, leaves nothing half-built when it raises.
+``build(ctx, batch)``
+    The runtime metadata build/plan: where lazy allocations happen.
+``bound_workspaces() -> iterable of BoundWorkspace``
+    The float workspace ranges its wrappers point at, so aliasing can be checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from .lease import Lease
+
+if TYPE_CHECKING:
+    from .matrix import Case
+    from .workspace import ArenaView, WorkspaceManager
+
+
+@dataclass(frozen=True)
+class WorkspaceDeclaration:
+    """What a builder says it will reserve for a case."""
+
+    float_bytes: int
+    int_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class BoundWorkspace:
+    """One float workspace range a builder's wrapper points at."""
+
+    ubatch: int
+    role: str
+    ptr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The shape of one forward step, as far as attention planning cares."""
+
+    kind: str  # "prefill", "decode" or "mixed"
+    num_reqs: int
+    num_tokens: int
+    cuda_graph: bool = False
+    ubatch: int = 0
+
+    @property
+    def label(self) -> str:
+        graph = ", cuda graph" if self.cuda_graph else ""
+        return f"{self.kind} {self.num_reqs} reqs / {self.num_tokens} tokens{graph}"
+
+
+class BuilderContext:
+    """What a builder may touch: allocations are attributed to it, arena requests name it."""
+
+    def __init__(self, run: Any, owner: str):
+        self._run = run
+        self.owner = owner
+
+    @property
+    def case(self) -> "Case":
+        return self._run.case
+
+    @property
+    def device(self) -> Any:
+        return self._run.device
+
+    @property
+    def workspace(self) -> "WorkspaceManager":
+        return self._run.manager
+
+    @property
+    def phase(self) -> str:
+        return self._run.device.phase
+
+    @property
+    def profiling(self) -> bool:
+        """Inside the memory-profiling window (between the baseline and the closing measurement)."""
+        return self._run.in_window
+
+    @property
+    def capturing(self) -> bool:
+        return bool(self._run.device.capturing)
+
+    @property
+    def dummy(self) -> bool:
+        """A dummy forward (profile run, graph profiling or capture) rather than real traffic."""
+        return self._run.in_dummy_forward
+
+    @property
+    def num_ubatches(self) -> int:
+        return self._run.manager.num_ubatches
+
+    def allocate(self, nbytes: int, tag: str, *, pinned_host: bool = False) -> Any:
+        return self._run.device.allocate(int(nbytes), owner=self.owner, tag=tag, pinned_host=pinned_host)
+
+    def free(self, alloc: Any) -> None:
+        self._run.device.free(alloc)
+
+    def get_workspace(self, nbytes: int, ubatch: int = 0) -> "ArenaView":
+        return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch)
+
+    def lease(self, resources: Iterable[Any] = (), on_release: Callable[[], None] | None = None) -> Lease:
+        return Lease(self.owner, resources, on_release)
+
+
+def call_optional(builder: Any, method: str, *args: Any) -> Any:
+    """Call ``builder.method(*args)`` if the builder has it; absence means 'nothing to do'."""
+    fn = getattr(builder, method, None)
+    if fn is None:
+        return None
+    return fn(*args)

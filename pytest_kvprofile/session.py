@@ -1,0 +1,189 @@
+"""The plugin's state for one pytest session: matrices, backends, results, records.
+
+One instance lives in ``config.stash``. Every xdist worker builds its own from the same options
+(loading is deterministic), so nothing needs to cross to workers; only the controller records
+reports and writes the JSON, the verdict and the summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from .backends import Backend, BackendError, coerce_backend, entry_point_backends, load_factory, validate_builders
+from .checks import CHECKS, Check
+from .lifecycle import LifecycleResult, run_lifecycle
+from .matrix import Case, Matrix, load_matrices, packaged_matrix
+from .support import DeclarationError, ProfilingSupport, builder_name, declared_support, resolve_support
+
+RESULT_CACHE_SIZE = 32
+BUILTIN_GROUPS = ("stubs", "mutants")
+
+
+@dataclass(frozen=True)
+class Settings:
+    gpu: bool = False
+    matrices: tuple[str, ...] = ()
+    json_path: str | None = None
+    verdict_path: str | None = None
+    backend_specs: tuple[str, ...] = ()
+    timeout: float = 0.0
+    waste_slack_mib: float = 2.0
+
+
+def builtin_backends() -> dict[str, Backend]:
+    from .mutants import MUTANT_BACKENDS
+    from .stubs import STUB_BACKENDS
+
+    return {b.name: b for b in (*STUB_BACKENDS, *MUTANT_BACKENDS)}
+
+
+def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True) -> list[Backend]:
+    """Backends named on the command line/ini, from the hook and from entry points; stubs if none."""
+    from .mutants import MUTANT_BACKENDS
+    from .stubs import STUB_BACKENDS
+
+    catalog = builtin_backends()
+    out: list[Backend] = []
+    for spec in specs:
+        spec = spec.strip()
+        if spec == "stubs":
+            out.extend(STUB_BACKENDS)
+        elif spec == "mutants":
+            out.extend(MUTANT_BACKENDS)
+        elif spec in catalog:
+            out.append(catalog[spec])
+        elif ":" in spec:
+            out.extend(load_factory(spec))
+        else:
+            raise BackendError(
+                f"--kvprofile-backend {spec!r}: not 'package.module:factory' and not a built-in backend "
+                f"(stubs, mutants, or one of: {', '.join(catalog)})"
+            )
+    for item in hooked:
+        if item is None:
+            continue
+        items = item if isinstance(item, (list, tuple)) else [item]
+        out.extend(coerce_backend(i, "the pytest_kvprofile_backends hook") for i in items)
+    if entry_points:
+        out.extend(entry_point_backends())
+    if not out:
+        out = list(STUB_BACKENDS)
+    seen: dict[str, Backend] = {}
+    for b in out:
+        if b.name in seen and seen[b.name] is not b:
+            raise BackendError(f"two backends are named {b.name!r} ({seen[b.name].origin} and {b.origin})")
+        seen[b.name] = b
+    return list(seen.values())
+
+
+def check_protocol(backend: Backend, case: Case) -> None:
+    """Instantiate the builders once and make sure a REQUIRED builder has what the suite calls."""
+    try:
+        builders = list(backend.make_builders(case))
+    except Exception:  # noqa: BLE001 - a factory that raises per case is reported by every check
+        return
+    validate_builders(backend, builders)
+    for b in builders:
+        try:
+            support = declared_support(b)
+        except DeclarationError:
+            continue
+        if support is ProfilingSupport.REQUIRED:
+            missing = [m for m in ("reserve_persistent_workspace", "declared_workspace") if not callable(getattr(b, m, None))]
+            if missing:
+                raise BackendError(
+                    f"backend {backend.name!r}: builder {builder_name(b)!r} declares REQUIRED but lacks "
+                    f"{', '.join(missing)}()"
+                )
+
+
+class KvprofileSession:
+    """Matrices and backends for this run, the lifecycle-result cache and the controller's records."""
+
+    def __init__(self, settings: Settings, backends: list[Backend], matrices: list[Matrix], tier: str):
+        self.settings = settings
+        self.backends = backends
+        self.matrices = matrices
+        self.tier = tier
+        self.cases: list[Case] = [c for m in matrices for c in m.cases]
+        self._paths: dict[tuple[str, str], str] = {}
+        self._results: OrderedDict[tuple[str, str], LifecycleResult] = OrderedDict()
+        self.records: list[dict] = []
+        self.hardware: dict | None = None
+        self.case_index = {c.id: i for i, c in enumerate(self.cases)}
+        self.backend_index = {b.name: i for i, b in enumerate(backends)}
+
+    @property
+    def runnable_cases(self) -> list[Case]:
+        return [c for c in self.cases if c.skip_reason is None]
+
+    @property
+    def skipped_cases(self) -> list[Case]:
+        return [c for c in self.cases if c.skip_reason is not None]
+
+    def matrix_digest(self) -> str:
+        h = hashlib.sha256()
+        for m in self.matrices:
+            h.update(Path(m.path).read_bytes())
+        return h.hexdigest()
+
+    def path_for(self, backend: Backend, case: Case) -> str:
+        key = (backend.name, case.id)
+        path = self._paths.get(key)
+        if path is None:
+            try:
+                path = "profiling" if resolve_support(backend.make_builders(case)).enabled else "legacy"
+            except DeclarationError:
+                path = "legacy"
+            except Exception:  # noqa: BLE001 - run every check; each reports the error
+                path = "error"
+            self._paths[key] = path
+        return path
+
+    def pairs_for(self, check: Check) -> list[tuple[Backend, Case]]:
+        out = []
+        for case in self.runnable_cases:
+            for backend in self.backends:
+                path = self.path_for(backend, case)
+                if path == "error" or check.applies(path):
+                    out.append((backend, case))
+        return out
+
+    def result_for(self, backend: Backend, case: Case) -> LifecycleResult:
+        key = (backend.name, case.id)
+        result = self._results.get(key)
+        if result is None:
+            result = run_lifecycle(backend, case)
+            result.extra["waste_slack_bytes"] = int(self.settings.waste_slack_mib * (1 << 20))
+            self._results[key] = result
+            if len(self._results) > RESULT_CACHE_SIZE:
+                self._results.popitem(last=False)
+        else:
+            self._results.move_to_end(key)
+        return result
+
+    def count_items(self) -> int:
+        return sum(len(self.pairs_for(c)) for c in CHECKS) + len(self.skipped_cases)
+
+
+def default_matrices() -> tuple[str, ...]:
+    return (str(packaged_matrix("default")),)
+
+
+def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> KvprofileSession:
+    """Load and validate everything once; raises MatrixError or BackendError with a precise message."""
+    matrices = load_matrices(settings.matrices or default_matrices())
+    backends = resolve_backends(settings.backend_specs, hooked)
+    session = KvprofileSession(settings, backends, matrices, tier)
+    first = next(iter(session.runnable_cases), None)
+    if first is not None:
+        for backend in backends:
+            check_protocol(backend, first)
+    return session
+
+
+__all__ = ["KvprofileSession", "Settings", "build_session", "resolve_backends"]

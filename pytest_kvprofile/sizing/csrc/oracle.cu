@@ -1,0 +1,263 @@
+// Host-only oracle: FlashInfer's own workspace planners, compiled for the CPU.
+//
+// Everything here runs on the host. The CUDA runtime calls the planners make are satisfied by
+// cuda_stubs.cpp (a separate host-only translation unit), so the library links without libcudart
+// and the SM count / compute capability are whatever the caller sets through kvp_set_device().
+//
+// Build-time switches (set by pytest_kvprofile/sizing/oracle.py from the installed version):
+//   KVP_HAS_COUNT_ONLY  PrefillPlanWorkspaceSize / DecodePlanWorkspaceSize exist (>= 0.6.15)
+//   KVP_HAS_UNIFORM_Q   PrefillPlan takes (num_colocated_ctas, uniform_q_len, fixed_uniform_q_len)
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include <flashinfer/attention/scheduler.cuh>
+
+#ifndef KVP_HAS_COUNT_ONLY
+#define KVP_HAS_COUNT_ONLY 1
+#endif
+#ifndef KVP_HAS_UNIFORM_Q
+#define KVP_HAS_UNIFORM_Q 1
+#endif
+
+extern "C" void kvp_stub_set_device(int num_sm, int cc_major, int cc_minor, int smem_optin);
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int fail(const std::string& msg) {
+  g_last_error = msg;
+  return 1;
+}
+
+struct HostDecodeParams {
+  using IdType = int32_t;
+  using DTypeKV = uint16_t;
+};
+
+// The 16-byte-aligned bump allocator only ever advances; offsets of the last two carvings plus
+// their sizes give the bytes a materializing plan used.
+size_t end_of(size_t offset, size_t size) { return offset + size; }
+
+void* const kFakeFloatBase = reinterpret_cast<void*>(uintptr_t(1) << 20);
+
+}  // namespace
+
+extern "C" {
+
+const char* kvp_last_error() { return g_last_error.c_str(); }
+
+int kvp_abi_version() { return 1; }
+
+void kvp_set_device(int num_sm, int cc_major, int cc_minor, int smem_optin) {
+  kvp_stub_set_device(num_sm, cc_major, cc_minor, smem_optin);
+}
+
+// FA2 prefill planner (also the tensor-core decode planner, with uniform_q_len > 0).
+// kv_indptr counts pages, as FlashInfer's paged wrappers pass it. materialize != 0 runs the
+// materializing PrefillPlan on caller-provided host buffers and reads the carved extents back.
+int kvp_prefill_plan_size(const int32_t* qo_indptr, const int32_t* kv_indptr, int batch_size,
+                          int num_qo_heads, int num_kv_heads, int head_dim_qk, int head_dim_vo,
+                          int page_size, int enable_cuda_graph, int window_left,
+                          int fixed_split_size, int disable_split_kv, int64_t uniform_q_len,
+                          int fixed_uniform_q_len, int materialize, void* float_buf,
+                          uint64_t float_buf_size, void* int_buf, uint64_t int_buf_size,
+                          uint64_t* float_bytes, uint64_t* int_bytes, int64_t* info15) {
+  try {
+    std::vector<int32_t> qo(qo_indptr, qo_indptr + batch_size + 1);
+    std::vector<int32_t> kv(kv_indptr, kv_indptr + batch_size + 1);
+    const uint32_t total_num_rows = static_cast<uint32_t>(qo[batch_size]);
+    size_t fbytes = 0, ibytes = 0;
+    flashinfer::PrefillPlanInfo info;
+    cudaError_t st;
+    if (!materialize) {
+#if KVP_HAS_COUNT_ONLY
+      st = flashinfer::PrefillPlanWorkspaceSize<int32_t>(
+          fbytes, ibytes, qo.data(), kv.data(), total_num_rows, batch_size, num_qo_heads,
+          num_kv_heads, head_dim_qk, head_dim_vo, page_size, enable_cuda_graph != 0,
+          /*sizeof_dtype_o=*/2, window_left, fixed_split_size, disable_split_kv != 0,
+          /*num_colocated_ctas=*/0, uniform_q_len, fixed_uniform_q_len != 0, nullptr);
+      if (st != cudaSuccess) return fail("PrefillPlanWorkspaceSize returned a CUDA error");
+#else
+      return fail("this FlashInfer has no PrefillPlanWorkspaceSize; use materialize=1");
+#endif
+    } else {
+      // The float buffer is only carved, never written: a fake aligned base with the caller's
+      // capacity measures it without allocating gigabytes.
+      if (float_buf == nullptr) float_buf = kFakeFloatBase;
+      // The pinned host mirror and the device int buffer are the same host memory here: the
+      // stubbed cudaMemcpyAsync is a no-op when source and destination coincide.
+#if KVP_HAS_UNIFORM_Q
+      st = flashinfer::PrefillPlan<int32_t>(
+          float_buf, float_buf_size, int_buf, int_buf, int_buf_size, info, qo.data(), kv.data(),
+          total_num_rows, batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
+          page_size, enable_cuda_graph != 0, 2, window_left, fixed_split_size,
+          disable_split_kv != 0, 0, uniform_q_len, fixed_uniform_q_len != 0, nullptr);
+#else
+      (void)uniform_q_len;
+      (void)fixed_uniform_q_len;
+      st = flashinfer::PrefillPlan<int32_t>(
+          float_buf, float_buf_size, int_buf, int_buf, int_buf_size, info, qo.data(), kv.data(),
+          total_num_rows, batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
+          page_size, enable_cuda_graph != 0, 2, window_left, fixed_split_size,
+          disable_split_kv != 0, nullptr);
+#endif
+      if (st != cudaSuccess) return fail("PrefillPlan returned a CUDA error");
+      if (info.split_kv) {
+        // tmp_v starts at offset 0 and tmp_s follows it; tmp_s is tmp_v / head_dim_vo bytes.
+        const size_t tmp_v = info.s_offset;
+        fbytes = end_of(info.s_offset, tmp_v / static_cast<size_t>(head_dim_vo));
+      }
+      size_t iend = end_of(info.kv_chunk_size_ptr_offset, sizeof(int32_t));
+      iend = std::max(iend, end_of(info.o_indptr_offset, sizeof(int32_t) * (batch_size + 1)));
+      if (info.enable_cuda_graph) {
+        iend = std::max(iend, end_of(info.total_num_rows_offset, sizeof(uint32_t)));
+        iend = std::max(iend, end_of(info.block_valid_mask_offset,
+                                     sizeof(bool) * static_cast<size_t>(info.padded_batch_size)));
+      }
+      if (info.split_kv) {
+        iend = std::max(iend, end_of(info.merge_indptr_offset,
+                                     sizeof(int32_t) * static_cast<size_t>(total_num_rows + 1)));
+        if (!info.enable_cuda_graph) {
+          iend = std::max(iend, end_of(info.block_valid_mask_offset, 0));
+        }
+      }
+      ibytes = iend;
+    }
+    *float_bytes = fbytes;
+    *int_bytes = ibytes;
+    if (info15) {
+      std::vector<int64_t> v = info.ToVector();
+      for (size_t i = 0; i < v.size() && i < 15; ++i) info15[i] = v[i];
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  } catch (...) {
+    return fail("unknown C++ exception in the prefill planner");
+  }
+}
+
+}  // extern "C"
+
+namespace {
+
+// Host model of BatchDecodeWithPagedKVCacheWorkEstimationDispatched: the real one asks the driver
+// for the decode kernel's occupancy; here blocks_per_sm is an input, everything else is the same.
+struct HostDecodeWorkEstimation {
+  uint32_t num_kv_heads;
+  uint32_t blocks_per_sm;
+  uint32_t num_sm;
+  cudaError_t operator()(bool& split_kv, uint32_t& max_grid_size,
+                         uint32_t& max_num_pages_per_batch, uint32_t& new_batch_size,
+                         uint32_t& gdy, uint32_t batch_size, int32_t* kv_indptr_h,
+                         const uint32_t num_qo_heads, const uint32_t page_size,
+                         bool enable_cuda_graph, cudaStream_t) const {
+    (void)num_qo_heads;
+    gdy = num_kv_heads;
+    max_grid_size = blocks_per_sm * num_sm;
+    if (batch_size * gdy >= max_grid_size) {
+      split_kv = false;
+      max_num_pages_per_batch = 1;
+      for (uint32_t b = 0; b < batch_size; ++b) {
+        max_num_pages_per_batch =
+            std::max<uint32_t>(max_num_pages_per_batch, kv_indptr_h[b + 1] - kv_indptr_h[b]);
+      }
+      new_batch_size = batch_size;
+    } else {
+      std::vector<int32_t> num_pages(batch_size);
+      for (uint32_t b = 0; b < batch_size; ++b) num_pages[b] = kv_indptr_h[b + 1] - kv_indptr_h[b];
+      std::tie(max_num_pages_per_batch, new_batch_size) =
+          flashinfer::PartitionPagedKVCacheBinarySearchMinNumPagePerBatch(
+              max_grid_size, gdy, num_pages, std::max(128 / page_size, 1U));
+      split_kv = !(new_batch_size == batch_size && !enable_cuda_graph);
+    }
+    return cudaSuccess;
+  }
+};
+
+template <uint32_t HEAD_DIM>
+cudaError_t decode_size(size_t& f, size_t& i, int32_t* indptr, uint32_t batch_size,
+                        uint32_t num_qo_heads, uint32_t page_size, bool cuda_graph,
+                        HostDecodeWorkEstimation est, int materialize, void* float_buf,
+                        uint64_t float_buf_size, void* int_buf, uint64_t int_buf_size,
+                        flashinfer::DecodePlanInfo& info) {
+  using flashinfer::PosEncodingMode;
+  if (float_buf == nullptr) float_buf = kFakeFloatBase;
+  if (!materialize) {
+#if KVP_HAS_COUNT_ONLY
+    return flashinfer::DecodePlanWorkspaceSize<HEAD_DIM, PosEncodingMode::kNone, void,
+                                               HostDecodeParams>(
+        f, i, indptr, batch_size, num_qo_heads, page_size, cuda_graph, nullptr, est);
+#else
+    throw std::runtime_error("this FlashInfer has no DecodePlanWorkspaceSize; use materialize=1");
+#endif
+  }
+  cudaError_t st =
+      flashinfer::DecodePlan<HEAD_DIM, PosEncodingMode::kNone, void, HostDecodeParams>(
+          float_buf, float_buf_size, int_buf, int_buf, int_buf_size, info, indptr, batch_size,
+          num_qo_heads, page_size, cuda_graph, nullptr, est);
+  f = info.split_kv ? end_of(info.s_offset, sizeof(float) * num_qo_heads * info.padded_batch_size)
+                    : 0;
+  size_t iend = end_of(info.kv_chunk_size_ptr_offset, sizeof(int32_t));
+  if (info.split_kv) {
+    iend = std::max(iend, end_of(info.block_valid_mask_offset, info.padded_batch_size));
+  }
+  i = iend;
+  return st;
+}
+
+}  // namespace
+
+extern "C" {
+
+// CUDA-core decode planner (BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=False).
+int kvp_decode_plan_size(const int32_t* kv_indptr, int batch_size, int num_qo_heads,
+                         int num_kv_heads, int head_dim, int page_size, int enable_cuda_graph,
+                         int blocks_per_sm, int num_sm, int materialize, void* float_buf,
+                         uint64_t float_buf_size, void* int_buf, uint64_t int_buf_size,
+                         uint64_t* float_bytes, uint64_t* int_bytes, int64_t* padded_out) {
+  try {
+    if (num_kv_heads <= 0 || num_qo_heads % num_kv_heads) {
+      return fail("num_qo_heads must be a positive multiple of num_kv_heads");
+    }
+    std::vector<int32_t> kv(kv_indptr, kv_indptr + batch_size + 1);
+    HostDecodeWorkEstimation est{static_cast<uint32_t>(num_kv_heads),
+                                 static_cast<uint32_t>(blocks_per_sm),
+                                 static_cast<uint32_t>(num_sm)};
+    size_t f = 0, i = 0;
+    flashinfer::DecodePlanInfo info;
+    cudaError_t st;
+#define KVP_DECODE_CASE(D)                                                                     \
+  case D:                                                                                      \
+    st = decode_size<D>(f, i, kv.data(), batch_size, num_qo_heads, page_size,                  \
+                        enable_cuda_graph != 0, est, materialize, float_buf, float_buf_size,   \
+                        int_buf, int_buf_size, info);                                          \
+    break;
+    switch (head_dim) {
+      KVP_DECODE_CASE(64)
+      KVP_DECODE_CASE(96)
+      KVP_DECODE_CASE(128)
+      KVP_DECODE_CASE(192)
+      KVP_DECODE_CASE(256)
+      KVP_DECODE_CASE(512)
+      default:
+        return fail("CUDA-core decode head_dim must be one of 64, 96, 128, 192, 256, 512");
+    }
+#undef KVP_DECODE_CASE
+    if (st != cudaSuccess) return fail("DecodePlan returned a CUDA error");
+    *float_bytes = f;
+    *int_bytes = i;
+    if (padded_out) *padded_out = info.padded_batch_size;
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  } catch (...) {
+    return fail("unknown C++ exception in the decode planner");
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,77 @@
+"""Workspace sizes people use today, and the published rules the suite measures them against.
+
+Why: the sizing report puts the exact requirement next to these, and the suite's mutant builders
+size their workspace with the two buggy rules (bug classes 11 and 12) so the sizing check can be
+shown to catch them.
+"""
+
+from __future__ import annotations
+
+from .planner import ceil_div
+
+MIB = 1 << 20
+
+FIXED_SIZES: dict[str, int] = {
+    "flashinfer-default": 128 * MIB,
+    "vllm-default": 394 * MIB,
+    "sglang": 384 * MIB,
+    "tensorrt-llm": 320 * MIB,
+}
+
+
+def _align(x: int, a: int) -> int:
+    return ceil_div(x, a) * a
+
+
+def _cta_tile_q_06(head_dim: int) -> int:
+    return 128 if head_dim < 256 else 64
+
+
+def seed004_rule(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
+                 base: int = 80 * MIB, head_dim_vo: int | None = None) -> int:
+    """Seed 004's published rule: ceil split bound, 16 MiB slack, 16 MiB alignment, base floor.
+
+    ``padded = ceil(2 * num_sm / heads_kv)`` (FlashInfer rounds down), ``cta_tile_q`` 128 (64 for
+    head_dim >= 256), the 0.6.x ``tmp_v + tmp_s``; 96/96/304/176 MiB for the seed's four rows.
+    """
+    dvo = head_dim_vo or head_dim
+    padded = ceil_div(2 * num_sm, heads_kv)
+    cta = _cta_tile_q_06(dvo)
+    tmp = heads_q * padded * cta * dvo * 4 + heads_q * padded * cta * 4
+    return max(base, _align(tmp + 16 * MIB, 16 * MIB))
+
+
+def decode_shaped_heuristic(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
+                            max_requests: int = 256, *, tp: int = 1,
+                            base: int = 80 * MIB, head_dim_vo: int | None = None) -> int:
+    """The rule seed 004 replaced (bug class 11): sized as if every plan were a decode.
+
+    ``cta_tile_q = 16`` and the padded batch keyed on ``max_requests``, ignoring the SM count; it
+    returns ``base`` outright for TP > 1 and for GQA ratios outside the decode fast path. It
+    over-provisions only by accident (large max_requests) and overflows prefill split-KV and any
+    CUDA-graph plan on high-SM GPUs or low-KV-head layouts.
+    """
+    del num_sm  # the bug: the device is ignored
+    group = heads_q // max(heads_kv, 1)
+    if tp > 1 or group not in (1, 2, 4, 8):
+        return base
+    dvo = head_dim_vo or head_dim
+    padded = _align(max_requests, 16)
+    tmp = heads_q * padded * 16 * dvo * 4 + heads_q * padded * 16 * 4
+    return _align(tmp, MIB)
+
+
+def formula_06x(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
+                head_dim_vo: int | None = None) -> int:
+    """The FlashInfer 0.6.x prefill bound (bug class 12 when applied to 0.7.x).
+
+    ``tmp_v = H_qo * padded * cta_tile_q * D_vo * 4`` with ``padded = floor(2 * num_sm / H_kv)``:
+    exact for 0.6.x without CUDA graphs, but 0.7.x under CUDA graphs pads to
+    ``max(padded, total_num_tiles_q)``, which grows with tokens and batch size, so the 0.6.x
+    number under-reserves there (and over-reserves by the GQA group size elsewhere).
+    """
+    dvo = head_dim_vo or head_dim
+    padded = (2 * num_sm) // heads_kv
+    cta = _cta_tile_q_06(dvo)
+    tmp_v = heads_q * padded * cta * dvo * 4
+    return _align(tmp_v, 16) + heads_q * padded * cta * 4

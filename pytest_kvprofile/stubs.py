@@ -1,0 +1,233 @@
+"""Correct CPU stub builders, modelled on vLLM's FlashInfer, GDN, mm-prefix and DCP builders.
+
+They allocate through the BuilderContext, so every byte is attributed on the simulated device, and
+they behave as the contract says; the mutant catalog (``mutants.py``) derives one bug from each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .backends import Backend
+from .case_sizing import required_for_case, routes
+from .protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
+from .support import ProfilingSupport
+
+MiB = 1 << 20
+INT_WORKSPACE_BYTES = 8 * MiB  # FlashInfer's default int workspace per wrapper, plus a pinned host mirror
+MODULE_GLOBAL_BYTES = 32 * MiB  # a trtllm-gen-like module-global workspace, created by kernel warmup
+AUTOTUNE_SCRATCH_BYTES = 64 * MiB  # transient scratch of warmup's autotuning
+GDN_WORKSPACE_BYTES = 16 * MiB
+
+
+class WorkspaceOverflow(RuntimeError):
+    """What FlashInfer's bump allocator raises when a plan does not fit the float workspace."""
+
+
+@dataclass
+class Wrapper:
+    """A FlashInfer-like wrapper: a view into the float arena, its own int workspace and pinned mirror."""
+
+    route: str
+    ubatch: int
+    float_ptr: int
+    float_bytes: int
+    int_workspace: Any
+    pinned_mirror: Any
+
+
+class FlashInferCore:
+    """The FlashInfer-like machinery without a support declaration (so, fail-closed, UNSUPPORTED).
+
+    One wrapper per (route, micro-batch), each with a dedicated 8 MiB int workspace allocated when the
+    wrapper is constructed; the float workspace is a view into the shared arena. Warmup autotunes with
+    transient scratch and creates a module-global buffer once.
+    """
+
+    name = "flashinfer-untaught"
+    warmup_materializes_persistent = True
+
+    def __init__(self, case: Any):
+        self.case = case
+        self.wrappers: dict[tuple[str, int], Wrapper] = {}
+        self.module_global: Any = None
+        self.warmed = False
+
+    # -- sizing --------------------------------------------------------------------------------
+    def float_bytes(self) -> int:
+        """What this builder declares and asks the arena for."""
+        return required_for_case(self.case).float_bytes
+
+    def planner_need(self) -> int:
+        """What FlashInfer's planner really carves for the envelope's worst batch (the oracle's answer)."""
+        return required_for_case(self.case).float_bytes
+
+    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=INT_WORKSPACE_BYTES)
+
+    def routes(self) -> tuple[str, ...]:
+        return routes(self.case)
+
+    # -- wrappers ------------------------------------------------------------------------------
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+        return ctx.get_workspace(self.float_bytes(), ubatch)
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        view = self._float_view(ctx, ubatch)
+        int_ws = ctx.allocate(INT_WORKSPACE_BYTES, f"{route} int workspace [ubatch {ubatch}]")
+        mirror = ctx.allocate(INT_WORKSPACE_BYTES, f"{route} int workspace pinned mirror [ubatch {ubatch}]", pinned_host=True)
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror)
+
+    def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
+        for w in wrappers:
+            ctx.free(w.int_workspace)
+            ctx.free(w.pinned_mirror)
+        for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:
+            del self.wrappers[key]
+
+    def _materialize(self, ctx: BuilderContext) -> list[Wrapper]:
+        made = []
+        for route in self.routes():
+            for ub in range(ctx.num_ubatches):
+                w = self._new_wrapper(ctx, route, ub)
+                self.wrappers[(route, ub)] = w
+                made.append(w)
+        return made
+
+    def _wrapper_for(self, ctx: BuilderContext, batch: Batch) -> Wrapper:
+        route = "decode" if batch.kind == "decode" and "decode" in self.routes() else "prefill"
+        key = (route, batch.ubatch)
+        w = self.wrappers.get(key)
+        if w is None:  # the lazy path: what the legacy engine does on first plan()
+            w = self._new_wrapper(ctx, route, batch.ubatch)
+            self.wrappers[key] = w
+        return w
+
+    # -- the protocol --------------------------------------------------------------------------
+    def rebind(self, ctx: BuilderContext) -> None:
+        """Re-create the wrappers on the final arena (the profiling ones went with the lease)."""
+        for route in self.routes():
+            for ub in range(ctx.num_ubatches):
+                if (route, ub) not in self.wrappers:
+                    self.wrappers[(route, ub)] = self._new_wrapper(ctx, route, ub)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        w = self._wrapper_for(ctx, batch)
+        need = self.planner_need()
+        if need > w.float_bytes:
+            raise WorkspaceOverflow(
+                f"Buffer overflow when allocating memory for batch_prefill_tmp_v with size {need} and "
+                f"alignment 16, but only {w.float_bytes} bytes available in AlignedAllocator. "
+                "Increase the workspace buffer size."
+            )
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if self.warmed:
+            return
+        scratch = ctx.allocate(AUTOTUNE_SCRATCH_BYTES, "autotune scratch")
+        try:
+            if self.module_global is None:
+                self.module_global = ctx.allocate(MODULE_GLOBAL_BYTES, "module-global workspace")
+        finally:
+            ctx.free(scratch)
+        self.warmed = True
+
+    def dummy_run(self, ctx: BuilderContext) -> None:
+        """The sparse/DCP path's synthetic workspace: profiled in ordinary dummy runs, never captured."""
+        if ctx.dummy and not ctx.capturing:
+            synthetic = ctx.allocate(self._synthetic_bytes(), "synthetic profile workspace")
+            ctx.free(synthetic)
+
+    def _synthetic_bytes(self) -> int:
+        env = self.case.envelope
+        return max(MiB, env.max_num_batched_tokens * self.case.heads.heads_q * 4)
+
+    def bound_workspaces(self) -> list[BoundWorkspace]:
+        return [
+            BoundWorkspace(w.ubatch, f"{w.route} float workspace", w.float_ptr, w.float_bytes)
+            for w in self.wrappers.values()
+        ]
+
+
+class FlashInferLikeBuilder(FlashInferCore):
+    """REQUIRED: materializes its wrappers (and so their int workspaces) inside the window."""
+
+    name = "flashinfer"
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.REQUIRED
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        wrappers = self._materialize(ctx)
+        return ctx.lease(wrappers, on_release=lambda: self._drop(ctx, wrappers))
+
+
+class GDNLikeBuilder:
+    """NEUTRAL: no dedicated memory; its scratch is a view of the shared arena (GDN-like)."""
+
+    name = "gdn"
+
+    def __init__(self, case: Any):
+        self.case = case
+        self.views: dict[int, Any] = {}
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.NEUTRAL
+
+    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=GDN_WORKSPACE_BYTES, int_bytes=0)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        self.views[batch.ubatch] = ctx.get_workspace(GDN_WORKSPACE_BYTES, batch.ubatch)
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        for ub in range(ctx.num_ubatches):
+            self.build(ctx, Batch("prefill", 1, 1, ubatch=ub))
+
+    def bound_workspaces(self) -> list[BoundWorkspace]:
+        return [BoundWorkspace(ub, "gdn scratch", v.ptr, v.nbytes) for ub, v in self.views.items()]
+
+
+class MMPrefixLikeBuilder(FlashInferCore):
+    """UNSUPPORTED: a dedicated mm-prefix wrapper that is not yet taught to reserve."""
+
+    name = "mm-prefix"
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.UNSUPPORTED
+
+
+class DCPLikeBuilder(FlashInferCore):
+    """UNSUPPORTED: the DCP path, whose decode wrapper sees heads_q * dcp query heads."""
+
+    name = "flashinfer-dcp"
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.UNSUPPORTED
+
+
+class UntaughtBuilder(FlashInferCore):
+    """A builder never taught the contract: it has no declaration at all."""
+
+    name = "untaught"
+
+
+def _builtin(name: str, description: str, *classes: type) -> Backend:
+    def make(case: Any) -> list[Any]:
+        return [cls(case) for cls in classes]
+
+    make.__qualname__ = f"make_{name.replace('-', '_')}"
+    return Backend(name=name, make_builders=make, description=description, origin="builtin")
+
+
+STUB_BACKENDS: tuple[Backend, ...] = (
+    _builtin("stub-flashinfer", "FlashInfer-like builder alone (REQUIRED)", FlashInferLikeBuilder),
+    _builtin("stub-hybrid", "FlashInfer-like + GDN-like (REQUIRED + NEUTRAL carried under the lease)",
+             FlashInferLikeBuilder, GDNLikeBuilder),
+    _builtin("stub-gdn", "GDN-like builder alone (all NEUTRAL: stays on the legacy path)", GDNLikeBuilder),
+    _builtin("stub-mm-prefix", "FlashInfer-like + mm-prefix (UNSUPPORTED keeps the model legacy)",
+             FlashInferLikeBuilder, MMPrefixLikeBuilder),
+    _builtin("stub-dcp", "DCP-like builder (UNSUPPORTED)", DCPLikeBuilder),
+    _builtin("stub-untaught", "a builder with no declaration (fail-closed: UNSUPPORTED)", UntaughtBuilder),
+)

@@ -1,0 +1,43 @@
+"""A per-check time limit that turns a hang into a failure carrying the hanging thread's stack."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Any, Callable
+
+
+class CheckTimeout(AssertionError):
+    """A check exceeded its time limit; the message holds where the backend was stuck."""
+
+
+def call_with_timeout(seconds: float, label: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)``; past ``seconds`` (0: no limit) raise CheckTimeout with the worker's stack.
+
+    The call runs in a daemon thread, so a backend that never returns is abandoned rather than
+    killed: the session goes on, and the stuck thread dies with the process.
+    """
+    if not seconds:
+        return fn(*args)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name=f"kvprofile {label}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        frame = sys._current_frames().get(worker.ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(stack unavailable)\n"
+        raise CheckTimeout(
+            f"{label}: exceeded the per-check time limit of {seconds:g} s (kvprofile_timeout); "
+            f"the backend was stuck at:\n{stack}"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

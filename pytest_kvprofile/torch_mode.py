@@ -1,0 +1,513 @@
+"""Run unmodified ``torch.empty(..., device="cuda")`` code against a :class:`SimDevice` on CPU torch.
+
+Backends are written against ``torch.cuda``; rewriting them for a test double would test the double.
+While :class:`SimulatedCuda` is active, "cuda" tensors are real CPU tensors whose storage is recorded
+in the device ledger (freed when the storage dies), and the ``torch.cuda`` memory and graph API
+answers from that ledger. Limits are listed in ``docs/simulated-device.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.cuda.graphs
+import torch.cuda.memory
+from torch.overrides import TorchFunctionMode
+
+from .allocator import GraphPool
+from .device import Allocation, DeviceOutOfMemory, SimDevice
+
+__all__ = ["SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
+
+OwnerResolver = Callable[[FrameType, str], "str | tuple[str, str] | None"]
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_CONTEXTLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep + "contextlib.py"
+
+_DEVICE_GET = torch.Tensor.device.__get__
+_IS_CUDA_GET = torch.Tensor.is_cuda.__get__
+_TENSOR_TO = torch.Tensor.to
+_TENSOR_CUDA = torch.Tensor.cuda
+_TENSOR_CPU = torch.Tensor.cpu
+_TENSOR_PIN = torch.Tensor.pin_memory
+_TENSOR_IS_PINNED = torch.Tensor.is_pinned
+_TENSOR_GET_DEVICE = torch.Tensor.get_device
+_CUDA0 = torch.device("cuda", 0)
+_MISSING = object()
+_active_lock = threading.Lock()
+_active: list["SimulatedCuda"] = []
+
+
+class SimulatedCudaOutOfMemory(DeviceOutOfMemory, torch.OutOfMemoryError):
+    """Caught by ``except torch.cuda.OutOfMemoryError`` as well as ``except DeviceOutOfMemory``."""
+
+
+def active_device() -> SimDevice | None:
+    """The SimDevice of the innermost active :class:`SimulatedCuda`, if any."""
+    return _active[-1].device if _active else None
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _is_cpu(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cpu")
+    return isinstance(device, torch.device) and device.type == "cpu"
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+@dataclass(frozen=True)
+class _DeviceProperties:
+    """What ``torch.cuda.get_device_properties`` callers read."""
+
+    name: str
+    total_memory: int
+    multi_processor_count: int
+    major: int
+    minor: int
+    is_integrated: bool = False
+    is_multi_gpu_board: bool = False
+    L2_cache_size: int = 0
+    uuid: str = "GPU-simulated"
+
+
+class SimCUDAGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``: capture maps to ``SimDevice.graph_capture``; replay is
+    a no-op; ``reset`` (and garbage collection) releases the pool the way torch does, lazily: its
+    free segments are returned at the next ``empty_cache``."""
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        sim = _active[-1] if _active else None
+        if sim is None:
+            raise RuntimeError("SimCUDAGraph needs an active SimulatedCuda")
+        self._device = sim.device
+        self._pool: GraphPool | None = None
+        self._capture: Any = None
+        self._finalizer: weakref.finalize | None = None
+
+    def capture_begin(self, pool: GraphPool | None = None, capture_error_mode: str = "global") -> None:
+        self._capture = self._device.graph_capture(pool)
+        self._pool = self._capture.__enter__()
+        self._finalizer = weakref.finalize(self, _release_pool, self._device, self._pool)
+
+    def capture_end(self) -> None:
+        capture, self._capture = self._capture, None
+        if capture is None:
+            raise RuntimeError("capture_end() without capture_begin()")
+        capture.__exit__(None, None, None)
+
+    def replay(self) -> None:
+        if self._pool is None:
+            raise RuntimeError("replay() of a graph that was never captured")
+
+    def reset(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._pool = None
+
+    def pool(self) -> GraphPool:
+        if self._pool is None:
+            raise RuntimeError("pool() of a graph that was never captured")
+        return self._pool
+
+    def enable_debug_mode(self) -> None:
+        pass
+
+    def debug_dump(self, debug_path: str) -> None:
+        pass
+
+
+def _release_pool(device: SimDevice, pool: GraphPool) -> None:
+    if not pool.released and device.allocator.graph_pools.get(pool.id) is pool:
+        device.release_graph_pool(pool, lazy=True, graphs=1)
+
+
+class _SimGraphContext:
+    """Stands in for ``torch.cuda.graph``: empty_cache, then capture into the graph's pool."""
+
+    default_capture_stream = None
+
+    def __init__(
+        self,
+        cuda_graph: SimCUDAGraph,
+        pool: GraphPool | None = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",
+        **_: Any,
+    ) -> None:
+        self.cuda_graph = cuda_graph
+        self.pool = pool
+
+    def __enter__(self) -> None:
+        self.cuda_graph._device.empty_cache()
+        self.cuda_graph.capture_begin(self.pool)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cuda_graph.capture_end()
+
+
+class SimulatedCuda:
+    """Serve ``device="cuda"`` tensor creation from CPU memory, recorded on ``device``.
+
+    Owners default to ``module.qualname`` of the first calling frame outside torch and this
+    package, tags to the torch API (``torch.empty``, ``Tensor.to``); ``owner_resolver(frame, api)``
+    may return an owner or an ``(owner, tag)`` pair instead (``None`` keeps the default), and
+    :meth:`owner_scope` overrides both for a block of code. Re-entrant use of one instance is not
+    supported; nesting two instances is (the inner one wins).
+    """
+
+    def __init__(self, device: SimDevice, owner_resolver: OwnerResolver | None = None) -> None:
+        self.device = device
+        self.owner_resolver = owner_resolver
+        self._registry: dict[int, Allocation] = {}
+        self._scope: list[tuple[str, str | None]] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._mode: _Mode | None = None
+
+    # -- public ----------------------------------------------------------------------------------------
+
+    @contextmanager
+    def owner_scope(self, owner: str, tag: str | None = None) -> Iterator[None]:
+        """Attribute every allocation inside the block to ``owner`` (and ``tag`` when given)."""
+        self._scope.append((owner, tag))
+        try:
+            yield
+        finally:
+            self._scope.pop()
+
+    def allocation_of(self, tensor: torch.Tensor) -> Allocation | None:
+        """The ledger entry behind a simulated tensor (``None`` for plain CPU tensors)."""
+        return self._registry.get(_storage_ptr(tensor))
+
+    def is_simulated(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a simulated device (or pinned host) tensor."""
+        return _storage_ptr(tensor) in self._registry
+
+    def __enter__(self) -> "SimulatedCuda":
+        if self._mode is not None:
+            raise RuntimeError("this SimulatedCuda is already active")
+        mode = _Mode(self)
+        mode.__enter__()
+        self._mode = mode
+        try:
+            self._patch()
+        except BaseException:
+            self._unpatch()
+            self._mode = None
+            mode.__exit__(None, None, None)
+            raise
+        with _active_lock:
+            _active.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with _active_lock:
+            if self in _active:
+                _active.remove(self)
+        mode, self._mode = self._mode, None
+        try:
+            self._unpatch()
+        finally:
+            if mode is not None:
+                mode.__exit__(*exc)
+
+    # -- torch.cuda patching ---------------------------------------------------------------------------
+
+    def _patch(self) -> None:
+        dev = self.device
+
+        def ignore_device(fn: Callable[[], Any]) -> Callable[..., Any]:
+            def wrapper(device: Any = None) -> Any:
+                return fn()
+
+            wrapper.__name__ = getattr(fn, "__name__", "sim")
+            wrapper.__doc__ = "Simulated: answered from the SimDevice ledger."
+            return wrapper
+
+        cc = dev.compute_capability
+        props = _DeviceProperties(dev.name, dev.total_memory, dev.num_sm, cc[0], cc[1])
+
+        def synchronize(device: Any = None) -> None:
+            return None
+
+        def graph_pool_handle() -> GraphPool:
+            return dev.new_graph_pool()
+
+        replacements: dict[str, Any] = {
+            "mem_get_info": ignore_device(dev.mem_get_info),
+            "memory_allocated": ignore_device(dev.memory_allocated),
+            "memory_reserved": ignore_device(dev.memory_reserved),
+            "max_memory_allocated": ignore_device(dev.max_memory_allocated),
+            "max_memory_reserved": ignore_device(dev.max_memory_reserved),
+            "memory_stats": ignore_device(dev.memory_stats),
+            "reset_peak_memory_stats": ignore_device(dev.reset_peak_memory_stats),
+            "reset_max_memory_allocated": ignore_device(dev.reset_peak_memory_stats),
+            "empty_cache": lambda: dev.empty_cache(),
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "init": lambda: None,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": lambda device: None,
+            "synchronize": synchronize,
+            "get_device_properties": ignore_device(lambda: props),
+            "get_device_name": ignore_device(lambda: dev.name),
+            "get_device_capability": ignore_device(lambda: (props.major, props.minor)),
+            "graph": _SimGraphContext,
+            "CUDAGraph": SimCUDAGraph,
+            "graph_pool_handle": graph_pool_handle,
+            "is_current_stream_capturing": lambda: dev.capturing,
+        }
+        for module in (torch.cuda, torch.cuda.memory, torch.cuda.graphs):
+            for name, value in replacements.items():
+                if module is not torch.cuda and not hasattr(module, name):
+                    continue
+                self._saved.append((module, name, module.__dict__.get(name, _MISSING)))
+                setattr(module, name, value)
+
+    def _unpatch(self) -> None:
+        while self._saved:
+            module, name, value = self._saved.pop()
+            if value is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, value)
+
+    # -- the ledger ------------------------------------------------------------------------------------
+
+    def _attribution(self, api: str) -> tuple[str, str, str]:
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_PACKAGE_DIR) or filename == _CONTEXTLIB):
+                break
+            frame = frame.f_back
+        if frame is None:
+            return ("<unknown>", api, "<unknown>")
+        code = frame.f_code
+        stack = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        owner = f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
+        tag = api
+        if self.owner_resolver is not None:
+            answer = self.owner_resolver(frame, api)
+            if isinstance(answer, tuple):
+                owner, tag = answer
+            elif answer is not None:
+                owner = answer
+        if self._scope:
+            scope_owner, scope_tag = self._scope[-1]
+            owner = scope_owner
+            if scope_tag is not None:
+                tag = scope_tag
+        return owner, tag, stack
+
+    def _record(self, t: torch.Tensor, api: str, pinned: bool) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        nbytes = storage.nbytes()
+        if ptr == 0 or nbytes == 0 or ptr in self._registry:
+            return
+        owner, tag, stack = self._attribution(api)
+        try:
+            alloc = self.device.allocate(nbytes, owner=owner, tag=tag, pinned_host=pinned, stack=stack)
+        except DeviceOutOfMemory as err:
+            if isinstance(err, torch.OutOfMemoryError):
+                raise
+            raise SimulatedCudaOutOfMemory(
+                requested=err.requested,
+                segment=err.segment,
+                free=err.free,
+                capacity=err.capacity,
+                allocated=err.allocated,
+                reserved=err.reserved,
+                nontorch=err.nontorch,
+                owner=err.owner,
+                tag=err.tag,
+                phase=err.phase,
+                device_name=err.device_name,
+                injected=err.injected,
+            ) from None
+        self._registry[ptr] = alloc
+        weakref.finalize(storage, self._release, ptr, alloc)
+
+    def _release(self, ptr: int, alloc: Allocation) -> None:
+        if self._registry.get(ptr) is alloc:
+            del self._registry[ptr]
+        if alloc.alive:
+            self.device.free(alloc)
+
+
+class _Mode(TorchFunctionMode):
+    """Rewrites cuda placements to cpu and records the new storages the call produced."""
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        registry = self.sim._registry
+        if kwargs is None:
+            kwargs = {}
+        if func == _DEVICE_GET:
+            alloc = registry.get(_storage_ptr(args[0]))
+            return _CUDA0 if alloc is not None and alloc.kind == "device" else func(*args)
+        if func == _IS_CUDA_GET:
+            alloc = registry.get(_storage_ptr(args[0]))
+            return alloc is not None and alloc.kind == "device"
+        if getattr(func, "__name__", None) == "__get__":
+            return func(*args, **kwargs)
+        if func == _TENSOR_CUDA:
+            return self._to_cuda(args[0], "Tensor.cuda")
+        if func == _TENSOR_TO:
+            return self._tensor_to(func, args, kwargs)
+        if func == _TENSOR_CPU:
+            return self._to_cpu(func(*args, **kwargs))
+        if func == _TENSOR_GET_DEVICE:
+            alloc = registry.get(_storage_ptr(args[0]))
+            return 0 if alloc is not None and alloc.kind == "device" else func(*args, **kwargs)
+        if func == _TENSOR_PIN:
+            out = args[0].clone()
+            self.sim._record(out, "Tensor.pin_memory", pinned=True)
+            return out
+        if func == _TENSOR_IS_PINNED:
+            alloc = registry.get(_storage_ptr(args[0]))
+            return alloc is not None and alloc.kind == "pinned_host"
+
+        pinned = bool(kwargs.get("pin_memory"))
+        if pinned:
+            kwargs = dict(kwargs)
+            kwargs.pop("pin_memory")
+        device = kwargs.get("device", _MISSING)
+        if device is not _MISSING and _is_cuda(device):
+            kwargs = dict(kwargs)
+            kwargs["device"] = "cpu"
+            to_cuda = True
+        elif device is not _MISSING and device is not None:
+            to_cuda = False
+        else:
+            to_cuda = None
+        host_inputs = set()
+        any_sim = False
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                ptr = _storage_ptr(a)
+                if ptr in registry:
+                    any_sim = True
+                else:
+                    host_inputs.add(ptr)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        ptr = _storage_ptr(b)
+                        if ptr in registry:
+                            any_sim = True
+                        else:
+                            host_inputs.add(ptr)
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                ptr = _storage_ptr(v)
+                if ptr in registry:
+                    any_sim = True
+                else:
+                    host_inputs.add(ptr)
+        out = func(*args, **kwargs)
+        record_device = to_cuda if to_cuda is not None else any_sim
+        if not (record_device or pinned):
+            return out
+        api = _api_name(func)
+        return self._record_outputs(out, api, pinned and not to_cuda, host_inputs)
+
+    def _record_outputs(self, out: Any, api: str, pinned: bool, host_inputs: set[int]) -> Any:
+        if isinstance(out, torch.Tensor):
+            if _storage_ptr(out) in host_inputs:
+                out = out.clone()
+            self.sim._record(out, api, pinned)
+            return out
+        if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+            items = [self._record_outputs(o, api, pinned, host_inputs) for o in out]
+            return type(out)(items) if not hasattr(out, "_fields") else type(out)(*items)
+        return out
+
+    def _to_cuda(self, t: torch.Tensor, api: str) -> torch.Tensor:
+        if _storage_ptr(t) in self.sim._registry and self.sim._registry[_storage_ptr(t)].kind == "device":
+            return t
+        out = t.clone()
+        self.sim._record(out, api, pinned=False)
+        return out
+
+    def _to_cpu(self, out: torch.Tensor) -> torch.Tensor:
+        registry = self.sim._registry
+        alloc = registry.get(_storage_ptr(out))
+        if alloc is not None and alloc.kind == "device":
+            return out.clone()
+        return out
+
+    def _tensor_to(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        src = args[0]
+        target: Any = kwargs.get("device", _MISSING)
+        rest = list(args[1:])
+        if target is _MISSING:
+            target = None
+            for i, a in enumerate(rest):
+                if isinstance(a, (str, torch.device)) or (isinstance(a, int) and not isinstance(a, bool)):
+                    target = a
+                    rest[i] = "cpu"
+                    break
+                if isinstance(a, torch.Tensor):
+                    alloc = self.sim._registry.get(_storage_ptr(a))
+                    target = "cuda" if alloc is not None and alloc.kind == "device" else None
+                    if target is not None:
+                        rest[i] = a.dtype
+                    break
+        else:
+            kwargs = dict(kwargs)
+            kwargs["device"] = "cpu"
+        if target is not None and _is_cuda(target):
+            registry = self.sim._registry
+            src_alloc = registry.get(_storage_ptr(src))
+            out = func(src, *rest, **kwargs)
+            if src_alloc is not None and src_alloc.kind == "device":
+                if _storage_ptr(out) == _storage_ptr(src):
+                    return out
+                self.sim._record(out, "Tensor.to", pinned=False)
+                return out
+            if _storage_ptr(out) == _storage_ptr(src):
+                out = out.clone()
+            self.sim._record(out, "Tensor.to", pinned=False)
+            return out
+        out = func(*args, **kwargs)
+        if target is not None and _is_cpu(target):
+            return self._to_cpu(out)
+        src_alloc = self.sim._registry.get(_storage_ptr(src))
+        if src_alloc is not None and src_alloc.kind == "device" and _storage_ptr(out) != _storage_ptr(src):
+            self.sim._record(out, "Tensor.to", pinned=False)
+        return out
+
+
+def _api_name(func: Any) -> str:
+    name = getattr(func, "__name__", repr(func))
+    qualname = getattr(func, "__qualname__", name)
+    if qualname.startswith(("TensorBase.", "Tensor.")):
+        return "Tensor." + name
+    return "torch." + name

@@ -1,0 +1,109 @@
+"""The reference shared workspace manager: one float arena per micro-batch, locked after warmup.
+
+It allocates through a Device (simulated or CUDA) so that the same manager runs on both tiers.
+Captured CUDA graphs hold raw pointers into the arena, so once locked the arena may neither grow nor
+move; growth after lock is an error that says who asked, for how much, and what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1 << 20
+OWNER = "workspace-manager"
+
+
+class WorkspaceLockedError(RuntimeError):
+    """A requester asked the locked arena to grow."""
+
+    def __init__(self, requester: str, ubatch: int, requested: int, current: int):
+        self.requester, self.ubatch, self.requested, self.current = requester, ubatch, requested, current
+        super().__init__(
+            f"Workspace is locked but {requester!r} requires {requested / MiB:.2f} MiB "
+            f"({requested} bytes) in ubatch {ubatch}, current size is {current / MiB:.2f} MiB "
+            f"({current} bytes). Growth after lock would move the arena under captured CUDA graphs; "
+            "reserve the largest size the backend needs during memory profiling or warmup instead."
+        )
+
+
+@dataclass(frozen=True)
+class ArenaView:
+    """What a requester gets: a pointer into its micro-batch's arena and the bytes it may use."""
+
+    ubatch: int
+    ptr: int
+    nbytes: int
+    arena_size: int
+
+    @property
+    def end(self) -> int:
+        return self.ptr + self.nbytes
+
+
+class WorkspaceManager:
+    """Owns one float arena per micro-batch; grows on demand until ``lock()``."""
+
+    def __init__(self, device: Any, num_ubatches: int = 1, alignment: int = 256):
+        if num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+        self.device = device
+        self.num_ubatches = num_ubatches
+        self.alignment = alignment
+        self._arenas: list[Any | None] = [None] * num_ubatches
+        self.locked = False
+        self.grow_count = 0
+        self.requesters: dict[str, int] = {}
+
+    def _check_ubatch(self, ubatch: int) -> None:
+        if not 0 <= ubatch < self.num_ubatches:
+            raise IndexError(f"ubatch {ubatch} out of range: the manager has {self.num_ubatches} micro-batch arenas")
+
+    def size(self, ubatch: int = 0) -> int:
+        self._check_ubatch(ubatch)
+        arena = self._arenas[ubatch]
+        return arena.nbytes if arena is not None else 0
+
+    def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
+        """Return a view of at least ``nbytes`` in ``ubatch``'s arena, growing it if unlocked."""
+        self._check_ubatch(ubatch)
+        if nbytes < 0:
+            raise ValueError(f"{requester!r} asked for a negative workspace ({nbytes} bytes)")
+        nbytes = -(-nbytes // self.alignment) * self.alignment
+        self.requesters[requester] = max(self.requesters.get(requester, 0), nbytes)
+        arena = self._arenas[ubatch]
+        current = arena.nbytes if arena is not None else 0
+        if nbytes > current:
+            if self.locked:
+                raise WorkspaceLockedError(requester, ubatch, nbytes, current)
+            if arena is not None:
+                self.device.free(arena)
+            arena = self.device.allocate(nbytes, owner=OWNER, tag=f"float-arena[ubatch {ubatch}] for {requester}")
+            self._arenas[ubatch] = arena
+            self.grow_count += 1
+        return ArenaView(ubatch=ubatch, ptr=arena.ptr, nbytes=nbytes, arena_size=arena.nbytes)
+
+    def reserve(self, requester: str, nbytes: int) -> list[ArenaView]:
+        """Grow every micro-batch arena to ``nbytes`` (what a backend does inside the profiling window)."""
+        return [self.get_workspace(requester, nbytes, u) for u in range(self.num_ubatches)]
+
+    def snapshot(self) -> tuple[tuple[int, int, int], ...]:
+        """(ubatch, pointer, size) for every arena: what captured graphs depend on."""
+        out = []
+        for u, arena in enumerate(self._arenas):
+            out.append((u, arena.ptr if arena is not None else 0, arena.nbytes if arena is not None else 0))
+        return tuple(out)
+
+    def lock(self) -> None:
+        self.locked = True
+
+    def unlock(self) -> None:
+        self.locked = False
+
+    def close(self) -> None:
+        """Free every arena (end of a case); the manager is unusable afterwards."""
+        for u, arena in enumerate(self._arenas):
+            if arena is not None:
+                self.device.free(arena)
+                self._arenas[u] = None
+        self.locked = True

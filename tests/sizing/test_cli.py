@@ -1,0 +1,99 @@
+"""``kvprofile size``: exit codes, JSON keys, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pytest_kvprofile.cli import main
+
+MATRIX = """\
+name: tiny
+envelope:
+  max_num_seqs: 64
+  max_num_batched_tokens: 2048
+  cuda_graph_sizes: [1, 2, 4, 8, 64]
+models:
+  qwen3-8b: {heads_q: 32, heads_kv: 8, head_dim: 128, num_layers: 36, weights_gib: 16}
+gpus: [L40S, B200]
+tp: [1, 2]
+"""
+
+
+def _json(capsys) -> dict:
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def test_acceptance_command_json(oracle, capsys):
+    rc = main(["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--sm", "142",
+               "--json"])
+    assert rc == 0
+    data = _json(capsys)
+    for key in ("float_workspace_bytes", "int_workspace_bytes", "worst_batch", "method",
+                "flashinfer_version", "num_sm", "heads_q", "heads_kv"):
+        assert key in data
+    assert set(data["worst_batch"]) == {"qo_lens", "kv_lens", "cuda_graph"}
+    assert data["method"] == "oracle" and data["exact"] and data["num_sm"] == 142
+    batch = data["worst_batch"]
+    oracle.set_device(142)
+    got, _ = oracle.prefill(batch["qo_lens"], batch["kv_lens"], heads_q=32, heads_kv=8,
+                            head_dim=128, page_size=16, cuda_graph=batch["cuda_graph"])
+    assert got == data["float_workspace_bytes"]
+
+
+def test_gpu_tp_dcp_and_table(capsys):
+    rc = main(["size", "--heads-q", "64", "--heads-kv", "8", "--head-dim", "128", "--gpu", "B200",
+               "--tp", "4", "--dcp", "2", "--cuda-graph", "--no-oracle", "--json"])
+    assert rc == 0
+    data = _json(capsys)
+    assert (data["num_sm"], data["heads_q"], data["heads_kv"], data["heads_q_decode"]) == (
+        148, 16, 2, 32)
+    assert data["method"] == "analytic" and data["worst_batch"]["cuda_graph"] is True
+    rc = main(["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--sm", "77",
+               "--no-oracle"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "required" in out and "prefill" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128"],
+    ["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--sm", "142", "--tp", "3"],
+    ["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "x", "--sm", "142"],
+    ["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--sm", "0"],
+    ["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--gpu", "Z999"],
+    ["size", "--model", "nope", "--sm", "142"],
+    ["size", "--heads-q", "30", "--heads-kv", "8", "--head-dim", "128", "--sm", "142"],
+    ["bogus"],
+])
+def test_bad_arguments_exit_2(argv, capsys, tmp_path):
+    if "--model" in argv:
+        path = tmp_path / "m.yaml"
+        path.write_text(MATRIX)
+        argv = [*argv, "--matrix", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "error" in err[-1]
+
+
+def test_model_from_matrix(tmp_path, capsys):
+    path = tmp_path / "m.yaml"
+    path.write_text(MATRIX)
+    rc = main(["size", "--model", "qwen3-8b", "--matrix", str(path), "--gpu", "L40S", "--tp", "2",
+               "--no-oracle", "--json"])
+    assert rc == 0
+    data = _json(capsys)
+    assert (data["heads_q"], data["heads_kv"], data["num_sm"]) == (16, 4, 142)
+
+
+def test_report(tmp_path, capsys):
+    path = tmp_path / "m.yaml"
+    path.write_text(MATRIX)
+    assert main(["size", "--report", str(path), "--no-oracle", "--json"]) == 0
+    data = _json(capsys)
+    assert len(data["rows"]) == 4 and data["headline"]
+    assert {r["gpu"] for r in data["rows"]} == {"L40S", "B200"}
+    assert main(["size", "--report", str(path), "--no-oracle"]) == 0
+    out = capsys.readouterr().out
+    assert "flashinfer-default" in out and "seed004-rule" in out
