@@ -19,6 +19,7 @@ from .models import KV_DTYPE_BYTES, ModelSpec, RankHeads, impossible_layout, ran
 from .topology import GIB, GpuSpec, lookup_gpu, slugify
 
 GB = 10**9
+MAX_NUMBER = 2**53
 
 
 class MatrixError(ValueError):
@@ -135,6 +136,13 @@ def _check_type(path: str, key: str, value: Any, expected: Any) -> None:
     if not ok:
         names = " or ".join("integer" if t is int else t.__name__ for t in types)
         raise MatrixError(path, key, f"expected {names}, got {value!r}")
+    _in_range(path, key, value)
+
+
+def _in_range(path: str, key: str, value: Any) -> None:
+    """Numbers beyond 2**53 only come from typos; past it, byte arithmetic overflows floats."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+        raise MatrixError(path, key, f"{value!r} is out of range (at most {MAX_NUMBER})")
 
 
 def _mapping(path: str, key: str, value: Any) -> dict:
@@ -150,7 +158,7 @@ def _unknown(path: str, where: str, keys: Iterable[str], allowed: Iterable[str])
     for k in keys:
         if k not in allowed:
             choices = ", ".join(sorted(allowed))
-            raise MatrixError(path, f"{where}{k}", f"unknown key (allowed: {choices})")
+            raise MatrixError(path, f"{where}{k}" if k else f"{where}<empty key>", f"unknown key (allowed: {choices})")
 
 
 def _int_list(path: str, key: str, value: Any, minimum: int) -> list[int]:
@@ -159,6 +167,7 @@ def _int_list(path: str, key: str, value: Any, minimum: int) -> list[int]:
     for i, item in enumerate(value):
         if not _is_int(item) or item < minimum:
             raise MatrixError(path, f"{key}[{i}]", f"expected an integer >= {minimum}, got {item!r}")
+        _in_range(path, f"{key}[{i}]", item)
     if len(set(value)) != len(value):
         raise MatrixError(path, key, f"duplicate values in {value!r}")
     return list(value)
@@ -268,8 +277,26 @@ def _parse_excludes(path: str, raw: Any) -> list[dict]:
         _unknown(path, f"exclude[{i}].", item, _EXCLUDE_KEYS)
         if not item:
             raise MatrixError(path, f"exclude[{i}]", "an empty exclusion would remove every case")
+        _rule_values(path, f"exclude[{i}]", item)
         out.append(item)
     return out
+
+
+_RULE_TYPES = {"model": str, "gpu": (str, int), "tp": int, "dcp": int, "mtp": int, "gmu": (int, float),
+               "interconnect": str, "min_tp": int}
+
+
+def _rule_values(path: str, where: str, rule: dict) -> None:
+    """An exclude/when value is a scalar of the axis's type or a non-empty list of them."""
+    for key, want in rule.items():
+        if key == "min_tp":
+            _check_type(path, f"{where}.{key}", want, int)
+            continue
+        wants = want if isinstance(want, list) else [want]
+        if not wants:
+            raise MatrixError(path, f"{where}.{key}", "expected a value or a non-empty list of values")
+        for w in wants:
+            _check_type(path, f"{where}.{key}", w, _RULE_TYPES[key])
 
 
 def _parse_resources(path: str, raw: Any) -> list[tuple[dict, Resource]]:
@@ -284,6 +311,7 @@ def _parse_resources(path: str, raw: Any) -> list[tuple[dict, Resource]]:
             raise MatrixError(path, f"{where}.kind", "missing or empty resource kind")
         when = _mapping(path, f"{where}.when", item.get("when", {}))
         _unknown(path, f"{where}.when.", when, _EXCLUDE_KEYS | {"interconnect", "min_tp"})
+        _rule_values(path, f"{where}.when", when)
         params = _mapping(path, f"{where}.params", item.get("params", {}))
         out.append((when, Resource(item["kind"], tuple(sorted(params.items())))))
     return out

@@ -7,9 +7,18 @@ import threading
 import traceback
 from typing import Any, Callable
 
+import pytest
 
-class CheckTimeout(AssertionError):
-    """A check exceeded its time limit; the message holds where the backend was stuck."""
+
+class CheckTimeout(pytest.fail.Exception):  # type: ignore[name-defined,misc]
+    """A check exceeded its time limit; the message holds where the backend was stuck.
+
+    A pytest failure without a Python traceback: the stack that matters is the hanging thread's,
+    which the message carries, not the harness frames that waited for it.
+    """
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg, pytrace=False)
 
 
 def call_with_timeout(seconds: float, label: str, fn: Callable[..., Any], *args: Any) -> Any:

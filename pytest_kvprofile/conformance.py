@@ -1,0 +1,56 @@
+"""Run backends over cases without pytest: the catch table of the mutant catalog, and sweeps.
+
+The pytest suite is the interface for backend authors; this is the same checks as a plain loop,
+for the project's own acceptance tests and for ``kvprofile catch-table``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .checks import failing_checks
+from .lifecycle import run_lifecycle
+
+
+@dataclass
+class Sweep:
+    """Per backend: how often each check failed, the cases no check failed, and one message per check."""
+
+    backend: str
+    bug_class: int | None
+    cases: int = 0
+    failures: Counter = field(default_factory=Counter)
+    escaped: list[str] = field(default_factory=list)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def caught_everywhere(self) -> bool:
+        return self.cases > 0 and not self.escaped
+
+
+def sweep(backends: Iterable[Any], cases: Iterable[Any]) -> list[Sweep]:
+    cases = [c for c in cases if c.skip_reason is None]
+    out = []
+    for backend in backends:
+        s = Sweep(backend.name, backend.bug_class)
+        for case in cases:
+            failed = failing_checks(run_lifecycle(backend, case))
+            s.cases += 1
+            if not failed:
+                s.escaped.append(case.id)
+            for check, violations in failed.items():
+                s.failures[check] += 1
+                s.examples.setdefault(check, violations[0])
+        out.append(s)
+    return out
+
+
+def catch_table(sweeps: list[Sweep]) -> list[str]:
+    """Markdown: backend -> checks that failed (on how many cases), and cases where nothing failed."""
+    lines = ["| backend | bug class | cases | failing checks (cases) | escaped |", "|---|---|---|---|---|"]
+    for s in sweeps:
+        checks = ", ".join(f"{name} ({n})" for name, n in sorted(s.failures.items())) or "none"
+        lines.append(f"| {s.backend} | {s.bug_class or '-'} | {s.cases} | {checks} | {len(s.escaped)} |")
+    return lines

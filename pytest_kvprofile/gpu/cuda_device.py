@@ -1,0 +1,386 @@
+"""The Device interface on real ``torch.cuda``, so ``run_lifecycle`` runs unchanged on a GPU.
+
+Every allocation is a ``uint8`` CUDA tensor held by the ledger entry; freeing drops the reference
+and PyTorch's caching allocator does the rest, so ``memory_reserved``/``mem_get_info`` are the real
+allocator's figures, not a model. The block size the allocator rounded to is measured as the rise
+of ``memory_allocated`` across the allocation. Graph captures are real ``torch.cuda.graph`` captures
+into a private pool; a pool's reserved bytes are the rise of ``memory_reserved`` inside its
+captures (``cudaFree`` cannot happen during capture), checked against ``memory_snapshot`` where
+torch reports segment pools.
+
+Non-torch memory (the CUDA context, cuBLAS/NCCL handles) is ``total - free - reserved`` measured
+when the device is created, as vLLM measures it.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NoReturn
+
+from ..allocator import round_size, segment_size
+from ..device import Allocation, DeviceEvent, DeviceOutOfMemory
+
+__all__ = ["CudaDevice", "CudaDeviceFactory", "CudaGraphPool"]
+
+
+def _host_size(nbytes: int) -> int:
+    """Torch's CachingHostAllocator rounds pinned blocks up to a power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+@dataclass(eq=False)
+class CudaGraphPool:
+    """A private graph pool: torch's handle, the graphs captured into it, and its reserved bytes.
+
+    Attribute names follow the simulated GraphPool so the lifecycle and checks read either.
+    """
+
+    id: str
+    handle: Any
+    graphs: list[Any] = field(default_factory=list)
+    use_count: int = 0
+    released: bool = False
+    reserved: int = 0
+    high_water_reserved: int = 0
+    allocated: int = 0
+    high_water_allocated: int = 0
+    measured_reserved: int | None = None  # from memory_snapshot at the end of the last capture
+
+
+class CudaDevice:
+    """A real CUDA device behind the simulated device's interface (see ``pytest_kvprofile.device``)."""
+
+    def __init__(self, index: int = 0, *, torch_mod: Any = None, record_stacks: bool = False) -> None:
+        if torch_mod is None:
+            import torch as torch_mod
+        self._torch = torch_mod
+        self._cuda = torch_mod.cuda
+        self.index = index
+        self._dev = torch_mod.device("cuda", index) if hasattr(torch_mod, "device") else f"cuda:{index}"
+        props = self._cuda.get_device_properties(index)
+        self.name: str = str(props.name)
+        self.num_sm: int = int(props.multi_processor_count)
+        self.compute_capability: tuple[int, int] = (int(props.major), int(props.minor))
+        self.record_stacks = record_stacks
+        free, total = self._cuda.mem_get_info(index)
+        self.total_memory: int = int(total)
+        self.start_reserved: int = int(self._cuda.memory_reserved(index))
+        self.start_allocated: int = int(self._cuda.memory_allocated(index))
+        self.nontorch_bytes: int = int(total) - int(free) - self.start_reserved
+        self._phase = "init"
+        self._seq = 0
+        self._next_id = 0
+        self._live: dict[int, Allocation] = {}
+        self._subscribers: list[Callable[[DeviceEvent], None]] = []
+        self._fail_countdown: int | None = None
+        self._pools: dict[str, CudaGraphPool] = {}
+        self._pool_counter = 0
+        self._capture: tuple[CudaGraphPool, int, int] | None = None  # (pool, reserved at start, pool bytes before)
+        self.host_allocated = 0
+        self.max_host_allocated = 0
+
+    def __repr__(self) -> str:
+        return (f"CudaDevice(cuda:{self.index} {self.name!r}, allocated={self.memory_allocated()}, "
+                f"reserved={self.memory_reserved()}, phase={self._phase!r})")
+
+    # -- phase and events ----------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self._emit("phase", None)
+
+    @property
+    def capturing(self) -> bool:
+        return self._capture is not None
+
+    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` for every event from now on; the returned function unsubscribes."""
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _emit(self, kind: str, alloc: Allocation | None, nbytes: int = 0, pool: str = "", ptr: int = 0) -> None:
+        self._seq += 1
+        if not self._subscribers:
+            return
+        event = DeviceEvent(self._seq, kind, self._phase, alloc, self.memory_allocated(), self.memory_reserved(),
+                            nbytes, pool, ptr)
+        for callback in tuple(self._subscribers):
+            callback(event)
+
+    # -- allocate / free -----------------------------------------------------------------------
+    def fail_after(self, n: int) -> None:
+        """The next ``n`` allocations succeed, the one after raises DeviceOutOfMemory (once)."""
+        if n < 0:
+            raise ValueError(f"fail_after needs n >= 0, got {n}")
+        self._fail_countdown = n
+
+    def _pool_id(self) -> str:
+        return self._capture[0].id if self._capture is not None else "default"
+
+    def allocate(self, nbytes: int, *, owner: str, tag: str = "", pinned_host: bool = False,
+                 stack: str | None = None) -> Allocation:
+        """A ``uint8`` tensor of ``nbytes`` (pinned host memory with ``pinned_host``), in the ledger."""
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes (owner {owner!r}, tag {tag!r})")
+        if self._fail_countdown is not None:
+            if self._fail_countdown == 0:
+                self._fail_countdown = None
+                self._raise_oom(nbytes, owner, tag, injected=True)
+            self._fail_countdown -= 1
+        if stack is None and self.record_stacks:
+            stack = _caller_stack()
+        torch = self._torch
+        if pinned_host:
+            tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            size = _host_size(nbytes)
+            kind, pool = "pinned_host", "default"
+            self.host_allocated += size
+            self.max_host_allocated = max(self.max_host_allocated, self.host_allocated)
+        else:
+            before = self.memory_allocated()
+            try:
+                tensor = torch.empty(nbytes, dtype=torch.uint8, device=self._dev)
+            except self._cuda.OutOfMemoryError:
+                self._raise_oom(nbytes, owner, tag)
+            size = self.memory_allocated() - before
+            kind, pool = "device", self._pool_id()
+        self._next_id += 1
+        ptr = int(tensor.data_ptr()) if nbytes else 0
+        alloc = Allocation(self._next_id, ptr, nbytes, size, owner, tag, kind, pool, self._phase, stack)
+        alloc._tensor = tensor  # not a field: asdict()/replace() must not copy device memory
+        self._live[alloc.id] = alloc
+        if self._capture is not None and kind == "device":
+            self._update_capture()
+        self._emit("alloc", alloc)
+        return alloc
+
+    def _raise_oom(self, nbytes: int, owner: str, tag: str, injected: bool = False) -> NoReturn:
+        err = DeviceOutOfMemory(
+            requested=nbytes, segment=segment_size(round_size(nbytes)) if nbytes else 0,
+            free=self.mem_get_info()[0], capacity=self.total_memory, allocated=self.memory_allocated(),
+            reserved=self.memory_reserved(), nontorch=self.nontorch_bytes, owner=owner, tag=tag,
+            phase=self._phase, device_name=self.name, injected=injected,
+        )
+        self._emit("oom", None, nbytes)
+        raise err
+
+    def free(self, alloc: Allocation) -> None:
+        """Drop the ledger's reference; the caching allocator keeps the block cached (reserved stays)."""
+        if not alloc.alive:
+            raise ValueError(
+                f"double free of allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}, "
+                f"allocated in phase {alloc.phase!r}, freed in phase {alloc.freed_phase!r})"
+            )
+        if self._live.pop(alloc.id, None) is not alloc:
+            raise ValueError(f"allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}) does not belong to {self.name!r}")
+        alloc.alive = False
+        alloc.freed_phase = self._phase
+        alloc.__dict__.pop("_tensor", None)
+        if alloc.kind == "pinned_host":
+            self.host_allocated -= alloc.size
+        self._emit("free", alloc)
+
+    def live_allocations(self) -> list[Allocation]:
+        return list(self._live.values())
+
+    def tensor(self, alloc: Allocation) -> Any:
+        """The uint8 tensor behind a live allocation."""
+        t = alloc.__dict__.get("_tensor")
+        if t is None or not alloc.alive:
+            raise ValueError(f"allocation {alloc.id} ({alloc.owner!r}, {alloc.tag!r}) is not alive on this device")
+        return t
+
+    def view(self, ptr: int, nbytes: int) -> Any:
+        """A uint8 view of ``[ptr, ptr + nbytes)`` inside one live device allocation (an arena view)."""
+        for a in self._live.values():
+            if a.kind == "device" and a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
+                off = ptr - a.ptr
+                return self.tensor(a)[off:off + nbytes]
+        raise ValueError(f"no live device allocation holds [{ptr:#x}, {ptr + nbytes:#x}) ({nbytes} bytes)")
+
+    def close(self) -> None:
+        """Let go of every tensor the ledger holds (the ledger's figures stay as they were), then
+        return the cached memory, so the next case starts from an empty allocator."""
+        for a in self._live.values():
+            a.__dict__.pop("_tensor", None)
+        for pool in self._pools.values():
+            for g in pool.graphs:
+                g.reset()
+            pool.graphs.clear()
+        gc.collect()
+        self._cuda.empty_cache()
+
+    # -- torch.cuda-shaped queries -------------------------------------------------------------
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._cuda.mem_get_info(self.index)
+        return int(free), int(total)
+
+    def memory_allocated(self) -> int:
+        return int(self._cuda.memory_allocated(self.index))
+
+    def memory_reserved(self) -> int:
+        return int(self._cuda.memory_reserved(self.index))
+
+    def max_memory_allocated(self) -> int:
+        return int(self._cuda.max_memory_allocated(self.index))
+
+    def max_memory_reserved(self) -> int:
+        return int(self._cuda.max_memory_reserved(self.index))
+
+    def reset_peak_memory_stats(self) -> None:
+        self._cuda.reset_peak_memory_stats(self.index)
+        self.max_host_allocated = self.host_allocated
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache``; skipped while capturing, where cudaFree is illegal."""
+        if self.capturing:
+            return
+        self._cuda.empty_cache()
+
+    def memory_stats(self) -> dict[str, int]:
+        return dict(self._cuda.memory_stats(self.index))
+
+    def segments(self) -> list[dict[str, Any]]:
+        """Torch's segment snapshot for this device (address order)."""
+        segs = [s for s in self._cuda.memory_snapshot() if s.get("device", self.index) == self.index]
+        return sorted(segs, key=lambda s: s.get("address", 0))
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+    def new_graph_pool(self) -> CudaGraphPool:
+        self._pool_counter += 1
+        pool = CudaGraphPool(f"graph_pool_{self._pool_counter}", self._cuda.graph_pool_handle())
+        self._pools[pool.id] = pool
+        return pool
+
+    def _pool_bytes(self, pool: CudaGraphPool) -> int | None:
+        """Reserved bytes of ``pool``'s segments per memory_snapshot, or None if torch does not say."""
+        try:
+            segs = self.segments()
+        except Exception:  # noqa: BLE001 - a snapshot is a cross-check, never required
+            return None
+        if not segs or "segment_pool_id" not in segs[0]:
+            return None
+        want = tuple(pool.handle) if isinstance(pool.handle, (tuple, list)) else pool.handle
+        return sum(int(s["total_size"]) for s in segs if tuple(s["segment_pool_id"]) == want)
+
+    def _update_capture(self) -> None:
+        assert self._capture is not None
+        pool, start, before = self._capture
+        pool.reserved = before + max(0, self.memory_reserved() - start)
+        pool.high_water_reserved = max(pool.high_water_reserved, pool.reserved)
+
+    @contextmanager
+    def graph_capture(self, pool: CudaGraphPool | None = None) -> Iterator[CudaGraphPool]:
+        """Capture one real CUDA graph into ``pool`` (a new one by default); its memory stays
+        reserved until ``release_graph_pool``. ``torch.cuda.graph`` empties the cache on entry, so
+        the pool's growth is measured from inside the capture."""
+        if self.capturing:
+            raise RuntimeError("graph_capture() is already active on this device; captures do not nest")
+        if pool is None:
+            pool = self.new_graph_pool()
+        elif pool.released or self._pools.get(pool.id) is not pool:
+            raise ValueError(f"graph pool {pool.id!r} was released or belongs to another device")
+        graph = self._cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            # The lifecycle's captured steps allocate but may launch nothing; an empty graph is fine.
+            warnings.filterwarnings("ignore", message=".*[Gg]raph.*empty.*")
+            with self._cuda.graph(graph, pool=pool.handle):
+                self._capture = (pool, self.memory_reserved(), pool.reserved)
+                try:
+                    yield pool
+                finally:
+                    self._update_capture()
+                    self._capture = None
+        pool.graphs.append(graph)
+        pool.use_count += 1
+        measured = self._pool_bytes(pool)
+        if measured is not None:
+            pool.measured_reserved = measured
+
+    def release_graph_pool(self, pool: CudaGraphPool, *, lazy: bool = False, graphs: int | None = None) -> None:
+        """Reset ``graphs`` of the pool's graphs (all by default); at zero the pool's free segments
+        go back to the device now (``empty_cache``) or, with ``lazy``, at the next ``empty_cache``."""
+        if self._pools.get(pool.id) is not pool:
+            if pool.released:
+                return
+            raise ValueError(f"graph pool {pool.id!r} belongs to another device")
+        if self._capture is not None and self._capture[0] is pool:
+            raise RuntimeError(f"cannot release graph pool {pool.id!r} while capturing into it")
+        n = len(pool.graphs) if graphs is None else min(graphs, len(pool.graphs))
+        for g in pool.graphs[:n]:
+            g.reset()
+        del pool.graphs[:n]
+        pool.use_count = len(pool.graphs)
+        if pool.use_count > 0 or lazy:
+            return
+        before = self.memory_reserved()
+        self._cuda.empty_cache()
+        measured = self._pool_bytes(pool)
+        pool.reserved = measured if measured is not None else max(0, pool.reserved - (before - self.memory_reserved()))
+        pool.released = True
+        if pool.reserved == 0:
+            self._pools.pop(pool.id, None)
+
+    def graph_pools(self) -> list[CudaGraphPool]:
+        return [p for p in self._pools.values() if p.reserved or p.use_count > 0]
+
+
+def _caller_stack() -> str:
+    """``path:line in func`` of the first frame outside pytest_kvprofile (the code that allocated)."""
+    import os
+
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(pkg):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+class CudaDeviceFactory:
+    """``device_factory`` for ``run_lifecycle`` on the GPU tier: one fresh CudaDevice per case.
+
+    A real device cannot hold every case's weights and KV cache at once, so ``release(result)``
+    drops what the run still references (builders' ``close()``, the ledger's tensors) as soon as
+    the result is recorded; the figures stay in the result.
+    """
+
+    def __init__(self, index: int = 0, *, torch_mod: Any = None, record_stacks: bool = False) -> None:
+        self.index = index
+        self._torch = torch_mod
+        self.record_stacks = record_stacks
+        self.last: CudaDevice | None = None
+        self.cases = 0
+
+    def __call__(self, case: Any) -> CudaDevice:
+        if self.last is not None:
+            self.last.close()
+            self.last = None
+        dev = CudaDevice(self.index, torch_mod=self._torch, record_stacks=self.record_stacks)
+        self.last = dev
+        self.cases += 1
+        return dev
+
+    def release(self, result: Any) -> None:
+        """Free the device memory a finished run still holds."""
+        for b in getattr(result, "builders", ()) or ():
+            close = getattr(b, "close", None)
+            if callable(close):
+                close()
+        if self.last is not None:
+            self.last.close()
+            self.last = None

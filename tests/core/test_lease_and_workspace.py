@@ -1,0 +1,68 @@
+"""Lease semantics and the reference workspace manager on the simulated device."""
+
+import pytest
+
+from pytest_kvprofile import Lease, LeaseReleasedError, WorkspaceLockedError, WorkspaceManager
+from pytest_kvprofile.device import SimDevice
+
+MiB = 1 << 20
+
+
+def test_release_is_idempotent_and_runs_the_callback_once():
+    calls = []
+    lease = Lease("fi", ["ws"], on_release=lambda: calls.append(1))
+    lease.release()
+    lease.release()
+    assert calls == [1]
+    assert lease.released and lease.release_count == 2
+
+
+def test_use_after_release_is_an_error():
+    lease = Lease("fi", ["ws"])
+    lease.release()
+    with pytest.raises(LeaseReleasedError, match="'fi'"):
+        lease.hold("more")
+
+
+@pytest.fixture
+def device():
+    return SimDevice(name="test", total_memory=8 << 30, num_sm=132)
+
+
+def test_arena_grows_until_locked_then_growth_names_requester_and_sizes(device):
+    mgr = WorkspaceManager(device, num_ubatches=1)
+    first = mgr.get_workspace("fi", 10 * MiB)
+    grown = mgr.get_workspace("gdn", 20 * MiB)
+    assert grown.arena_size == 20 * MiB and grown.ptr != first.ptr
+    assert mgr.get_workspace("fi", 5 * MiB).ptr == grown.ptr
+    mgr.lock()
+    with pytest.raises(WorkspaceLockedError) as info:
+        mgr.get_workspace("late-builder", 30 * MiB)
+    msg = str(info.value)
+    assert "'late-builder'" in msg and str(30 * MiB) in msg and str(20 * MiB) in msg and "Workspace is locked" in msg
+    assert mgr.snapshot() == ((0, grown.ptr, 20 * MiB),)
+
+
+def test_ubatch_arenas_are_disjoint_and_separately_sized(device):
+    mgr = WorkspaceManager(device, num_ubatches=2)
+    views = mgr.reserve("engine", 16 * MiB)
+    (u0, p0, s0), (u1, p1, s1) = mgr.snapshot()
+    assert (u0, u1) == (0, 1) and s0 == s1 == 16 * MiB
+    assert p0 + s0 <= p1 or p1 + s1 <= p0
+    assert [v.ubatch for v in views] == [0, 1]
+
+
+def test_bad_requests_are_rejected(device):
+    mgr = WorkspaceManager(device, num_ubatches=2)
+    with pytest.raises(IndexError, match="ubatch 2 out of range"):
+        mgr.get_workspace("x", 1, ubatch=2)
+    with pytest.raises(ValueError, match="negative"):
+        mgr.get_workspace("x", -1)
+
+
+def test_close_frees_every_arena(device):
+    mgr = WorkspaceManager(device, num_ubatches=2)
+    mgr.reserve("engine", 4 * MiB)
+    assert device.memory_allocated() == 8 * MiB
+    mgr.close()
+    assert device.memory_allocated() == 0

@@ -1,0 +1,251 @@
+"""Fakes of ``torch``/``torch.cuda`` and ``pynvml`` for testing the GPU tier's pure logic on CPU.
+
+The fake CUDA allocator is the project's caching-allocator model, so tensors behave like torch's:
+a block returns to the cache when its last tensor (or view) is garbage collected, graph captures
+allocate from a private pool, and ``empty_cache`` releases free segments only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+from pytest_kvprofile.allocator import CachingAllocator
+
+GiB = 1 << 30
+HOST_BASE = 0x7F00_0000_0000
+
+
+class FakeOutOfMemoryError(RuntimeError):
+    pass
+
+
+class _Storage:
+    def __init__(self, ptr: int, nbytes: int, release: Any = None) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        if release is not None:
+            weakref.finalize(self, release)
+
+
+class FakeTensor:
+    """A 1-D uint8 tensor: a storage plus an offset; slicing shares the storage like torch views."""
+
+    def __init__(self, storage: _Storage, offset: int, numel: int, device: str) -> None:
+        self._storage = storage
+        self._offset = offset
+        self._numel = numel
+        self.device = device
+        self.dtype = "uint8"
+
+    def data_ptr(self) -> int:
+        return self._storage.ptr + self._offset if self._numel else 0
+
+    def numel(self) -> int:
+        return self._numel
+
+    def __len__(self) -> int:
+        return self._numel
+
+    def __getitem__(self, item: slice) -> "FakeTensor":
+        start, stop, step = item.indices(self._numel)
+        assert step == 1
+        return FakeTensor(self._storage, self._offset + start, max(0, stop - start), self.device)
+
+
+class FakeGraph:
+    def __init__(self, cuda: "FakeCuda") -> None:
+        self._cuda = cuda
+        self.pool = None
+        self.resets = 0
+
+    def reset(self) -> None:
+        if self.pool is not None:
+            self._cuda.allocator.release_graph_pool(self.pool, lazy=True, graphs=1)
+            self.pool = None
+        self.resets += 1
+
+
+class FakeCuda:
+    """``torch.cuda`` on the allocator model: one device, ``nontorch`` bytes taken by the context."""
+
+    def __init__(self, *, total: int = 80 * GiB, nontorch: int = 512 << 20, name: str = "NVIDIA H200",
+                 sm: int = 132, cc: tuple[int, int] = (9, 0), count: int = 1) -> None:
+        self.total = total
+        self.nontorch = nontorch
+        self.name = name
+        self.sm = sm
+        self.cc = cc
+        self.count = count
+        self.allocator = CachingAllocator(self._can_reserve)
+        self.OutOfMemoryError = FakeOutOfMemoryError
+        self.CUDAGraph = lambda: FakeGraph(self)
+        self._handles = 0
+        self._pool_by_handle: dict[tuple[int, int], Any] = {}
+        self.empty_cache_calls = 0
+        self.captures = 0
+
+    def _can_reserve(self, nbytes: int) -> bool:
+        return self.allocator.reserved + self.nontorch + nbytes <= self.total
+
+    def device_count(self) -> int:
+        return self.count
+
+    def get_device_properties(self, index: int) -> Any:
+        return SimpleNamespace(name=self.name, multi_processor_count=self.sm, major=self.cc[0], minor=self.cc[1],
+                               total_memory=self.total)
+
+    def mem_get_info(self, index: int = 0) -> tuple[int, int]:
+        return self.total - self.nontorch - self.allocator.reserved, self.total
+
+    def memory_allocated(self, index: int = 0) -> int:
+        return self.allocator.allocated
+
+    def memory_reserved(self, index: int = 0) -> int:
+        return self.allocator.reserved
+
+    def max_memory_allocated(self, index: int = 0) -> int:
+        return self.allocator.allocated_bytes[0].peak
+
+    def max_memory_reserved(self, index: int = 0) -> int:
+        return self.allocator.reserved_bytes[0].peak
+
+    def reset_peak_memory_stats(self, index: int = 0) -> None:
+        self.allocator.reset_peak()
+
+    def empty_cache(self) -> None:
+        self.empty_cache_calls += 1
+        self.allocator.release_cached()
+
+    def memory_stats(self, index: int = 0) -> dict[str, int]:
+        return self.allocator.stats()
+
+    def memory_snapshot(self) -> list[dict[str, Any]]:
+        ids = {p.id: h for h, p in self._pool_by_handle.items()}
+        out = []
+        for seg in self.allocator.snapshot():
+            seg = dict(seg, device=0, segment_pool_id=ids.get(seg["segment_pool_id"], (0, 0)))
+            out.append(seg)
+        return out
+
+    def graph_pool_handle(self) -> tuple[int, int]:
+        self._handles += 1
+        handle = (0, self._handles)
+        self._pool_by_handle[handle] = self.allocator.new_graph_pool(f"fake-pool-{self._handles}")
+        return handle
+
+    @contextmanager
+    def graph(self, g: FakeGraph, pool: Any = None):
+        self.empty_cache()  # torch.cuda.graph frees what it can before capturing
+        gp = self._pool_by_handle[pool]
+        gp.use_count += 1
+        g.pool = gp
+        self.allocator.capture_pool = gp
+        self.captures += 1
+        try:
+            yield
+        finally:
+            self.allocator.capture_pool = None
+
+    def alloc(self, nbytes: int) -> FakeTensor:
+        if nbytes == 0:
+            return FakeTensor(_Storage(0, 0), 0, 0, "cuda")
+        block = self.allocator.malloc(nbytes)
+        if block is None:
+            raise FakeOutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+        allocator = self.allocator
+        return FakeTensor(_Storage(block.ptr, nbytes, lambda: allocator.free(block)), 0, nbytes, "cuda")
+
+
+class FakeTorch:
+    """The slice of the ``torch`` module CudaDevice uses."""
+
+    uint8 = "uint8"
+
+    def __init__(self, cuda: FakeCuda | None = None) -> None:
+        self.cuda = cuda or FakeCuda()
+        self._host = HOST_BASE
+        self.pinned = 0
+
+    def device(self, kind: str, index: int = 0) -> str:
+        return f"{kind}:{index}"
+
+    def empty(self, nbytes: int, dtype: Any = None, device: Any = None, pin_memory: bool = False) -> FakeTensor:
+        if pin_memory:
+            ptr = self._host
+            self._host += max(nbytes, 512)
+            self.pinned += 1
+            return FakeTensor(_Storage(ptr, nbytes), 0, nbytes, "cpu")
+        assert device is not None and str(device).startswith("cuda")
+        return self.cuda.alloc(nbytes)
+
+
+class FakeNvml:
+    """``pynvml``: devices given as (name, uuid, total bytes); links as {(a, b): "nvlink"|"pcie"}."""
+
+    NVML_P2P_CAPS_INDEX_NVLINK = 2
+    NVML_P2P_STATUS_OK = 0
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_MAX_LINKS = 18
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, devices: list[tuple[str, str, int]], *, driver: str = "580.159.04",
+                 links: dict[tuple[int, int], str] | None = None, nvlinks: dict[int, int] | None = None,
+                 fail_init: bool = False, p2p_unsupported: bool = False) -> None:
+        self.devices = devices
+        self.driver = driver
+        self.links = links or {}
+        self.nvlinks = nvlinks or {}
+        self.fail_init = fail_init
+        self.p2p_unsupported = p2p_unsupported
+        self.inits = 0
+        self.shutdowns = 0
+
+    def nvmlInit(self) -> None:
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlSystemGetDriverVersion(self) -> bytes:
+        return self.driver.encode()
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetName(self, h: int) -> str:
+        return self.devices[h][0]
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return self.devices[h][1]
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        total = self.devices[h][2]
+        return SimpleNamespace(total=total, free=total, used=0)
+
+    def nvmlDeviceGetNvLinkState(self, h: int, link: int) -> int:
+        n = self.nvlinks.get(h, 0)
+        if link >= max(n, 1):
+            raise self.NVMLError("Not Supported")
+        return 1 if link < n else 0
+
+    def _kind(self, a: int, b: int) -> str:
+        return self.links.get((a, b)) or self.links.get((b, a)) or "pcie"
+
+    def nvmlDeviceGetP2PStatus(self, a: int, b: int, cap: int) -> int:
+        if self.p2p_unsupported:
+            raise self.NVMLError("Not Supported")
+        assert cap == self.NVML_P2P_CAPS_INDEX_NVLINK
+        return 0 if self._kind(a, b) == "nvlink" else 4
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a: int, b: int) -> int:
+        return 0 if self._kind(a, b) == "nvlink" else 30

@@ -1,0 +1,82 @@
+"""Malformed matrices and backends end the session with a usage error that names the culprit."""
+
+import pytest
+
+
+def literal(text):
+    """An fnmatch pattern matching ``text`` literally (brackets are character classes there)."""
+    return "".join("[[]" if c == "[" else "[]]" if c == "]" else c for c in text)
+
+BASE = """
+name: bad
+models:
+  m32: {heads_q: 32, heads_kv: 8, head_dim: 128, num_layers: 2, weights_gib: 1}
+gpus: [L40S]
+tp: [1]
+"""
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        (BASE.replace("num_layers", "num_layers_typo"), "models.m32.num_layers_typo: unknown key"),
+        (BASE.replace("gpus: [L40S]", "gpus: [{name: X, num_sm: 'many', memory_gib: 24}]"),
+         "gpus[0].num_sm: expected integer, got 'many'"),
+        (BASE.replace("gpus: [L40S]", "gpus: [{name: X, num_sm: 1.5, memory_gib: 24}]"),
+         "gpus[0].num_sm: expected integer, got 1.5"),
+        (BASE.replace("tp: [1]", "tpp: [1]"), "tpp: unknown key"),
+        (BASE + "gmu: [1.5]\n", "gmu[0]: expected a number in (0, 1]"),
+        ("models: [", "invalid YAML"),
+        ("!!python/object/apply:os.system ['true']", "invalid YAML"),
+    ],
+)
+def test_bad_matrix_is_a_usage_error_naming_file_and_key(pytester, text, where):
+    path = pytester.makefile(".yaml", bad=text)
+    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(path))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{path}: *{literal(where)}*"])
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+
+
+def test_impossible_tp_is_skipped_with_its_reason_in_the_id_list(pytester):
+    path = pytester.makefile(".yaml", bad=BASE.replace("tp: [1]", "tp: [1, 3]"))
+    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(path), "-rs", "-v",
+                                "--kvprofile-backend", "stub-flashinfer")
+    result.stdout.fnmatch_lines(["*tp=3 does not divide the 32 query heads of m32*"])
+    assert "m32-tp3-dcp1-mtp0-l40s-gmu0.90" in result.stdout.str()
+    # the second skip: a one-micro-batch envelope cannot alias, and the check says so
+    result.assert_outcomes(skipped=2, passed=13)
+    result.stdout.fnmatch_lines(["*single micro-batch arena; nothing can alias*"])
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def factory():\n    raise RuntimeError('boom')\n", "the factory raised RuntimeError: boom"),
+        ("def factory():\n    return None\n", "the factory returned nothing"),
+        ("def factory():\n    return object()\n", "the factory returned object"),
+        ("def factory():\n    return {'name': 'x'}\n", "lacks the key 'make_builders'"),
+        ("class B:\n    pass\n\ndef factory():\n    return {'name': 'nameless', 'make_builders': lambda c: [B()]}\n",
+         "builder #0 (B) lacks the protocol attribute name"),
+        ("from pytest_kvprofile import ProfilingSupport\n"
+         "class B:\n    name = 'req'\n"
+         "    def get_persistent_workspace_memory_profiling_support(self):\n"
+         "        return ProfilingSupport.REQUIRED\n\n"
+         "def factory():\n    return {'name': 'req-backend', 'make_builders': lambda c: [B()]}\n",
+         "builder 'req' declares REQUIRED but lacks reserve_persistent_workspace, declared_workspace()"),
+    ],
+)
+def test_bad_backend_factory_is_a_one_line_usage_error(pytester, body, message):
+    pytester.makepyfile(badbackend=body)
+    pytester.syspathinsert()
+    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", "--kvprofile-backend", "badbackend:factory",
+                                "--kvprofile-matrix", str(pytester.makefile(".yaml", m=BASE)))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: backend *{literal(message)}*"])
+
+
+def test_unknown_backend_name_lists_the_choices(pytester):
+    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", "--kvprofile-backend", "nope",
+                                "--kvprofile-matrix", str(pytester.makefile(".yaml", m=BASE)))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kvprofile-backend 'nope'*stub-flashinfer*"])
