@@ -37,6 +37,7 @@ class Backend:
     expected_failures: tuple[tuple[str, str], ...] = ()
     origin: str = "builtin"
     bug_class: int | None = None
+    torch_mode: bool = False  # builders allocate with plain torch "cuda" calls, served by the simulated device
 
     @property
     def xfails(self) -> dict[str, str]:
@@ -60,7 +61,7 @@ def coerce_backend(obj: Any, origin: str) -> Backend:
         return Backend(
             name=str(name), make_builders=make, policy=policy, version=str(obj.get("version", "")),
             description=str(obj.get("description", "")), expected_failures=tuple(sorted(dict(xfail).items())),
-            origin=origin,
+            origin=origin, torch_mode=bool(obj.get("torch_mode", False)),
         )
     if obj is None:
         raise BackendError(f"backend from {origin}: the factory returned nothing (expected a Backend)")

@@ -9,6 +9,7 @@ what was recorded into verdicts.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -153,6 +154,7 @@ class LifecycleRun:
         self._post_kv = False
         self._peak_used = 0
         self._current_call: str | None = None
+        self._torch: Any = None
         self.result = LifecycleResult(
             backend=getattr(backend, "name", str(backend)), case=case, builders=builders,
             resolution=None, declaration_error=None, path="legacy", policy=self.policy,
@@ -201,8 +203,10 @@ class LifecycleRun:
         name = builder_name(builder)
         self.result.calls.append((self.device.phase, name, method))
         self._current_call = method
+        scope = self._torch.owner_scope(name, method) if self._torch is not None else contextlib.nullcontext()
         try:
-            return call_optional(builder, method, *args)
+            with scope:
+                return call_optional(builder, method, *args)
         except Exception as exc:  # noqa: BLE001 - every builder failure becomes a recorded error
             self._fail(name, exc)
         finally:
@@ -259,9 +263,25 @@ class LifecycleRun:
         self.device.free(act)
 
     # -- the phases --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def device_mode(self) -> Any:
+        """Serve plain ``torch`` "cuda" calls from this run's simulated device (``Backend.torch_mode``)."""
+        if not getattr(self.backend, "torch_mode", False):
+            yield
+            return
+        from .torch_mode import SimulatedCuda
+
+        with SimulatedCuda(self.device) as sim:
+            self._torch = sim
+            try:
+                yield
+            finally:
+                self._torch = None
+
     def run(self) -> LifecycleResult:
         try:
-            self._run()
+            with self.device_mode():
+                self._run()
         except _Abort:
             pass
         finally:

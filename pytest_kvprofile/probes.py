@@ -7,8 +7,9 @@ same persistent memory as a warmup that never failed.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 from . import lifecycle as lc
 from .budget import MiB
@@ -41,12 +42,15 @@ class _ProbeRun(lc.LifecycleRun):
         return out
 
 
-def _fresh(result: Any) -> tuple[_ProbeRun, Any]:
+@contextlib.contextmanager
+def _fresh(result: Any) -> Iterator[tuple[_ProbeRun, Any]]:
+    """A new device and builders, prepared up to warmup, with the backend's device mode active."""
     device = lc.make_device(result.case)
     builders = list(result.extra["backend"].make_builders(result.case))
     run = _ProbeRun(result.extra["backend"], result.case, device, builders)
-    run.prepare()
-    return run, device
+    with run.device_mode():
+        run.prepare()
+        yield run, device
 
 
 def _persistent(device: Any, owner: str) -> Counter:
@@ -60,54 +64,57 @@ def warmup_retry_violations(result: Any) -> list[str]:
         return ["the warmup retry probe needs the backend that produced this result"]
     out: list[str] = []
     for index, name in enumerate(result.builder_names()):
-        clean_run, clean_dev = _fresh(result)
-        builder = clean_run.builders[index]
-        count = _count_allocations(clean_dev, lambda: call_optional(builder, "warmup", clean_run.ctx(builder)))
-        expected = _persistent(clean_dev, name)
+        with _fresh(result) as (clean_run, clean_dev):
+            builder = clean_run.builders[index]
+            count = _count_allocations(clean_dev, lambda: call_optional(builder, "warmup", clean_run.ctx(builder)))
+            expected = _persistent(clean_dev, name)
         for k in range(min(count, MAX_FAIL_POINTS)):
-            run, dev = _fresh(result)
-            b = run.builders[index]
-            ctx = run.ctx(b)
-            live_before = {a.id for a in dev.live_allocations()}
-            dev.fail_after(k)
-            try:
-                call_optional(b, "warmup", ctx)
-            except Exception:  # noqa: BLE001 - the injected failure (or what the builder made of it)
-                pass
-            else:
-                out.append(f"builder {name!r}: warmup swallowed an out-of-memory error at its allocation #{k + 1}")
-                continue
-            leaked = [
-                a for a in dev.live_allocations()
-                if a.id not in live_before and a.owner == name and a.kind == "device"
-                and (a.tag, a.nbytes) not in expected
-            ]
-            if leaked:
-                out.append(
-                    f"builder {name!r}: a warmup that failed at its allocation #{k + 1} leaked "
-                    + "; ".join(f"{a.tag!r} {a.nbytes / MiB:.2f} MiB" for a in leaked[:4])
-                )
-            try:
-                call_optional(b, "warmup", ctx)
-            except Exception as exc:  # noqa: BLE001
-                out.append(f"builder {name!r}: the retry after a failure at allocation #{k + 1} raised "
-                           f"{type(exc).__name__}: {exc}")
-                continue
-            got = _persistent(dev, name)
-            if got != expected:
-                missing = expected - got
-                extra = got - expected
-                parts = []
-                if missing:
-                    parts.append("missing " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in missing))
-                if extra:
-                    parts.append("extra " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in extra))
-                out.append(
-                    f"builder {name!r}: after a warmup failed at allocation #{k + 1} and was retried, its persistent "
-                    f"memory differs from a clean warmup's ({'; '.join(parts)}): the warmup was left half-built"
-                )
+            with _fresh(result) as (run, dev):
+                out.extend(_fail_and_retry(run, dev, index, name, k, expected))
         if out:
             break
+    return out
+
+
+def _fail_and_retry(run: Any, dev: Any, index: int, name: str, k: int, expected: Counter) -> list[str]:
+    """Fail warmup at its allocation ``k``, then retry; report leaks and a half-built result."""
+    b = run.builders[index]
+    ctx = run.ctx(b)
+    live_before = {a.id for a in dev.live_allocations()}
+    dev.fail_after(k)
+    try:
+        call_optional(b, "warmup", ctx)
+    except Exception:  # noqa: BLE001 - the injected failure (or what the builder made of it)
+        pass
+    else:
+        return [f"builder {name!r}: warmup swallowed an out-of-memory error at its allocation #{k + 1}"]
+    out = []
+    leaked = [
+        a for a in dev.live_allocations()
+        if a.id not in live_before and a.owner == name and a.kind == "device" and (a.tag, a.nbytes) not in expected
+    ]
+    if leaked:
+        out.append(
+            f"builder {name!r}: a warmup that failed at its allocation #{k + 1} leaked "
+            + "; ".join(f"{a.tag!r} {a.nbytes / MiB:.2f} MiB" for a in leaked[:4])
+        )
+    try:
+        call_optional(b, "warmup", ctx)
+    except Exception as exc:  # noqa: BLE001
+        out.append(f"builder {name!r}: the retry after a failure at allocation #{k + 1} raised "
+                   f"{type(exc).__name__}: {exc}")
+        return out
+    got = _persistent(dev, name)
+    if got != expected:
+        parts = []
+        if expected - got:
+            parts.append("missing " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in expected - got))
+        if got - expected:
+            parts.append("extra " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in got - expected))
+        out.append(
+            f"builder {name!r}: after a warmup failed at allocation #{k + 1} and was retried, its persistent "
+            f"memory differs from a clean warmup's ({'; '.join(parts)}): the warmup was left half-built"
+        )
     return out
 
 

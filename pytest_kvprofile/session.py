@@ -42,7 +42,12 @@ def builtin_backends() -> dict[str, Backend]:
 
 
 def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True) -> list[Backend]:
-    """Backends named on the command line/ini, from the hook and from entry points; stubs if none."""
+    """Backends from the command line/ini and the hook; entry points only when none are named; stubs if none.
+
+    Naming backends explicitly narrows the run to them, so an installed entry-point backend does not
+    join every session.
+    """
+    specs = list(specs)
     from .mutants import MUTANT_BACKENDS
     from .stubs import STUB_BACKENDS
 
@@ -68,7 +73,7 @@ def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_poi
             continue
         items = item if isinstance(item, (list, tuple)) else [item]
         out.extend(coerce_backend(i, "the pytest_kvprofile_backends hook") for i in items)
-    if entry_points:
+    if entry_points and not specs:
         out.extend(entry_point_backends())
     if not out:
         out = list(STUB_BACKENDS)

@@ -42,7 +42,7 @@ def call_with_timeout(seconds: float, label: str, fn: Callable[..., Any], *args:
     worker.join(seconds)
     if worker.is_alive():
         frame = sys._current_frames().get(worker.ident or -1)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(stack unavailable)\n"
+        stack = _backend_stack(frame) if frame is not None else "(stack unavailable)\n"
         raise CheckTimeout(
             f"{label}: exceeded the per-check time limit of {seconds:g} s (kvprofile_timeout); "
             f"the backend was stuck at:\n{stack}"
@@ -50,3 +50,15 @@ def call_with_timeout(seconds: float, label: str, fn: Callable[..., Any], *args:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def _backend_stack(frame: Any) -> str:
+    """The stuck thread's stack, innermost last, one unindented line per frame (reports keep them).
+
+    The thread bootstrap and this module's wrapper frame are left out.
+    """
+    frames = [
+        f for f in traceback.extract_stack(frame)
+        if f.filename != threading.__file__ and not (f.filename == __file__ and f.name == "target")
+    ]
+    return "".join(f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}\n" for f in frames)

@@ -294,6 +294,8 @@ class CudaDevice:
         elif pool.released or self._pools.get(pool.id) is not pool:
             raise ValueError(f"graph pool {pool.id!r} was released or belongs to another device")
         graph = self._cuda.CUDAGraph()
+        pool.graphs.append(graph)  # before capturing: a failed capture's graph is still reset on release
+        pool.use_count += 1
         with warnings.catch_warnings():
             # The lifecycle's captured steps allocate but may launch nothing; an empty graph is fine.
             warnings.filterwarnings("ignore", message=".*[Gg]raph.*empty.*")
@@ -304,8 +306,6 @@ class CudaDevice:
                 finally:
                     self._update_capture()
                     self._capture = None
-        pool.graphs.append(graph)
-        pool.use_count += 1
         measured = self._pool_bytes(pool)
         if measured is not None:
             pool.measured_reserved = measured

@@ -222,7 +222,8 @@ def _nvml_links(nvml: Any, handles: list[Any]) -> list[GpuLink]:
             if kind != "nvlink":
                 try:
                     level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(handles[a], handles[b]))
-                    kind, detail = "pcie", f"common ancestor: {_NVML_LEVELS.get(level, level)}"
+                    where = f"common ancestor: {_NVML_LEVELS.get(level, level)}"
+                    kind, detail = "pcie", (detail + "; " if detail else "") + where
                 except Exception as exc:  # noqa: BLE001
                     detail = (detail + "; " if detail else "") + f"topology unavailable: {exc}"
             links.append(GpuLink(a, b, kind, detail))

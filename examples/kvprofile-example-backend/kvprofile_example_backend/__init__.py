@@ -1,0 +1,104 @@
+"""An example attention backend, written only against pytest-kvprofile's public protocol.
+
+``PagedAttentionBuilder`` keeps one dedicated int workspace per micro-batch, like a FlashInfer
+wrapper, and plans into the shared float arena. It is correct: it materializes its workspaces
+inside the profiling window and hands them to a lease. ``LazyPagedAttentionBuilder`` is the same
+builder with the classic bug: it creates its int workspace on first plan(), after KV sizing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_kvprofile import Backend, BoundWorkspace, ProfilingSupport, WorkspaceDeclaration
+from pytest_kvprofile.sizing import Envelope, required_workspace
+
+__version__ = "1.0.0"
+MiB = 1 << 20
+INT_WORKSPACE = 4 * MiB
+
+
+def float_workspace_bytes(case: Any) -> int:
+    """Size the float arena from FlashInfer's own planner, for this GPU and this rank's heads."""
+    env = case.envelope
+    heads = case.heads
+    graph_sizes = tuple(s for s in env.cuda_graph_sizes if s <= env.max_num_seqs)
+    return required_workspace(
+        heads_q=heads.heads_q, heads_kv=heads.heads_kv, heads_q_decode=heads.heads_q_decode,
+        head_dim=case.model.head_dim, head_dim_vo=case.model.dim_vo, num_sm=case.gpu.num_sm,
+        envelope=Envelope(
+            max_num_seqs=env.max_num_seqs, max_num_batched_tokens=env.max_num_batched_tokens,
+            max_model_len=env.max_model_len, page_size=env.page_size, cuda_graph=bool(graph_sizes),
+            cuda_graph_sizes=graph_sizes, mtp=case.mtp,
+        ),
+        routes=("prefill",) if case.model.attention == "mla" else ("prefill", "decode"),
+        decode_tensor_cores=case.mtp > 0 or heads.heads_q // heads.heads_kv >= 4,
+    ).float_bytes
+
+
+class PagedAttentionBuilder:
+    name = "paged-attention"
+
+    def __init__(self, case: Any):
+        self.case = case
+        self.int_workspaces: dict[int, Any] = {}
+        self.views: dict[int, Any] = {}
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.REQUIRED
+
+    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=float_workspace_bytes(case), int_bytes=INT_WORKSPACE)
+
+    def _materialize(self, ctx: Any) -> list[Any]:
+        made = []
+        for ub in range(ctx.num_ubatches):
+            self.views[ub] = ctx.get_workspace(float_workspace_bytes(self.case), ub)
+            if ub not in self.int_workspaces:
+                self.int_workspaces[ub] = ctx.allocate(INT_WORKSPACE, f"int workspace [ubatch {ub}]")
+                made.append(self.int_workspaces[ub])
+        return made
+
+    def _drop(self, ctx: Any) -> None:
+        for ub in list(self.int_workspaces):
+            ctx.free(self.int_workspaces.pop(ub))
+
+    def reserve_persistent_workspace(self, ctx: Any) -> Any:
+        return ctx.lease(self._materialize(ctx), on_release=lambda: self._drop(ctx))
+
+    def rebind(self, ctx: Any) -> None:
+        self._materialize(ctx)
+
+    def build(self, ctx: Any, batch: Any) -> None:
+        if batch.ubatch not in self.int_workspaces:
+            self.int_workspaces[batch.ubatch] = ctx.allocate(INT_WORKSPACE, f"int workspace [ubatch {batch.ubatch}]")
+        self.views[batch.ubatch] = ctx.get_workspace(float_workspace_bytes(self.case), batch.ubatch)
+
+    def bound_workspaces(self) -> list[BoundWorkspace]:
+        return [BoundWorkspace(ub, "float workspace", v.ptr, v.nbytes) for ub, v in self.views.items()]
+
+
+class LazyPagedAttentionBuilder(PagedAttentionBuilder):
+    """The bug: nothing is materialized in the window, so the int workspace appears after KV sizing."""
+
+    def reserve_persistent_workspace(self, ctx: Any) -> Any:
+        return ctx.lease([])
+
+    def rebind(self, ctx: Any) -> None:
+        for ub in range(ctx.num_ubatches):
+            self.views[ub] = ctx.get_workspace(float_workspace_bytes(self.case), ub)
+
+
+def correct() -> Backend:
+    return Backend(name="example-paged-attention", make_builders=lambda case: [PagedAttentionBuilder(case)],
+                   version=__version__, description="the example backend")
+
+
+def lazy() -> Backend:
+    return Backend(name="example-paged-attention-lazy", make_builders=lambda case: [LazyPagedAttentionBuilder(case)],
+                   version=__version__, description="the example backend with a lazy int workspace")
+
+
+def backends() -> list[Backend]:
+    """The entry point: both variants, so the verdict shows one passing and one failing."""
+    return [correct(), lazy()]

@@ -1,0 +1,115 @@
+"""pytest side of the GPU tier: worker pinning, the CUDA device factory, topology fixtures.
+
+Registered by the plugin on both tiers (so the fixtures exist and skip with a reason on the CPU
+tier). Registration happens inside the plugin's ``pytest_configure``; ``pytest_configure`` is a
+historic hook, so this module's runs as soon as it is registered, before any test imports torch.cuda.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+
+PIN_KEY = pytest.StashKey[Any]()
+CPU_TIER_REASON = "GPU tier: pass --kvprofile-gpu on a machine with a CUDA device"
+
+
+def _state(config: pytest.Config) -> Any:
+    from ..plugin import SESSION_KEY
+
+    return config.stash.get(SESSION_KEY, None)
+
+
+def gpu_tier(config: pytest.Config) -> bool:
+    state = _state(config)
+    if state is not None:
+        return state.tier == "gpu"
+    opt = getattr(config.option, "kvprofile_gpu", None)
+    return bool(opt if opt is not None else config.getini("kvprofile_gpu"))
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not gpu_tier(config):
+        return
+    state = _state(config)
+    if hasattr(config, "workerinput"):
+        from ..gpu_probe import cuda_device_count
+        from .pinning import PinningError, apply_pinning
+
+        count, _ = cuda_device_count()
+        try:
+            pin = apply_pinning(os.environ, count, cuda_initialized=_cuda_initialized())
+        except PinningError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        config.stash[PIN_KEY] = pin
+    elif state is not None:
+        state.hardware = controller_hardware()
+    if state is not None:
+        from .cuda_device import CudaDeviceFactory
+
+        state.device_factory = CudaDeviceFactory(0)
+
+
+
+def controller_hardware() -> dict[str, Any]:
+    """What the JSON report records about the machine: NVML and package versions, no CUDA context."""
+    from importlib import metadata
+
+    from .topology import TopologyError, detect_topology
+
+    doc: dict[str, Any] = {}
+    try:
+        doc["topology"] = detect_topology().as_dict()
+    except TopologyError as exc:
+        doc["topology_error"] = str(exc)
+    for pkg in ("torch", "flashinfer-python", "nvidia-ml-py"):
+        try:
+            doc[f"{pkg}_version"] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            doc[f"{pkg}_version"] = None
+    return doc
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not gpu_tier(config) or hasattr(config, "workerinput"):
+        return None
+    from .topology import TopologyError, detect_topology
+
+    try:
+        return f"kvprofile-gpu: {detect_topology().describe()}"
+    except TopologyError as exc:
+        return f"kvprofile-gpu: topology unavailable ({exc})"
+
+
+@pytest.fixture(scope="session")
+def gpu_topology(request: pytest.FixtureRequest) -> Any:
+    """The machine's GPUs, with SM counts and capability from torch (this process's view)."""
+    if not gpu_tier(request.config):
+        pytest.skip(CPU_TIER_REASON)
+    from .topology import detect_topology
+
+    topo = detect_topology(use_torch=True)
+    if not topo.visible:
+        pytest.fail(f"--kvprofile-gpu: no GPU is visible to this process ({topo.describe()}, "
+                    f"CUDA_VISIBLE_DEVICES={topo.cuda_visible_devices!r})", pytrace=False)
+    return topo
+
+
+@pytest.fixture(scope="session")
+def gpu_device_factory(request: pytest.FixtureRequest, gpu_topology: Any) -> Any:
+    """The session's CudaDeviceFactory (``run_lifecycle(..., device_factory=...)``)."""
+    state = _state(request.config)
+    factory = getattr(state, "device_factory", None)
+    if factory is None:
+        from .cuda_device import CudaDeviceFactory
+
+        factory = CudaDeviceFactory(0)
+    return factory

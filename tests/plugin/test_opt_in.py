@@ -1,0 +1,54 @@
+"""A backend from another package, registered by entry point or by option, gets a trustworthy verdict."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvprofile-example-backend"
+CI_MATRIX = Path(__file__).resolve().parents[2] / "matrices" / "ci.yaml"
+
+
+@pytest.fixture(scope="module")
+def installed_example(tmp_path_factory):
+    """Install the example package (no deps, offline) into a private directory, entry points and all."""
+    target = tmp_path_factory.mktemp("example-site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(EXAMPLE)],
+        check=True, capture_output=True, text=True,
+    )
+    return target
+
+
+def _verdict(pytester, monkeypatch, site, *extra):
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    out = pytester.path / "verdict.json"
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(CI_MATRIX), "-q", "-p", "no:cacheprovider",
+        "-k", "l40s and mtp0", "--kvprofile-verdict", str(out), *extra,
+    )
+    return result, {b["name"]: b for b in json.loads(out.read_text())["backends"]}
+
+
+def test_entry_point_backend_gets_a_verdict(pytester, monkeypatch, installed_example):
+    result, verdict = _verdict(pytester, monkeypatch, installed_example)
+    assert result.ret == 1
+    good, lazy = verdict["example-paged-attention"], verdict["example-paged-attention-lazy"]
+    assert good["may_opt_in"] is True and good["reasons"] == [] and good["version"] == "1.0.0"
+    assert good["declared_support"] == {"paged-attention": "required"}
+    assert lazy["may_opt_in"] is False
+    failed = {r["check"] for r in lazy["results"] if r["outcome"] == "failed"}
+    assert "persistent_memory_visible_at_closing" in failed
+    assert any("int workspace [ubatch 0]" in (r["message"] or "") for r in lazy["results"])
+    result.stdout.fnmatch_lines(["*example-paged-attention: may opt in*", "*example-paged-attention-lazy: may NOT opt in*"])
+
+
+def test_option_registration_gives_the_same_verdict(pytester, monkeypatch, installed_example):
+    _, by_entry_point = _verdict(pytester, monkeypatch, installed_example)
+    _, by_option = _verdict(pytester, monkeypatch, installed_example,
+                            "--kvprofile-backend", "kvprofile_example_backend:backends")
+    strip = lambda b: {k: v for k, v in b.items() if k != "origin"}  # noqa: E731
+    assert {n: strip(b) for n, b in by_entry_point.items()} == {n: strip(b) for n, b in by_option.items()}
