@@ -176,9 +176,17 @@ def leftover_allocations(result: Any, device: Any = None) -> list[Leftover]:
     return out
 
 
-def leftover_violations(result: Any, device: Any = None) -> list[str]:
-    """Check-style messages: one per leftover, builder-owned first; empty when the case cleans up."""
-    names = set(result.builder_names())
-    found = leftover_allocations(result, device)
-    found.sort(key=lambda leftover: (leftover.owner not in names, -leftover.nbytes))
+def leftover_violations(result: Any, device: Any = None, *, include_engine: bool = False) -> list[str]:
+    """Check-style messages, one per leftover, largest first; empty when the case cleans up.
+
+    Engine-owned leftovers (an aborted forward's activations) are the harness's, not the backend's,
+    and are left out unless ``include_engine``.
+    """
+    from .lifecycle import ENGINE_OWNERS
+
+    found = [
+        leftover for leftover in leftover_allocations(result, device)
+        if include_engine or leftover.owner not in ENGINE_OWNERS
+    ]
+    found.sort(key=lambda leftover: -leftover.nbytes)
     return [leftover.describe() for leftover in found]
