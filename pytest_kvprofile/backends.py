@@ -38,6 +38,7 @@ class Backend:
     origin: str = "builtin"
     bug_class: int | None = None
     torch_mode: bool = False  # builders allocate with plain torch "cuda" calls, served by the simulated device
+    make_resources: Callable[[Any], Iterable[Any]] | None = None  # None: the resources the case carries
 
     @property
     def xfails(self) -> dict[str, str]:

@@ -20,8 +20,8 @@ LEGACY = "legacy"
 BOTH = "both"
 
 
-class CheckSkipped(Exception):
-    """The check cannot apply to this case (e.g. a single micro-batch cannot alias)."""
+def _always(case: Any, parts: list[Any]) -> bool:
+    return True
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Check:
     needs: str  # the last phase it reads
     bugs: tuple[int, ...]
     fn: Callable[[Any], list[str]]
+    relevant: Callable[[Any, list[Any]], bool] = _always  # False: the check has nothing to look at here
 
     def applies(self, path: str) -> bool:
         return self.path == BOTH or self.path == path
@@ -168,9 +169,14 @@ def check_lease_released_before_graph_profiling(result: Any) -> list[str]:
     for rec in result.leases:
         if not rec.lease.released:
             out.append(f"the lease of {rec.owner!r} was never released")
+        recreated = {
+            a.tag for a in result.allocations
+            if a.owner == rec.owner and a.phase in (lc.GRAPH_PROFILING,) + lc.POST_KV_PHASES
+        }
         leaked = [
             by_id[aid] for aid in rec.allocation_ids
             if by_id[aid].freed_phase not in lc.WINDOW_PHASES + (lc.CLOSING, lc.LEASE_RELEASE)
+            and by_id[aid].tag in recreated
         ]
         if leaked:
             total = sum(a.nbytes for a in leaked)
@@ -258,9 +264,17 @@ def check_arena_not_grown_after_lock(result: Any) -> list[str]:
     return [aborted] if aborted else []
 
 
+def _several_ubatches(case: Any, parts: list[Any]) -> bool:
+    return case.envelope.num_ubatches >= 2
+
+
+def _has_capacity_resource(case: Any, parts: list[Any]) -> bool:
+    from .resources import is_resource
+
+    return any(is_resource(p) and getattr(p, "capacity_bytes", None) is not None for p in parts)
+
+
 def check_ubatch_arenas_disjoint(result: Any) -> list[str]:
-    if result.case.envelope.num_ubatches < 2:
-        raise CheckSkipped("the case has a single micro-batch arena; nothing can alias")
     out = []
     for rec in result.phases:
         arenas = {u: (ptr, ptr + size) for u, ptr, size in rec.arena if size}
@@ -286,17 +300,45 @@ def check_ubatch_arenas_disjoint(result: Any) -> list[str]:
 
 # -- capture -----------------------------------------------------------------------------------
 def check_no_synthetic_in_capture(result: Any) -> list[str]:
+    resources = _resource_names(result)
     bad = [
         a for a in result.allocations
         if a.phase in (lc.GRAPH_PROFILING, lc.CAPTURE) and a.pool != "default"
-        and result.alloc_origin.get(a.id) == "dummy_run"
+        and (result.alloc_origin.get(a.id) == "dummy_run" or a.owner in resources)
     ]
     if bad:
         return [
-            "synthetic profiling workspace was allocated while a CUDA graph was being captured: "
-            + "; ".join(_fmt_alloc(a) for a in bad[:6])
+            "synthetic profiling workspace or resource memory was allocated while a CUDA graph was being "
+            "captured: " + "; ".join(_fmt_alloc(a) for a in bad[:6])
         ]
     return []
+
+
+def _resource_names(result: Any) -> set[str]:
+    from .resources import is_resource
+
+    return {b.name for b in result.builders if is_resource(b)}
+
+
+def check_resource_capacity(result: Any) -> list[str]:
+    from .resources import is_resource
+
+    out = []
+    for part in result.builders:
+        capacity = getattr(part, "capacity_bytes", None) if is_resource(part) else None
+        if capacity is None:
+            continue
+        for rec in result.phases:
+            live = _live_builder_device_bytes(result, part.name, rec.name)
+            if live > capacity:
+                mine = [a for a in result.allocations if a.owner == part.name and a.kind == "device"]
+                out.append(
+                    f"resource {part.name!r} declared an exact capacity of {capacity / MiB:.2f} MiB ({capacity} bytes) "
+                    f"but holds {live / MiB:.2f} MiB ({live} bytes) in phase {rec.name!r}: "
+                    + "; ".join(_fmt_alloc(a) for a in mine[:4])
+                )
+                break
+    return out
 
 
 # -- budget ------------------------------------------------------------------------------------
@@ -342,8 +384,9 @@ def check_workspace_covers_planner(result: Any) -> list[str]:
     need = required_for_case(result.case)
     out = []
     per_token = result.budget.kv_bytes_per_token if result.budget else 1
+    resources = _resource_names(result)
     for b in result.builders:
-        if declared_support(b) is not ProfilingSupport.REQUIRED:
+        if b.name in resources or declared_support(b) is not ProfilingSupport.REQUIRED:
             continue
         decl = result.declared.get(b.name)
         if decl is None:
@@ -394,7 +437,7 @@ CHECKS: tuple[Check, ...] = (
     Check("legacy_path_unchanged", "a model off the new path runs the legacy lifecycle and keeps nothing from "
           "the profiling window", LEGACY, lc.CLOSING, (6,), check_legacy_path_unchanged),
     Check("persistent_memory_visible_at_closing", "every builder byte alive after KV sizing was held at the "
-          "closing measurement", PROFILING, lc.WARMUP_REPEAT, (1, 2, 3, 7), check_persistent_memory_visible),
+          "closing measurement", PROFILING, lc.WARMUP_REPEAT, (1, 2, 3, 7, 13), check_persistent_memory_visible),
     Check("lease_outlives_closing_measurement", "nothing under a lease is freed before the closing measurement",
           PROFILING, lc.CLOSING, (2,), check_lease_outlives_closing),
     Check("lease_released_before_graph_profiling", "leases are released after the closing measurement and "
@@ -410,9 +453,11 @@ CHECKS: tuple[Check, ...] = (
     Check("arena_not_grown_after_lock", "growth after lock raises, naming the requester and sizes", PROFILING,
           lc.LOCK, (4,), check_arena_not_grown_after_lock),
     Check("ubatch_arenas_disjoint", "micro-batch arenas never overlap and wrappers stay in their own",
-          PROFILING, lc.SERVING, (5,), check_ubatch_arenas_disjoint),
-    Check("no_synthetic_workspace_in_capture", "nothing allocates synthetic profiling workspace during graph "
-          "capture", PROFILING, lc.CAPTURE, (9,), check_no_synthetic_in_capture),
+          PROFILING, lc.SERVING, (5,), check_ubatch_arenas_disjoint, _several_ubatches),
+    Check("no_synthetic_workspace_in_capture", "nothing allocates synthetic profiling workspace (or resource "
+          "memory) during graph capture", PROFILING, lc.CAPTURE, (9, 13), check_no_synthetic_in_capture),
+    Check("resource_capacity_honoured", "a resource never holds more device memory than the exact capacity "
+          "it declared", PROFILING, lc.WARMUP_REPEAT, (13,), check_resource_capacity, _has_capacity_resource),
     Check("no_post_kv_overrun", "peak usage after KV allocation stays within total x gmu", PROFILING,
           lc.WARMUP_REPEAT, (1, 2, 3, 4, 7, 8, 10), check_no_post_kv_overrun),
     Check("graph_pool_full_high_water", "the CUDA-graph pool is accounted at its full high-water mark",
@@ -432,10 +477,9 @@ def failing_checks(result: Any) -> dict[str, list[str]]:
     """Run every applicable check; {check name: violations} for those that fail."""
     out = {}
     for check in checks_for(result.path):
-        try:
-            violations = check.run(result)
-        except CheckSkipped:
+        if not check.relevant(result.case, result.builders):
             continue
+        violations = check.run(result)
         if violations:
             out[check.name] = violations
     return out

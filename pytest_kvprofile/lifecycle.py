@@ -528,10 +528,12 @@ def make_device(case: Any) -> Any:
 
 def run_lifecycle(backend: Any, case: Any, device_factory: Callable[[Any], Any] = make_device) -> LifecycleResult:
     """Build the backend's builders for ``case`` and drive them through every phase."""
+    from .resources import model_parts
+
     device = device_factory(case)
     run_error: PhaseError | None = None
     try:
-        builders = list(backend.make_builders(case))
+        builders = model_parts(backend, case)
     except Exception as exc:  # noqa: BLE001
         run_error = PhaseError(SETUP, f"backend {getattr(backend, 'name', backend)!r} factory", type(exc).__name__,
                                str(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))

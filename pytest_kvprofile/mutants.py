@@ -183,3 +183,30 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
 )
 
 __all__ = ["MUTANT_BACKENDS", "WorkspaceDeclaration", "ProfilingSupport", "FlashInferCore"]
+
+
+def _resource_mutant(name: str, cls: type) -> Backend:
+    from .resources import DEFAULT_PARAMS
+
+    def make(case: Any) -> list[Any]:
+        return [FlashInferLikeBuilder(case)]
+
+    def resources(case: Any) -> list[Any]:
+        carried = [dict(r.params) for r in case.resources if r.kind == "dma-output-workspace"]
+        return [cls(case, carried[0] if carried else DEFAULT_PARAMS)]
+
+    return Backend(name=name, make_builders=make, make_resources=resources, description=(cls.__doc__ or "").strip(),
+                   origin="mutant", bug_class=13)
+
+
+def _resource_mutants() -> tuple[Backend, ...]:
+    from .resources import CaptureStagingDMAOutputWorkspace, LazyDMAOutputWorkspace, OversizedDMAOutputWorkspace
+
+    return (
+        _resource_mutant("mutant-13a-resource-lazy", LazyDMAOutputWorkspace),
+        _resource_mutant("mutant-13b-resource-over-capacity", OversizedDMAOutputWorkspace),
+        _resource_mutant("mutant-13c-resource-in-capture", CaptureStagingDMAOutputWorkspace),
+    )
+
+
+MUTANT_BACKENDS = MUTANT_BACKENDS + _resource_mutants()

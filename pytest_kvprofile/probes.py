@@ -45,8 +45,10 @@ class _ProbeRun(lc.LifecycleRun):
 @contextlib.contextmanager
 def _fresh(result: Any) -> Iterator[tuple[_ProbeRun, Any]]:
     """A new device and builders, prepared up to warmup, with the backend's device mode active."""
+    from .resources import model_parts
+
     device = lc.make_device(result.case)
-    builders = list(result.extra["backend"].make_builders(result.case))
+    builders = model_parts(result.extra["backend"], result.case)
     run = _ProbeRun(result.extra["backend"], result.case, device, builders)
     with run.device_mode():
         run.prepare()

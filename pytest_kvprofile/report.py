@@ -142,8 +142,10 @@ def _declared_support(session: Any, backend: Any) -> dict[str, str]:
     case = next(iter(session.runnable_cases), None)
     if case is None:
         return {}
+    from .resources import model_parts
+
     try:
-        builders = list(backend.make_builders(case))
+        builders = model_parts(backend, case)
     except Exception as exc:  # noqa: BLE001
         return {"<factory>": f"error: {type(exc).__name__}: {exc}"}
     out = {}

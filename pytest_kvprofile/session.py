@@ -16,7 +16,8 @@ from typing import Any, Iterable
 from .backends import Backend, BackendError, coerce_backend, entry_point_backends, load_factory, validate_builders
 from .checks import CHECKS, Check
 from .lifecycle import LifecycleResult, run_lifecycle
-from .matrix import Case, Matrix, load_matrices, packaged_matrix
+from .matrix import Case, Matrix, MatrixError, load_matrices, packaged_matrix
+from .resources import RESOURCE_KINDS, model_parts
 from .support import DeclarationError, ProfilingSupport, builder_name, declared_support, resolve_support
 
 RESULT_CACHE_SIZE = 32
@@ -115,7 +116,7 @@ class KvprofileSession:
         self.matrices = matrices
         self.tier = tier
         self.cases: list[Case] = [c for m in matrices for c in m.cases]
-        self._paths: dict[tuple[str, str], str] = {}
+        self._paths: dict[tuple[str, str], tuple[str, list[Any]]] = {}
         self._results: OrderedDict[tuple[str, str], LifecycleResult] = OrderedDict()
         self.records: list[dict] = []
         self.hardware: dict | None = None
@@ -136,25 +137,31 @@ class KvprofileSession:
             h.update(Path(m.path).read_bytes())
         return h.hexdigest()
 
-    def path_for(self, backend: Backend, case: Case) -> str:
+    def _classify(self, backend: Backend, case: Case) -> tuple[str, list[Any]]:
+        """The lifecycle path a (backend, case) takes, and its parts, decided at collection."""
         key = (backend.name, case.id)
-        path = self._paths.get(key)
-        if path is None:
+        known = self._paths.get(key)
+        if known is None:
+            parts: list[Any] = []
             try:
-                path = "profiling" if resolve_support(backend.make_builders(case)).enabled else "legacy"
+                parts = model_parts(backend, case)
+                path = "profiling" if resolve_support(parts).enabled else "legacy"
             except DeclarationError:
                 path = "legacy"
             except Exception:  # noqa: BLE001 - run every check; each reports the error
                 path = "error"
-            self._paths[key] = path
-        return path
+            known = self._paths[key] = (path, parts)
+        return known
+
+    def path_for(self, backend: Backend, case: Case) -> str:
+        return self._classify(backend, case)[0]
 
     def pairs_for(self, check: Check) -> list[tuple[Backend, Case]]:
         out = []
         for case in self.runnable_cases:
             for backend in self.backends:
-                path = self.path_for(backend, case)
-                if path == "error" or check.applies(path):
+                path, parts = self._classify(backend, case)
+                if path == "error" or (check.applies(path) and check.relevant(case, parts)):
                     out.append((backend, case))
         return out
 
@@ -182,6 +189,12 @@ def default_matrices() -> tuple[str, ...]:
 def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> KvprofileSession:
     """Load and validate everything once; raises MatrixError or BackendError with a precise message."""
     matrices = load_matrices(settings.matrices or default_matrices())
+    for matrix in matrices:
+        for case in matrix.cases:
+            for res in case.resources:
+                if res.kind not in RESOURCE_KINDS:
+                    raise MatrixError(matrix.path, "resources", f"unknown resource kind {res.kind!r} "
+                                      f"(known: {', '.join(RESOURCE_KINDS)})")
     backends = resolve_backends(settings.backend_specs, hooked)
     session = KvprofileSession(settings, backends, matrices, tier)
     first = next(iter(session.runnable_cases), None)

@@ -16,11 +16,14 @@ PY=${PYTHON:-python3}
 OUT="$BUNDLE/results/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$OUT" "$BUNDLE/jit-cache"
 export FLASHINFER_WORKSPACE_BASE="$BUNDLE/jit-cache"
+export KVPROFILE_CACHE_DIR="${KVPROFILE_CACHE_DIR:-$BUNDLE/oracle-cache}"  # the sizing oracle, built once by nvcc
+if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")"); fi
 CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d ' ')
 case "$CC" in 9.0|10.0|10.3|12.0|12.1) export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-${CC}a}" ;;
               *) export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-$CC}" ;; esac
+# Top-level names only: what the runner already has (torch, numpy, ...) is kept if it satisfies them.
 "$PY" -m pip install --no-index --find-links "$BUNDLE/wheels" "$BUNDLE"/wheels/pytest_kvprofile-*.whl \
-    -r "$BUNDLE/requirements.txt" 2>&1 | tail -n 2
+    "flashinfer-python==$(cat "$BUNDLE/flashinfer-version")" 2>&1 | tail -n 2
 BASE=${KVPROFILE_BASE_MATRIX:-$BUNDLE/matrices/ci.yaml}
 "$PY" -m pytest_kvprofile.gpu.matrix_gen --base "$BASE" --out "$OUT/detected.yaml" --json "$OUT/topology.json" --torch
 MATRICES=(--kvprofile-matrix "$OUT/detected.yaml")

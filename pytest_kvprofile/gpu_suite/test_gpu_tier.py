@@ -110,10 +110,12 @@ def test_graph_pool_figures_match_snapshot(gpu_device_factory: Any) -> None:
     assert pool.reserved >= 30 * MiB and pool.high_water_reserved >= pool.reserved
     if pool.measured_reserved is not None:
         assert pool.measured_reserved == pool.reserved
+    held = pool.reserved
     before = dev.memory_reserved()
     dev.free(y)
     dev.release_graph_pool(pool)
-    assert dev.memory_reserved() <= before - pool.high_water_reserved + pool.reserved
+    assert pool.released and pool.reserved == 0
+    assert dev.memory_reserved() <= before - held, "releasing the graphs must return the pool's segments"
     dev.close()
 
 
@@ -198,8 +200,8 @@ def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Any, gpu_device_
     assert not result.errors, result.errors[0].describe()
     failures = {}
     for check in CHECKS:
-        if check.name == "warmup_retryable":
-            continue  # the probe re-runs warmups on fresh devices; see docs/hardware-results.md
+        if check.name == "warmup_retryable" and "device_factory" not in result.extra:
+            continue  # its probe would re-run this CUDA builder on a simulated device (no factory recorded)
         if not check.applies(result.path):
             continue
         try:

@@ -33,7 +33,9 @@ def test_gpu_suite_is_skipped_with_a_reason_on_the_cpu_tier(pytester):
     pytester.makeconftest(
         "import importlib\n"
         "def pytest_configure(config):\n"
-        "    config.pluginmanager.register(importlib.import_module('pytest_kvprofile.gpu.hooks'), 'kvprofile-gpu')\n")
+        "    mod = importlib.import_module('pytest_kvprofile.gpu.hooks')\n"
+        "    if not config.pluginmanager.is_registered(mod):\n"
+        "        config.pluginmanager.register(mod, 'kvprofile-gpu')\n")
     result = pytester.runpytest_subprocess("--pyargs", "pytest_kvprofile.gpu_suite", "-rs", "-p", "no:cacheprovider",
                                            "--kvprofile-matrix", _ci_matrix())
     outcomes = result.parseoutcomes()
