@@ -84,7 +84,16 @@ def json_document(session: Any) -> dict:
         "skipped_cases": [{"case": c.id, "reason": c.skip_reason} for c in session.skipped_cases],
         "summary": summarize(session.records),
         "results": sorted(session.records, key=lambda r: r["nodeid"]),
+        "sizing_report": _sizing_report(session),
     }
+
+
+def _sizing_report(session: Any) -> dict:
+    """Every layout's exact requirement next to the fixed sizes engines use, with the headline."""
+    from .sizing.report import report_for_matrix, report_headline
+
+    rows = [row for m in session.matrices for row in report_for_matrix(m.path)]
+    return {"headline": report_headline(rows), "rows": rows}
 
 
 def verdict_document(session: Any) -> dict:
