@@ -30,8 +30,9 @@ def matrix_data(cases: int) -> dict:
     """A matrix dict with at least ``cases`` cases: model templates cycled under distinct names."""
     envelope, models, resources = _templates()
     names = list(models)
-    n_models = max(len(names), -(-cases // CASES_PER_MODEL))
-    n_models = -(-n_models // len(names)) * len(names)
+    n_models = max(1, -(-cases // CASES_PER_MODEL))
+    if n_models >= len(names):
+        n_models = -(-n_models // len(names)) * len(names)
     synthetic = {f"{names[i % len(names)]}-r{i // len(names)}": models[names[i % len(names)]] for i in range(n_models)}
     return {"name": f"synthetic-{cases}", "envelope": envelope, "models": synthetic, "gpus": GPUS,
             "tp": TP, "dcp": DCP, "mtp": MTP, "gmu": GMU, "resources": resources}
@@ -42,6 +43,11 @@ def write_matrix(directory: str | Path, cases: int) -> Path:
     path = Path(directory) / f"synthetic-{cases}.yaml"
     path.write_text(yaml.safe_dump(matrix_data(cases), sort_keys=False), encoding="utf-8")
     return path
+
+
+def default_matrix() -> Path:
+    """The packaged default matrix."""
+    return Path(packaged_matrix("default"))
 
 
 def subset_matrix(directory: str | Path, models: int) -> Path:

@@ -35,12 +35,13 @@ def sizing_envelope(case: Any) -> Any:
 
 @functools.lru_cache(maxsize=4096)
 def _required(heads_q: int, heads_kv: int, heads_q_decode: int, head_dim: int, head_dim_vo: int, num_sm: int,
-              envelope: Any, route_names: tuple[str, ...], tc: bool) -> Any:
+              envelope: Any, route_names: tuple[str, ...], tc: bool, capability: tuple[int, int]) -> Any:
     from .sizing import required_workspace
 
     return required_workspace(
         heads_q=heads_q, heads_kv=heads_kv, heads_q_decode=heads_q_decode, head_dim=head_dim,
         head_dim_vo=head_dim_vo, num_sm=num_sm, envelope=envelope, routes=route_names, decode_tensor_cores=tc,
+        compute_capability=capability,
     )
 
 
@@ -50,4 +51,5 @@ def required_for_case(case: Any) -> Any:
     return _required(
         heads.heads_q, heads.heads_kv, heads.heads_q_decode, case.model.head_dim, case.model.dim_vo,
         case.gpu.num_sm, sizing_envelope(case), routes(case), decode_tensor_cores(case),
+        case.gpu.compute_capability if case.gpu.compute_capability != (0, 0) else (9, 0),
     )

@@ -6,7 +6,6 @@ fails the check with the builder, phase and error that stopped it. An empty list
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -279,7 +278,7 @@ def check_ubatch_arenas_disjoint(result: Any) -> list[str]:
     for rec in result.phases:
         arenas = {u: (ptr, ptr + size) for u, ptr, size in rec.arena if size}
         spans = sorted(arenas.items(), key=lambda kv: kv[1])
-        for (u1, (s1, e1)), (u2, (s2, e2)) in zip(spans, spans[1:]):
+        for (u1, (_s1, e1)), (u2, (s2, _e2)) in zip(spans, spans[1:]):
             if s2 < e1:
                 out.append(f"phase {rec.name!r}: the arenas of ubatch {u1} and ubatch {u2} overlap")
         for owner, ub, role, ptr, nbytes in rec.bound:
@@ -484,9 +483,3 @@ def failing_checks(result: Any) -> dict[str, list[str]]:
             out[check.name] = violations
     return out
 
-
-def count_violations(results: list[Any]) -> Counter:
-    counter: Counter = Counter()
-    for r in results:
-        counter.update(failing_checks(r).keys())
-    return counter

@@ -266,8 +266,10 @@ class LifecycleRun:
     @contextlib.contextmanager
     def device_mode(self) -> Any:
         """Serve plain ``torch`` "cuda" calls from this run's simulated device (``Backend.torch_mode``)."""
-        if not getattr(self.backend, "torch_mode", False):
-            yield
+        from .device import SimDevice
+
+        if not getattr(self.backend, "torch_mode", False) or not isinstance(self.device, SimDevice):
+            yield  # on a real CUDA device plain torch calls already reach it
             return
         from .torch_mode import SimulatedCuda
 
@@ -539,6 +541,7 @@ def run_lifecycle(backend: Any, case: Any, device_factory: Callable[[Any], Any] 
                                str(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         builders = []
     run = LifecycleRun(backend, case, device, builders)
+    run.result.extra["device_factory"] = device_factory
     if run_error is not None:
         run.result.errors.append(run_error)
         run.result.aborted_in = SETUP

@@ -10,9 +10,8 @@ from typing import Any
 
 from .backends import Backend
 from .lifecycle import EnginePolicy
-from .protocol import BuilderContext, WorkspaceDeclaration
-from .stubs import MODULE_GLOBAL_BYTES, FlashInferCore, FlashInferLikeBuilder, MMPrefixLikeBuilder
-from .support import ProfilingSupport
+from .protocol import BuilderContext
+from .stubs import MODULE_GLOBAL_BYTES, FlashInferLikeBuilder, MMPrefixLikeBuilder
 
 MiB = 1 << 20
 
@@ -181,8 +180,6 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-11-decode-heuristic-sizing", 11, DecodeHeuristicSizingBuilder),
     _mutant("mutant-12-wrong-version-formula", 12, WrongVersionFormulaBuilder),
 )
-
-__all__ = ["MUTANT_BACKENDS", "WorkspaceDeclaration", "ProfilingSupport", "FlashInferCore"]
 
 
 def _resource_mutant(name: str, cls: type) -> Backend:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -94,6 +95,9 @@ def pytest_configure(config: pytest.Config) -> None:
     except (MatrixError, BackendError) as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
+    gpu_hooks = importlib.import_module("pytest_kvprofile.gpu.hooks")
+    if not config.pluginmanager.is_registered(gpu_hooks):
+        config.pluginmanager.register(gpu_hooks, "kvprofile-gpu")
     if _is_controller(config):
         config.pluginmanager.register(_Recorder(session), "kvprofile-recorder")
 

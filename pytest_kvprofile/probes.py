@@ -47,7 +47,7 @@ def _fresh(result: Any) -> Iterator[tuple[_ProbeRun, Any]]:
     """A new device and builders, prepared up to warmup, with the backend's device mode active."""
     from .resources import model_parts
 
-    device = lc.make_device(result.case)
+    device = result.extra.get("device_factory", lc.make_device)(result.case)
     builders = model_parts(result.extra["backend"], result.case)
     run = _ProbeRun(result.extra["backend"], result.case, device, builders)
     with run.device_mode():
@@ -68,7 +68,7 @@ def warmup_retry_violations(result: Any) -> list[str]:
     for index, name in enumerate(result.builder_names()):
         with _fresh(result) as (clean_run, clean_dev):
             builder = clean_run.builders[index]
-            count = _count_allocations(clean_dev, lambda: call_optional(builder, "warmup", clean_run.ctx(builder)))
+            count = _count_allocations(clean_dev, lambda b=builder, r=clean_run: call_optional(b, "warmup", r.ctx(b)))
             expected = _persistent(clean_dev, name)
         for k in range(min(count, MAX_FAIL_POINTS)):
             with _fresh(result) as (run, dev):

@@ -21,7 +21,6 @@ from .resources import RESOURCE_KINDS, model_parts
 from .support import DeclarationError, ProfilingSupport, builder_name, declared_support, resolve_support
 
 RESULT_CACHE_SIZE = 32
-BUILTIN_GROUPS = ("stubs", "mutants")
 
 
 @dataclass(frozen=True)
@@ -120,6 +119,7 @@ class KvprofileSession:
         self._results: OrderedDict[tuple[str, str], LifecycleResult] = OrderedDict()
         self.records: list[dict] = []
         self.hardware: dict | None = None
+        self.device_factory: Any = None  # the GPU tier's CudaDeviceFactory (set by pytest_kvprofile.gpu.hooks)
         self.case_index = {c.id: i for i, c in enumerate(self.cases)}
         self.backend_index = {b.name: i for i, b in enumerate(backends)}
 
@@ -169,7 +169,11 @@ class KvprofileSession:
         key = (backend.name, case.id)
         result = self._results.get(key)
         if result is None:
-            result = run_lifecycle(backend, case)
+            if self.device_factory is None:
+                result = run_lifecycle(backend, case)
+            else:
+                result = run_lifecycle(backend, case, device_factory=self.device_factory)
+                self.device_factory.release(result)  # a real GPU cannot hold every cached case's memory
             result.extra["waste_slack_bytes"] = int(self.settings.waste_slack_mib * (1 << 20))
             self._results[key] = result
             if len(self._results) > RESULT_CACHE_SIZE:

@@ -8,7 +8,8 @@
 # the real FlashInfer backend) and the GPU-tier tests on real CUDA. FlashInfer's JIT cache lives in
 # BUNDLE_DIR/jit-cache, so a second run reuses the compiled kernels. Results: BUNDLE_DIR/results/.
 # Env: PYTHON (default python3), KVPROFILE_BASE_MATRIX (default the bundle's ci.yaml),
-# KVPROFILE_EXTRA_MATRICES (space-separated, e.g. the bundle's ci.yaml to also run its other GPUs).
+# KVPROFILE_EXTRA_MATRICES (space-separated, e.g. the bundle's ci.yaml to also run its other GPUs),
+# KVPROFILE_PYTEST_TIMEOUT (default 540 s; the first run also JIT-compiles FlashInfer's kernels).
 set -euo pipefail
 BUNDLE=$(cd "${1:?usage: run_gpu_tier.sh BUNDLE_DIR [pytest args]}" && pwd)
 shift
@@ -32,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvi
 "$PY" -c "import torch, flashinfer; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'flashinfer', flashinfer.__version__)" | tee "$OUT/versions.txt"
 cd "$OUT"
 set +e
-timeout 540 "$PY" -m pytest -p no:cacheprovider --kvprofile-gpu \
+timeout "${KVPROFILE_PYTEST_TIMEOUT:-540}" "$PY" -m pytest -p no:cacheprovider --kvprofile-gpu \
     --pyargs pytest_kvprofile.suite pytest_kvprofile.gpu_suite "${MATRICES[@]}" \
     --kvprofile-backend stubs --kvprofile-backend pytest_kvprofile.gpu.flashinfer_builders:gpu_backends \
     --kvprofile-json "$OUT/report.json" --junitxml "$OUT/junit.xml" --durations 15 -q "$@" 2>&1 | tee "$OUT/pytest.log"

@@ -17,9 +17,10 @@ from __future__ import annotations
 import gc
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, NoReturn
 
 from ..allocator import round_size, segment_size
 from ..device import Allocation, DeviceEvent, DeviceOutOfMemory

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ..backends import Backend
 from ..case_sizing import decode_tensor_cores, required_for_case, routes
@@ -25,8 +26,8 @@ from ..protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclarati
 from ..support import ProfilingSupport
 
 __all__ = [
-    "AttentionMismatch",
     "BF16_TOLERANCE",
+    "AttentionMismatch",
     "FlashInferCudaBuilder",
     "LazyFlashInferCudaBuilder",
     "PagedLayout",

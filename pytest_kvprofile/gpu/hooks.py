@@ -36,26 +36,40 @@ def _cuda_initialized() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
+def _device_count() -> int:
+    """GPUs NVML counts (no CUDA context)."""
+    from ..gpu_probe import cuda_device_count
+
+    return cuda_device_count()[0]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not gpu_tier(config):
         return
-    state = _state(config)
     if hasattr(config, "workerinput"):
-        from ..gpu_probe import cuda_device_count
         from .pinning import PinningError, apply_pinning
 
-        count, _ = cuda_device_count()
+        count = _device_count()
         try:
             pin = apply_pinning(os.environ, count, cuda_initialized=_cuda_initialized())
         except PinningError as exc:
             raise pytest.UsageError(str(exc)) from None
         config.stash[PIN_KEY] = pin
-    elif state is not None:
-        state.hardware = controller_hardware()
-    if state is not None:
-        from .cuda_device import CudaDeviceFactory
 
-        state.device_factory = CudaDeviceFactory(0)
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Hand the plugin's session the CUDA device factory (and, on the controller, the hardware
+    description for the JSON report). Done here rather than in pytest_configure so that it works
+    whether this module was registered before or after the plugin built its session."""
+    config = session.config
+    state = _state(config)
+    if state is None or not gpu_tier(config):
+        return
+    from .cuda_device import CudaDeviceFactory
+
+    state.device_factory = CudaDeviceFactory(0)
+    if not hasattr(config, "workerinput"):
+        state.hardware = controller_hardware()
 
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from .topology import GpuTopology, TopologyError, detect_topology
 
-__all__ = ["detected_gpu_entry", "one_gpu_matrix", "main"]
+__all__ = ["detected_gpu_entry", "main", "one_gpu_matrix"]
 
 
 def detected_gpu_entry(topology: GpuTopology) -> Any:

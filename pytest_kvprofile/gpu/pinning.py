@@ -8,8 +8,8 @@ rather than shared. The mapping is pure so that it is tested on CPU.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping
 
 __all__ = ["PinningError", "WorkerPin", "apply_pinning", "plan_pinning", "worker_index"]
 

@@ -8,8 +8,9 @@ never in the controller. Both are injectable so that the pure logic is tested wi
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..topology import ALIASES, GPU_CATALOG, GpuSpec, lookup_gpu, slugify
 
@@ -196,7 +197,7 @@ def visible_nvml_indices(cuda_visible: str | None, uuids: list[str]) -> list[int
                 break
             out.append(idx)
             continue
-        matches = [i for i, u in enumerate(uuids) if u.startswith(token) or u.startswith("GPU-" + token)]
+        matches = [i for i, u in enumerate(uuids) if u.startswith((token, "GPU-" + token))]
         if len(matches) != 1 or matches[0] in out:
             break
         out.append(matches[0])
@@ -258,7 +259,7 @@ def detect_topology(nvml: Any = None, torch_cuda: Any = None, *, use_torch: bool
             raise TopologyError("the nvidia-ml-py package (module pynvml) is not installed") from exc
     try:
         nvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise TopologyError(f"NVML could not be initialized: {exc}") from exc
     try:
         driver = _text(nvml.nvmlSystemGetDriverVersion())
@@ -271,7 +272,7 @@ def detect_topology(nvml: Any = None, torch_cuda: Any = None, *, use_torch: bool
         links = _nvml_links(nvml, handles)
     except TopologyError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise TopologyError(f"NVML could not describe the devices: {exc}") from exc
     finally:
         try:

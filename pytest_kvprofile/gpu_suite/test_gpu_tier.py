@@ -189,7 +189,7 @@ def test_workspace_size_api_agrees(route_probe: Any) -> None:
 
 def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Any, gpu_device_factory: Any,
                                                      record_property: Any) -> None:
-    from pytest_kvprofile.checks import failing_checks
+    from pytest_kvprofile.checks import checks_for
     from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends
     from pytest_kvprofile.lifecycle import run_lifecycle
 
@@ -198,10 +198,14 @@ def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Any, gpu_device_
     sim = run_lifecycle(backend.__class__(name="sim", make_builders=_stub_builders), gpu_case)
     gpu_device_factory.release(result)
     assert not result.errors, result.errors[0].describe()
-    failures = failing_checks(result)
-    if "device_factory" not in result.extra:
-        # The warmup-retry probe would re-run this CUDA builder on a simulated device (no factory recorded).
-        failures.pop("warmup_retryable", None)
+    failures = {}
+    for check in checks_for(result.path):
+        if check.name == "warmup_retryable" and "device_factory" not in result.extra:
+            continue  # its probe would re-run this CUDA builder on a simulated device (no factory recorded)
+        if check.relevant(result.case, result.builders):
+            violations = check.run(result)
+            if violations:
+                failures[check.name] = violations[0]
     if result.budget is not None and sim.budget is not None:
         record_property("budget_real", result.budget.as_dict())
         record_property("budget_sim", sim.budget.as_dict())

@@ -49,14 +49,14 @@ class FakeTensor:
     def __len__(self) -> int:
         return self._numel
 
-    def __getitem__(self, item: slice) -> "FakeTensor":
+    def __getitem__(self, item: slice) -> FakeTensor:
         start, stop, step = item.indices(self._numel)
         assert step == 1
         return FakeTensor(self._storage, self._offset + start, max(0, stop - start), self.device)
 
 
 class FakeGraph:
-    def __init__(self, cuda: "FakeCuda") -> None:
+    def __init__(self, cuda: FakeCuda) -> None:
         self._cuda = cuda
         self.pool = None
         self.resets = 0
@@ -249,3 +249,119 @@ class FakeNvml:
 
     def nvmlDeviceGetTopologyCommonAncestor(self, a: int, b: int) -> int:
         return 0 if self._kind(a, b) == "nvlink" else 30
+
+
+REAL_LIMIT = 256 << 20  # allocations up to this size get real (CPU) memory behind them
+
+
+class HybridCuda(FakeCuda):
+    """FakeCuda whose small allocations are real CPU uint8 tensors (so builders can compute on
+    them); large ones (weights, KV cache) stay data-less. Figures still come from the model."""
+
+    def alloc(self, nbytes: int) -> Any:
+        import torch
+
+        if nbytes == 0 or nbytes > REAL_LIMIT:
+            return super().alloc(nbytes)
+        block = self.allocator.malloc(nbytes)
+        if block is None:
+            raise FakeOutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        allocator = self.allocator
+        weakref.finalize(t, allocator.free, block)
+        return t
+
+
+class HybridTorch(FakeTorch):
+    def __init__(self, cuda: FakeCuda | None = None) -> None:
+        super().__init__(cuda or HybridCuda())
+
+
+class FakeFlashInfer:
+    """A ``flashinfer`` module stand-in: wrappers that plan with a bump allocator of ``need(layout)``
+    float bytes (raising FlashInfer's overflow message when it does not fit) and run exact attention
+    on CPU. ``corrupt=True`` makes run() return garbage, as an overflowed workspace would."""
+
+    def __init__(self, need: Any = None, corrupt: bool = False) -> None:
+        import importlib.util
+
+        # The sizing oracle locates the installed FlashInfer through its spec: keep the real one.
+        self.__spec__ = importlib.util.find_spec("flashinfer")
+        self.need = need or (lambda route, layout: 1 << 20)
+        self.corrupt = corrupt
+        self.made: list[Any] = []  # weak references to every wrapper constructed
+        fake = self
+
+        class _Wrapper:
+            route = "prefill"
+
+            def __init__(self, float_workspace_buffer: Any, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                         use_tensor_cores: bool = False, backend: str = "auto", **kw: Any) -> None:
+                assert kv_layout == "NHD" and backend == "fa2"
+                self.float_buf = float_workspace_buffer
+                self.int_buf = None
+                self.use_cuda_graph = use_cuda_graph
+                self.tensor_cores = use_tensor_cores
+                self.graph_buffers = kw
+                self.layout = None
+                fake.made.append(weakref.ref(self))  # weak: a real module keeps no wrapper alive
+
+            def reset_workspace_buffer(self, float_buf: Any, int_buf: Any) -> None:
+                self.float_buf, self.int_buf = float_buf, int_buf
+
+            def _layout(self, args: tuple, kw: dict) -> Any:
+                from pytest_kvprofile.gpu.flashinfer_builders import paged_layout
+
+                if self.route == "prefill":
+                    qo, kv_indptr, indices, last = (a.tolist() for a in args[:4])
+                    page = args[7]
+                    qo_lens = [b - a for a, b in zip(qo, qo[1:])]
+                else:
+                    kv_indptr, indices, last = (a.tolist() for a in args[:3])
+                    page = args[6]
+                    qo_lens = [kw.get("q_len_per_req", 1)] * (len(kv_indptr) - 1)
+                pages = [b - a for a, b in zip(kv_indptr, kv_indptr[1:])]
+                kv_lens = [(p - 1) * page + lp for p, lp in zip(pages, last)]
+                lay = paged_layout(qo_lens, kv_lens, page)
+                object.__setattr__(lay, "kv_indices", tuple(indices))
+                object.__setattr__(lay, "num_physical_pages", max(indices) + 1)
+                return lay
+
+            def workspace_size(self, *args: Any, **kw: Any) -> tuple[int, int]:
+                return fake.need(self.route, self._layout(args, kw)), 8 << 20
+
+            def plan(self, *args: Any, **kw: Any) -> None:
+                lay = self._layout(args, kw)
+                need = fake.need(self.route, lay)
+                have = self.float_buf.numel()
+                if need > have:
+                    raise RuntimeError(
+                        f"Buffer overflow when allocating memory for batch_prefill_tmp_v with size {need} and "
+                        f"alignment 16, but only {have} bytes available in AlignedAllocator. Increase the "
+                        "workspace buffer size.")
+                self.layout = lay
+
+            def run(self, q: Any, kv: Any, out: Any = None) -> Any:
+                from pytest_kvprofile.gpu.flashinfer_builders import reference_attention
+
+                assert self.layout is not None, "run() before plan()"
+                k, v = kv
+                ref = reference_attention(q, k, v, self.layout, rows=max(self.layout.qo_lens))
+                import torch
+
+                res = torch.cat([ref[r] for r in range(self.layout.batch_size)]).to(q.dtype)
+                if fake.corrupt:
+                    res = torch.zeros_like(res)
+                if out is not None:
+                    out.copy_(res)
+                    return out
+                return res
+
+        class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+            route = "prefill"
+
+        class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+            route = "decode"
+
+        self.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+        self.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper

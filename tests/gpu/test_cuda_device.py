@@ -87,16 +87,14 @@ def test_graph_capture_measures_pool_from_inside_the_capture():
     with dev.graph_capture(pool):
         pass
     assert pool.use_count == 2
-    with pytest.raises(RuntimeError, match="do not nest"):
+    with pytest.raises(RuntimeError, match="do not nest"), dev.graph_capture(pool):
         with dev.graph_capture(pool):
-            with dev.graph_capture(pool):
-                pass
+            pass
     dev.free(y)
     dev.release_graph_pool(pool)
     assert pool.released and pool.reserved == 0 and dev.memory_reserved() == 0
-    with pytest.raises(ValueError, match="released"):
-        with dev.graph_capture(pool):
-            pass
+    with pytest.raises(ValueError, match="released"), dev.graph_capture(pool):
+        pass
 
 
 def test_lazy_release_waits_for_empty_cache():

@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from pytest_kvprofile.gpu.flashinfer_builders import (
-    FlashInferCudaBuilder, LazyFlashInferCudaBuilder, attention_error, gpu_backends, gpu_mutant_backends,
-    paged_layout, plan_args, random_inputs, reference_attention, scratch_bytes, synthetic_lens,
+    FlashInferCudaBuilder,
+    LazyFlashInferCudaBuilder,
+    attention_error,
+    gpu_backends,
+    gpu_mutant_backends,
+    paged_layout,
+    plan_args,
+    random_inputs,
+    reference_attention,
+    scratch_bytes,
+    synthetic_lens,
 )
 from pytest_kvprofile.matrix import load_matrix_text
 from pytest_kvprofile.protocol import Batch

@@ -6,8 +6,18 @@ import pytest
 from gpu_fakes import FakeCuda, FakeNvml
 
 from pytest_kvprofile.gpu.matrix_gen import detected_gpu_entry, one_gpu_matrix
-from pytest_kvprofile.gpu.pinning import PinningError, apply_pinning, plan_pinning, worker_index
-from pytest_kvprofile.gpu.topology import TopologyError, detect_topology, match_catalog, visible_nvml_indices
+from pytest_kvprofile.gpu.pinning import (
+    PinningError,
+    apply_pinning,
+    plan_pinning,
+    worker_index,
+)
+from pytest_kvprofile.gpu.topology import (
+    TopologyError,
+    detect_topology,
+    match_catalog,
+    visible_nvml_indices,
+)
 
 MiB = 1 << 20
 

@@ -316,3 +316,12 @@ def test_declared_workspace_of_the_wrong_type_is_named(kv: pytest.Pytester) -> N
     for record in records.values():
         assert "declared_workspace() returned NoneType" in record["message"], record["message"]
         assert "in phase 'setup'" in record["message"]
+
+
+@pytest.mark.xfail(strict=True, reason=PENDING)
+def test_probe_failures_name_the_phase_without_a_harness_traceback(kv: pytest.Pytester) -> None:
+    _, doc = run_suite(kv, "--kvprofile-backend", "brokenbk:raising", "-k", "warmup_retryable")
+    for backend, phase in (("raise-warmup", lc.PROFILE_WARMUP), ("raise-reserve_persistent_workspace", lc.RESERVATION)):
+        message = outcomes(doc, backend)["warmup_retryable"]["message"]
+        assert f"in phase {phase!r}" in message and "Boom" in message, message
+        assert "probes.py" not in message, message

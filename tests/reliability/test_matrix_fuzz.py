@@ -26,6 +26,7 @@ MATRIX_DIR = Path(__import__("pytest_kvprofile").__file__).parent / "matrices"
 SHIPPED = {p.name: p.read_text(encoding="utf-8") for p in sorted(MATRIX_DIR.glob("*.yaml"))}
 SHIPPED_DATA = {name: yaml.safe_load(text) for name, text in SHIPPED.items()}
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+EXTREMES = [0, -1, 0.5, 2**53, 2**53 + 1, 2**63, 10**400, 1e308, float("inf"), float("nan")]
 TOP_KEYS = ["name", "description", "envelope", "models", "gpus", "tp", "dcp", "mtp", "gmu", "exclude", "resources"]
 
 scalars = st.one_of(
@@ -159,7 +160,7 @@ def mutated_matrix(draw: Any) -> tuple[str, Any]:
     data = copy.deepcopy(SHIPPED_DATA[name])
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(_positions(data)))
-        op = draw(st.sampled_from(["replace", "delete", "add", "exclude", "axis", "duplicate"]))
+        op = draw(st.sampled_from(["replace", "delete", "add", "exclude", "axis", "duplicate", "extreme", "inline-gpu"]))
         if not path:
             if op == "replace":
                 data = draw(values)
@@ -171,6 +172,13 @@ def mutated_matrix(draw: Any) -> tuple[str, Any]:
             del parent[last]
         elif op == "add" and isinstance(parent, dict):
             parent[draw(st.one_of(st.sampled_from(TOP_KEYS + ["heads_q", "when", "params"]), st.text(max_size=6)))] = draw(values)
+        elif op == "extreme" and isinstance(parent[last], (int, float)):
+            parent[last] = draw(st.sampled_from(EXTREMES))
+        elif op == "inline-gpu" and isinstance(data, dict) and isinstance(data.get("gpus"), list) and data["gpus"]:
+            unit = draw(st.sampled_from(["memory_gib", "memory_gb"]))
+            data["gpus"][0] = {"name": draw(st.sampled_from(["X1", "L40S", "big gpu"])),
+                               "num_sm": draw(st.sampled_from([1, 132, *EXTREMES])),
+                               unit: draw(st.sampled_from([24, 80.5, *EXTREMES]))}
         elif op == "duplicate" and isinstance(parent, list):
             parent.append(copy.deepcopy(parent[last]))
         elif op == "exclude" and isinstance(data, dict):

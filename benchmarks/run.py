@@ -1,0 +1,475 @@
+"""Benchmarks for pytest-kvprofile: what the suite costs next to pytest itself, and how it scales.
+
+Every figure is a ratio taken side by side in the same run (absolute times are reported, never
+asserted), because the machines this runs on are shared and absolute seconds mean little.
+
+    python benchmarks/run.py            # full: default matrix, 100/1,000/10,000 cases (< 10 min on 2 cores)
+    python benchmarks/run.py --quick    # a subset of the default matrix, smaller sizes (~2 min)
+    python benchmarks/run.py --smoke    # tiny sizes, no oracle build (seconds); for the smoke test
+
+The table is printed at the end and written to ``benchmarks/results.md`` (``--out``), with the
+machine and the date; ``--json`` also writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import matrixgen  # noqa: E402
+
+PY = sys.executable
+GIB = 1 << 30
+SUITE = ["-m", "pytest", "--pyargs", "pytest_kvprofile.suite", "-p", "no:cacheprovider"]
+BARE_TEST = '''"""N trivially passing parametrized tests: the baseline pytest cost per item."""
+import os
+
+import pytest
+
+
+@pytest.mark.parametrize("i", range(int(os.environ["KVPROFILE_BENCH_N"])))
+def test_item(i):
+    pass
+'''
+
+
+@dataclass
+class Proc:
+    """One finished (or killed) subprocess: wall and CPU seconds, peak RSS, output."""
+
+    wall: float
+    cpu: float
+    maxrss: int
+    rc: int
+    out: str
+    timed_out: bool = False
+
+
+@dataclass
+class Row:
+    section: str
+    metric: str
+    value: float | None
+    unit: str
+    target: str = ""
+    status: str = "info"
+    note: str = ""
+
+
+@dataclass
+class Bench:
+    mode: str
+    work: Path
+    rows: list[Row] = field(default_factory=list)
+    log: Callable[[str], None] = print
+
+    def add(self, section: str, metric: str, value: float | None, unit: str, target: str = "",
+            ok: bool | None = None, note: str = "") -> None:
+        status = "info" if ok is None else ("met" if ok else "MISSED")
+        if value is None and ok is None and target:
+            status = "not measured"
+        self.rows.append(Row(section, metric, value, unit, target, status, note))
+        shown = "-" if value is None else f"{value:.4g}"
+        self.log(f"  {section} / {metric}: {shown} {unit} {status} {note}".rstrip())
+
+
+def run_proc(args: list[str], cwd: Path, env: dict | None = None, timeout: float | None = None) -> Proc:
+    """Run ``args``; wall time, the CPU and peak RSS of the process and its reaped children (wait4)."""
+    with tempfile.TemporaryFile("w+") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(args, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        timed_out = False
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if timeout is not None and time.perf_counter() - start > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pid, status, usage = os.wait4(proc.pid, 0)
+                timed_out = True
+                break
+            time.sleep(0.02)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read()
+    return Proc(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, proc.returncode, text, timed_out)
+
+
+_OUTCOME = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|deselected)")
+
+
+def items_run(out: str) -> int:
+    """Items pytest ran, from its last summary line (deselected items are not run)."""
+    lines = [ln for ln in out.splitlines() if re.search(r"\d+ (passed|failed|skipped)", ln)]
+    if not lines:
+        raise RuntimeError(f"no pytest summary line in output:\n{out[-2000:]}")
+    return sum(int(n) for n, what in _OUTCOME.findall(lines[-1]) if what != "deselected")
+
+
+def collected(out: str) -> tuple[int, float]:
+    """(items, seconds) from ``N tests collected in S s``."""
+    m = re.search(r"(\d+)(?:/\d+)? tests? collected(?: \(\d+ deselected\))? in ([\d.]+)s", out)
+    if not m:
+        raise RuntimeError(f"no collection line in output:\n{out[-2000:]}")
+    return int(m.group(1)), float(m.group(2))
+
+
+def _require(proc: Proc, what: str) -> None:
+    if proc.timed_out:
+        raise TimeoutError(f"{what}: timed out after {proc.wall:.0f} s")
+    if proc.rc not in (0, 1):
+        raise RuntimeError(f"{what}: exit status {proc.rc}\n{proc.out[-3000:]}")
+
+
+def suite(b: Bench, matrix: Path, *extra: str, timeout: float | None = None) -> tuple[Proc, int]:
+    proc = run_proc([PY, *SUITE, "--kvprofile-matrix", str(matrix), "-q", *extra], b.work, timeout=timeout)
+    _require(proc, f"suite on {matrix.name} {' '.join(extra)}")
+    if proc.rc != 0:
+        raise RuntimeError(f"suite on {matrix.name} failed; benchmarks need a passing suite\n{proc.out[-3000:]}")
+    return proc, items_run(proc.out)
+
+
+def bare(b: Bench, n: int, timeout: float | None = None) -> Proc:
+    proc = run_proc([PY, "-m", "pytest", "test_bare.py", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"],
+                    b.work, env={"KVPROFILE_BENCH_N": str(n)}, timeout=timeout)
+    _require(proc, f"bare pytest, {n} items")
+    return proc
+
+
+# -- 1, 3, 6: overhead vs pytest, xdist speedup, peak RSS ------------------------------------------------
+
+
+def overhead(b: Bench, matrix: Path, label: str, repeats: int, timeout: float) -> Proc | None:
+    """Suite vs bare pytest per item, alternated ``repeats`` times; returns a no-xdist suite run."""
+    walls, cpus, last = [], [], None
+    for i in range(repeats):
+        try:
+            proc, n = suite(b, matrix, "-p", "no:xdist", timeout=timeout)
+            base = bare(b, n, timeout=timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            b.add("overhead", f"per-item wall ratio, {label}", None, "x", "<= 2.0", False, str(exc).splitlines()[0])
+            return None
+        walls.append((proc.wall / n) / (base.wall / n))
+        cpus.append(proc.cpu / base.cpu)
+        b.log(f"    {label} run {i + 1}: {n} items, suite {proc.wall:.1f} s ({1e3 * proc.wall / n:.2f} ms/item), "
+              f"bare {base.wall:.1f} s ({1e3 * base.wall / n:.2f} ms/item)")
+        last = (proc, base, n)
+    proc, base, n = last
+    b.add("overhead", f"suite wall, {label} ({n} items)", proc.wall, "s")
+    b.add("overhead", f"bare pytest wall, {label} ({n} items)", base.wall, "s")
+    b.add("overhead", f"per-item wall ratio, {label}", statistics.median(walls), "x", "<= 2.0",
+          statistics.median(walls) <= 2.0, f"median of {repeats}" if repeats > 1 else "")
+    b.add("overhead", f"per-item CPU ratio, {label}", statistics.median(cpus), "x", note="less sensitive to load")
+    return proc
+
+
+def parallel(b: Bench, matrix: Path, label: str, serial: Proc | None, timeout: float) -> None:
+    """``-n 2`` against the ``-p no:xdist`` run just made on the same matrix."""
+    if serial is None:
+        b.add("parallel", f"-n 2 speedup, {label}", None, "x", ">= 1.6", False, "no serial run to compare")
+        return
+    try:
+        proc, n = suite(b, matrix, "-n", "2", timeout=timeout)
+    except (TimeoutError, RuntimeError) as exc:
+        b.add("parallel", f"-n 2 speedup, {label}", None, "x", ">= 1.6", False, str(exc).splitlines()[0])
+        return
+    b.add("parallel", f"-n 2 wall, {label} ({n} items)", proc.wall, "s")
+    speedup = serial.wall / proc.wall
+    b.add("parallel", f"-n 2 speedup, {label}", speedup, "x", ">= 1.6", speedup >= 1.6,
+          f"{os.cpu_count()} cores, shared")
+
+
+def memory(b: Bench, serial: Proc | None, label: str) -> None:
+    if serial is None:
+        b.add("memory", f"peak RSS, suite on {label}", None, "MiB", "< 1024", False, "no suite run")
+        return
+    mib = serial.maxrss / (1 << 20)
+    b.add("memory", f"peak RSS, suite on {label}", mib, "MiB", "< 1024", serial.maxrss < GIB, "-p no:xdist, wait4")
+
+
+# -- 2: scaling ------------------------------------------------------------------------------------------
+
+
+def collection_scaling(b: Bench, sizes: tuple[int, ...], budget: float) -> None:
+    """``--collect-only -q`` of synthetic matrices; per-case time at the largest over the smallest."""
+    per_case: dict[int, float] = {}
+    times: dict[int, float] = {}
+    for size in sizes:
+        path = matrixgen.write_matrix(b.work, size)
+        cases = len(matrixgen.matrix_data(size)["models"]) * matrixgen.CASES_PER_MODEL
+        if len(times) >= 2:
+            (s0, t0), (s1, t1) = sorted(times.items())[-2:]
+            growth = max(1.0, (t1 / s1) / (t0 / s0))
+            projected = t1 * (cases / s1) * growth ** (1 if growth > 1.05 else 0)
+            if projected > budget:
+                b.add("scaling", f"collection, {cases} cases", None, "s", "< 3.0 at 10,000" if size >= 10000 else "",
+                      False, f"not run: projected {projected:.0f} s from the smaller sizes")
+                continue
+        proc = run_proc([PY, *SUITE, "-p", "no:xdist", "--kvprofile-matrix", str(path), "--collect-only", "-q"],
+                        b.work, timeout=budget)
+        if proc.timed_out or proc.rc != 0:
+            why = f"timed out after {budget:.0f} s" if proc.timed_out else f"exit {proc.rc}"
+            b.add("scaling", f"collection, {cases} cases", None, "s", "", False, why)
+            continue
+        items, secs = collected(proc.out)
+        times[cases], per_case[cases] = secs, secs / cases
+        target = "< 3.0" if cases >= 10000 else ""
+        b.add("scaling", f"collection, {cases} cases ({items} items)", secs, "s", target,
+              secs < 3.0 if target else None, f"wall {proc.wall:.1f} s, RSS {proc.maxrss >> 20} MiB")
+    if len(per_case) >= 2:
+        lo, hi = min(per_case), max(per_case)
+        ratio = per_case[hi] / per_case[lo]
+        b.add("scaling", f"collection time/case, {hi} over {lo} cases", ratio, "x", "<= 1.2", ratio <= 1.2)
+        if len(times) >= 3:
+            s = sorted(times)
+            marginal = ((times[s[2]] - times[s[1]]) / (s[2] - s[1])) / ((times[s[1]] - times[s[0]]) / (s[1] - s[0]))
+            b.add("scaling", f"collection marginal time/case, {s[1]}-{s[2]} over {s[0]}-{s[1]}", marginal, "x",
+                  note="excludes fixed start-up cost")
+
+
+def lifecycle_scaling(b: Bench, sizes: tuple[int, ...], backend_name: str) -> None:
+    """Pure Python ``run_lifecycle`` + ``failing_checks`` over every runnable case, per size."""
+    from pytest_kvprofile.checks import failing_checks
+    from pytest_kvprofile.lifecycle import run_lifecycle
+    from pytest_kvprofile.matrix import load_matrix
+    from pytest_kvprofile.stubs import STUB_BACKENDS
+
+    backend = next(s for s in STUB_BACKENDS if s.name == backend_name)
+    per_case: dict[int, float] = {}
+    for size in sizes:
+        cases = [c for c in load_matrix(matrixgen.write_matrix(b.work, size)).cases if c.skip_reason is None]
+        for case in cases[:3]:
+            failing_checks(run_lifecycle(backend, case))  # warm imports and first-call caches, untimed
+        life = checks = 0.0
+        failed = 0
+        for case in cases:
+            t0 = time.perf_counter()
+            result = run_lifecycle(backend, case)
+            t1 = time.perf_counter()
+            failed += bool(failing_checks(result))
+            t2 = time.perf_counter()
+            life, checks = life + t1 - t0, checks + t2 - t1
+        if failed:
+            raise RuntimeError(f"{failed} of {len(cases)} cases fail checks under {backend_name}; expected none")
+        per_case[size] = (life + checks) / len(cases)
+        b.add("scaling", f"lifecycle+checks per case, {len(cases)} cases", 1e3 * per_case[size], "ms",
+              note=f"{backend_name}; lifecycle {1e3 * life / len(cases):.2f} ms, checks {1e3 * checks / len(cases):.2f} ms")
+        if size == sizes[-1]:
+            b.add("device", "lifecycle simulation per case", 1e3 * life / len(cases), "ms",
+                  note=f"{backend_name}, {len(cases)} cases")
+    lo, hi = min(per_case), max(per_case)
+    ratio = per_case[hi] / per_case[lo]
+    b.add("scaling", f"lifecycle+checks time/case, ~{hi} over ~{lo} cases", ratio, "x", "<= 1.2", ratio <= 1.2)
+
+
+# -- 4: the oracle ---------------------------------------------------------------------------------------
+
+
+def oracle(b: Bench, timeout: float) -> None:
+    """Reuse ``pytest_kvprofile.sizing.bench`` (cold build into a temp cache, warm start, qps, search)."""
+    proc = run_proc([PY, "-m", "pytest_kvprofile.sizing.bench"], b.work, timeout=timeout)
+    if proc.timed_out or proc.rc != 0:
+        why = f"timed out after {timeout:.0f} s" if proc.timed_out else proc.out.strip().splitlines()[-1:]
+        b.add("oracle", "oracle benchmark", None, "", "runs", False, f"unavailable: {why}")
+        return
+    res = json.loads(proc.out[proc.out.index("{"):])
+    b.add("oracle", "cold build", res["cold_build_s"], "s", note=f"compile {res.get('compile_s')} s")
+    b.add("oracle", "warm start (cache hit, new process)", res["warm_start_s"], "s", "< 0.5", res["warm_start_s"] < 0.5)
+    for key, label in (("qps_prefill_batch1", "batch 1"), ("qps_prefill_batch32", "batch 32"),
+                       ("qps_prefill_batch256", "batch 256"), ("qps_prefill_batch1_nograph", "batch 1, no graph")):
+        b.add("oracle", f"planner queries/s, {label}", res[key], "q/s", ">= 50000", res[key] >= 50000)
+    search = res["search_ms_per_case_200_batches"]
+    b.add("oracle", "adversarial search per case (mean)", search["mean"], "ms", "< 20", search["mean"] < 20,
+          "200 batches")
+    b.add("oracle", "adversarial search per case (max)", search["max"], "ms", "< 20", search["max"] < 20)
+
+
+# -- 5: the simulated device -----------------------------------------------------------------------------
+
+
+def tensor_creation(b: Bench, n: int, repeats: int) -> None:
+    """``torch.empty(..., device="cuda")`` under SimulatedCuda over a plain CPU ``torch.empty``."""
+    import torch
+
+    from pytest_kvprofile.device import SimDevice
+    from pytest_kvprofile.torch_mode import SimulatedCuda
+
+    shape = (1024, 256)
+
+    def plain() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = torch.empty(shape, dtype=torch.float32)
+            del t
+        return (time.perf_counter() - t0) / n
+
+    def simulated() -> float:
+        dev = SimDevice(name="NVIDIA H100 80GB HBM3", total_memory=80 * GIB, num_sm=132, nontorch_bytes=GIB)
+        with SimulatedCuda(dev):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                t = torch.empty(shape, dtype=torch.float32, device="cuda")
+                del t
+            return (time.perf_counter() - t0) / n
+
+    plain(), simulated()
+    ratios, sims, plains = [], [], []
+    for _ in range(repeats):
+        p, s = plain(), simulated()
+        plains.append(p)
+        sims.append(s)
+        ratios.append(s / p)
+    b.add("device", "torch.empty (1 MiB) plain CPU", 1e6 * statistics.median(plains), "us")
+    b.add("device", "torch.empty (1 MiB) under SimulatedCuda", 1e6 * statistics.median(sims), "us")
+    b.add("device", "SimulatedCuda creation / plain CPU", statistics.median(ratios), "x", note=f"median of {repeats}")
+
+
+# -- report ----------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "date (UTC)": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "cores": str(os.cpu_count()),
+        "cpu": _cpu_model(),
+        "python": platform.python_version(),
+        "torch": ver("torch"),
+        "flashinfer-python": ver("flashinfer-python"),
+        "pytest": ver("pytest"),
+        "pytest-xdist": ver("pytest-xdist"),
+        "load average at end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def table(rows: list[Row]) -> list[str]:
+    head = ("section", "metric", "value", "unit", "target", "status", "note")
+    body = [(r.section, r.metric, "-" if r.value is None else f"{r.value:.4g}", r.unit, r.target, r.status, r.note)
+            for r in rows]
+    widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
+    fmt = "| " + " | ".join(f"{{:{w}}}" for w in widths) + " |"
+    return [fmt.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt.format(*x) for x in body)]
+
+
+def write_markdown(path: Path, mode: str, rows: list[Row], info: dict[str, str], elapsed: float) -> None:
+    lines = [
+        "# pytest-kvprofile benchmarks", "",
+        f"`python benchmarks/run.py{'' if mode == 'full' else ' --' + mode}` ({mode} mode, {elapsed:.0f} s). "
+        "Ratios are taken side by side in the same run; absolute times are for reference only.", "",
+        "## Machine", "",
+        *(f"- {k}: {v}" for k, v in info.items()), "",
+        "## Results", "",
+        *table(rows), "",
+    ]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+MODES = {
+    # overhead matrices: (label, models of the default matrix or None for the whole, repeats)
+    "full": dict(overhead=[("default subset (1 model)", 1, 3), ("default matrix", None, 1)],
+                 parallel="default matrix", collect=(100, 1000, 10000), lifecycle=(100, 1000, 10000),
+                 oracle=True, tensors=(3000, 5), timeout=420, collect_budget=100),
+    "quick": dict(overhead=[("default subset (1 model)", 1, 2)], parallel="default subset (1 model)",
+                  collect=(100, 1000, 3000), lifecycle=(100, 300, 1000), oracle=True, tensors=(2000, 3),
+                  timeout=300, collect_budget=60),
+    "smoke": dict(overhead=[("synthetic 16 cases", "synthetic-16", 1)], parallel=None, collect=(8, 16),
+                  lifecycle=(8, 16), oracle=False, tensors=(200, 2), timeout=60, collect_budget=30),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_const", dest="mode", const="quick", help="fast variant (~2 min)")
+    group.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="tiny sizes (seconds)")
+    ap.add_argument("--out", type=Path, default=None, help="markdown results (default: benchmarks/results.md)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    ap.add_argument("--backend", default="stub-flashinfer", help="stub backend for the lifecycle scaling")
+    args = ap.parse_args(argv)
+    mode = args.mode or "full"
+    cfg = MODES[mode]
+    out = args.out or HERE / "results.md"
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvprofile-bench-") as tmp:
+        b = Bench(mode, Path(tmp), log=lambda s: print(s, flush=True))
+        (b.work / "test_bare.py").write_text(BARE_TEST, encoding="utf-8")
+        print(f"pytest-kvprofile benchmarks ({mode}); work dir {tmp}", flush=True)
+        serial: dict[str, Proc | None] = {}
+        matrices: dict[str, Path] = {}
+        print("[1/6] overhead vs bare pytest", flush=True)
+        for label, which, repeats in cfg["overhead"]:
+            if which is None:
+                path = matrixgen.default_matrix()
+            elif isinstance(which, int):
+                path = matrixgen.subset_matrix(b.work, which)
+            else:
+                path = matrixgen.write_matrix(b.work, int(which.split("-")[1]))
+            matrices[label] = path
+            serial[label] = overhead(b, path, label, repeats, cfg["timeout"])
+            if label == cfg["parallel"]:
+                print("[2/6] -n 2 vs -p no:xdist", flush=True)
+                parallel(b, path, label, serial[label], cfg["timeout"])
+        print("[3/6] memory", flush=True)
+        big = cfg["overhead"][-1][0]
+        memory(b, serial[big], big)
+        print("[4/6] scaling", flush=True)
+        collection_scaling(b, cfg["collect"], cfg["collect_budget"])
+        lifecycle_scaling(b, cfg["lifecycle"], args.backend)
+        print("[5/6] oracle", flush=True)
+        if cfg["oracle"]:
+            oracle(b, cfg["timeout"])
+        else:
+            b.add("oracle", "oracle benchmark", None, "", note="skipped in smoke mode")
+        print("[6/6] simulated device", flush=True)
+        tensor_creation(b, *cfg["tensors"])
+    elapsed = time.perf_counter() - start
+    info = machine()
+    lines = table(b.rows)
+    print()
+    print("\n".join(lines))
+    print(f"\n{mode} run took {elapsed:.0f} s; " + ", ".join(f"{k} {v}" for k, v in info.items()))
+    write_markdown(out, mode, b.rows, info, elapsed)
+    if args.json:
+        args.json.write_text(json.dumps({"mode": mode, "elapsed_s": elapsed, "machine": info,
+                                         "rows": [asdict(r) for r in b.rows]}, indent=1), encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The benchmark script runs end to end on tiny sizes and reports numbers (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+EXPECTED = {
+    ("overhead", "per-item wall ratio"),
+    ("overhead", "per-item CPU ratio"),
+    ("memory", "peak RSS"),
+    ("scaling", "collection time/case"),
+    ("scaling", "lifecycle+checks time/case"),
+    ("device", "SimulatedCuda creation / plain CPU"),
+    ("device", "lifecycle simulation per case"),
+}
+
+
+def test_smoke_run_prints_a_table_of_numbers(tmp_path: Path) -> None:
+    out, js = tmp_path / "results.md", tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--json", str(js)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    rows = json.loads(js.read_text())["rows"]
+    measured = [r for r in rows if r["value"] is not None]
+    found = {(r["section"], m) for r in measured for s, m in EXPECTED if r["section"] == s and r["metric"].startswith(m)}
+    assert found == EXPECTED, f"missing rows: {EXPECTED - found}"
+    for r in measured:
+        assert isinstance(r["value"], (int, float)) and math.isfinite(r["value"]) and r["value"] > 0, r
+        assert r["status"] in ("met", "MISSED", "info"), r
+    assert all(r["status"] != "MISSED" or r["target"] for r in rows), "a missed row must name its target"
+
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
+    assert table[0].split("|")[1].strip() == "section"
+    assert len(table) == len(rows) + 1
+    for r in measured:
+        line = next(ln for ln in table if f" {r['metric']} " in ln)
+        assert float(line.split("|")[3]) == float(f"{r['value']:.4g}")
+
+    md = out.read_text()
+    assert "## Machine" in md and "cores:" in md and "python:" in md and "torch:" in md
+    assert "flashinfer-python:" in md and "date (UTC):" in md
+    assert md.count("\n| ") == len(rows) + 1
