@@ -14,8 +14,9 @@ on): nothing is freed or mutated.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from .device import Allocation
 

@@ -7,8 +7,8 @@ of nvcc) inside the first check, where a short ``--kvprofile-timeout`` would tur
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -269,8 +269,8 @@ BAD_MATRICES = [
     ("tp: [1, 1]\nmodels: {m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}}\ngpus: [L4]\n", "tp"),
     ("tp: [1]\nmodels: {m: {heads_q: 8, heads_kv: 3, head_dim: 64, num_layers: 2}}\ngpus: [L4]\n", "models.m.heads_kv"),
     ("tp: [1]\nmodels: {m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}}\ngpus: [Z9000]\n", "gpus[0]"),
-    ("tp: [1]\nmodels: {m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}}\ngpus: [L4]\n"
-     "exclude: [{gmu: lots}]\n", "exclude[0].gmu"),
+    (("tp: [1]\nmodels: {m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}}\ngpus: [L4]\n"
+      "exclude: [{gmu: lots}]\n"), "exclude[0].gmu"),
     ("tp: [1]\nmodels: !!python/object/apply:os.getcwd []\ngpus: [L4]\n", "line 2, column 9"),
     ("tp: [1\n", "line 1, column 7"),
 ]

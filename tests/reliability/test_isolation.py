@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -63,7 +63,7 @@ class ClassCache(FlashInferLikeBuilder):
     """Caches a buffer on the class: it outlives every case."""
 
     name = "class-cache"
-    cache: dict[str, Any] = {}
+    cache: ClassVar[dict[str, Any]] = {}
 
     def warmup(self, ctx: Any) -> None:
         super().warmup(ctx)

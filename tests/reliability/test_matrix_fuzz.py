@@ -255,22 +255,22 @@ def test_python_object_tags_are_rejected_without_running(tmp_path: Path) -> None
     ("text", "key"),
     [
         ("tp: [1]\ntp: [2]\nmodels: {}\ngpus: [L4]\n", "line 2, column 1"),
-        ("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2, weights_gib: 1e999}\n"
-         "gpus: [L4]\ntp: [1]\n", "models.m.weights_gib"),
-        ("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2, weights_gib: 100000000000000000000000}\n"
-         "gpus: [L4]\ntp: [1]\n", "models.m.weights_gib"),
-        ("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
-         "gpus: [{name: big, num_sm: 1, memory_gib: 1.0e+308}]\ntp: [1]\n", "gpus[0].memory_gib"),
-        ("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
-         "gpus: [L4]\ntp: [1]\nenvelope: {nontorch_mib: 1000000000000000000000000000000}\n", "envelope.nontorch_mib"),
-        ("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
-         "gpus: [L4]\ntp: [1]\nexclude: [{gmu: abc}]\n", "exclude[0].gmu"),
-        ("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
-         "gpus: [L4]\ntp: [1]\nexclude: [{model: [[m]]}]\n", "exclude[0].model"),
-        ("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
-         "gpus: [L4]\ntp: [1]\nresources: [{kind: k, when: {min_tp: many}}]\n", "resources[0].when.min_tp"),
-        ("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
-         "gpus: [L4]\ntp: [1]\ngmu: [0.901, 0.904]\n", "models.m"),
+        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2, weights_gib: 1e999}\n"
+          "gpus: [L4]\ntp: [1]\n"), "models.m.weights_gib"),
+        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2, weights_gib: 100000000000000000000000}\n"
+          "gpus: [L4]\ntp: [1]\n"), "models.m.weights_gib"),
+        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
+          "gpus: [{name: big, num_sm: 1, memory_gib: 1.0e+308}]\ntp: [1]\n"), "gpus[0].memory_gib"),
+        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
+          "gpus: [L4]\ntp: [1]\nenvelope: {nontorch_mib: 1000000000000000000000000000000}\n"), "envelope.nontorch_mib"),
+        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
+          "gpus: [L4]\ntp: [1]\nexclude: [{gmu: abc}]\n"), "exclude[0].gmu"),
+        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
+          "gpus: [L4]\ntp: [1]\nexclude: [{model: [[m]]}]\n"), "exclude[0].model"),
+        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
+          "gpus: [L4]\ntp: [1]\nresources: [{kind: k, when: {min_tp: many}}]\n"), "resources[0].when.min_tp"),
+        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
+          "gpus: [L4]\ntp: [1]\ngmu: [0.901, 0.904]\n"), "models.m"),
     ],
 )
 def test_bad_values_name_their_key(text: str, key: str) -> None:
