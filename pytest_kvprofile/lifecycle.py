@@ -17,7 +17,7 @@ from typing import Any, Callable
 from .budget import Budget, ProfileWindow, available_kv_bytes, tokens_for
 from .lease import Lease
 from .models import kv_bytes_per_token
-from .protocol import Batch, BuilderContext, call_optional
+from .protocol import Batch, BuilderContext, WorkspaceDeclaration, call_optional
 from .support import DeclarationError, ProfilingSupport, SupportResolution, builder_name, declared_support, resolve_support
 from .workspace import WorkspaceLockedError, WorkspaceManager
 
@@ -186,8 +186,8 @@ class LifecycleRun:
             if fn is not None:
                 try:
                     bound.extend((builder_name(b), w.ubatch, w.role, w.ptr, w.nbytes) for w in fn())
-                except Exception:  # noqa: BLE001 - a broken introspection method is reported by the checks
-                    bound.append((builder_name(b), -1, "<bound_workspaces raised>", 0, 0))
+                except Exception as exc:  # noqa: BLE001 - recorded like any other builder failure
+                    self._fail(builder_name(b), exc)
         self.result.phases.append(
             PhaseRecord(
                 name=phase,
@@ -239,14 +239,14 @@ class LifecycleRun:
     def _dummy_forward(self, num_tokens: int, batch: Batch | None) -> None:
         """A dummy forward: activations, each builder's layer hooks and, with a batch, planning."""
         self.in_dummy_forward = True
+        act = self._alloc_engine(self._activation_bytes(num_tokens), "model", "activations")
         try:
-            act = self._alloc_engine(self._activation_bytes(num_tokens), "model", "activations")
             for b in self.builders:
                 self._call(b, "dummy_run", self.ctx(b))
                 if batch is not None:
                     self._call(b, "build", self.ctx(b), batch)
-            self.device.free(act)
         finally:
+            self.device.free(act)
             self.in_dummy_forward = False
 
     def _alloc_engine(self, nbytes: int, owner: str, tag: str) -> Any:
@@ -257,10 +257,12 @@ class LifecycleRun:
 
     def _serve_step(self, batch: Batch) -> None:
         act = self._alloc_engine(self._activation_bytes(batch.num_tokens), "model", "activations")
-        for b in self.builders:
-            for ub in range(self.manager.num_ubatches):
-                self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
-        self.device.free(act)
+        try:
+            for b in self.builders:
+                for ub in range(self.manager.num_ubatches):
+                    self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
+        finally:
+            self.device.free(act)
 
     # -- the phases --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -293,14 +295,22 @@ class LifecycleRun:
     def _resolve(self) -> None:
         try:
             self.result.resolution = resolve_support(self.builders)
-        except DeclarationError as exc:
-            self.result.declaration_error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a declaration that raises is reported like a bad answer
+            self.result.declaration_error = (
+                str(exc) if isinstance(exc, DeclarationError)
+                else f"get_persistent_workspace_memory_profiling_support() raised {type(exc).__name__}: {exc}"
+            )
             self.result.resolution = None
         for b in self.builders:
             fn = getattr(b, "declared_workspace", None)
             if fn is not None:
                 try:
-                    self.result.declared[builder_name(b)] = fn(self.case)
+                    declared = fn(self.case)
+                    if not isinstance(declared, WorkspaceDeclaration):
+                        raise TypeError(
+                            f"declared_workspace() returned {type(declared).__name__}, not a WorkspaceDeclaration"
+                        )
+                    self.result.declared[builder_name(b)] = declared
                 except Exception as exc:  # noqa: BLE001
                     self._enter(SETUP)
                     self._fail(builder_name(b), exc)
@@ -452,18 +462,18 @@ class LifecycleRun:
         """One captured decode step: the same allocations in graph profiling and in the real capture."""
         batch = self._graph_batch(size)
         self.in_dummy_forward = True
+        act = self._alloc_engine(self._activation_bytes(batch.num_tokens), "model", "activations")
         try:
-            act = self._alloc_engine(self._activation_bytes(batch.num_tokens), "model", "activations")
             for b in self.builders:
                 self._call(b, "dummy_run", self.ctx(b))
                 if plan:
                     for ub in range(self.manager.num_ubatches):
                         self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
             out = self._alloc_engine(batch.num_tokens * self.case.model.hidden * 2, "model", f"graph output bs={size}")
-            self.device.free(act)
-            self.device.free(out)
         finally:
+            self.device.free(act)
             self.in_dummy_forward = False
+        self.device.free(out)
 
     def _size_kv(self, pool: Any) -> None:
         case, dev, window = self.case, self.device, self.result.window

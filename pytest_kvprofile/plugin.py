@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -224,11 +225,27 @@ class _Recorder:
             self.state.records.append(record)
 
 
+_XDIST_HEADER = re.compile(r"^\[gw\d+\] \S+ -- Python ")
+
+
 def _short_message(report: pytest.TestReport) -> str:
     text = getattr(report, "longreprtext", "") or str(report.longrepr)
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in text.splitlines() if ln.strip() and not _XDIST_HEADER.match(ln)]
     kept = [ln[2:] if ln.startswith("E ") else ln for ln in lines if ln.startswith("E ") or not ln.startswith(" ")]
     return "\n".join(kept or lines)[-4000:]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With a per-check time limit, compile the sizing oracle first so no check's clock includes it."""
+    state = _session(session.config)
+    if state is None or not state.settings.timeout:
+        return
+    from .sizing.oracle import OracleError, ensure_built
+
+    try:
+        ensure_built()
+    except OracleError:
+        pass  # the sizing falls back to its analytic model and says so in its notes
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -66,10 +66,18 @@ def warmup_retry_violations(result: Any) -> list[str]:
         return ["the warmup retry probe needs the backend that produced this result"]
     out: list[str] = []
     for index, name in enumerate(result.builder_names()):
-        with _fresh(result) as (clean_run, clean_dev):
-            builder = clean_run.builders[index]
-            count = _count_allocations(clean_dev, lambda b=builder, r=clean_run: call_optional(b, "warmup", r.ctx(b)))
-            expected = _persistent(clean_dev, name)
+        stage = lc.RESERVATION
+        try:
+            with _fresh(result) as (clean_run, clean_dev):
+                stage = lc.PROFILE_WARMUP
+                builder = clean_run.builders[index]
+                count = _count_allocations(
+                    clean_dev, lambda b=builder, r=clean_run: call_optional(b, "warmup", r.ctx(b))
+                )
+                expected = _persistent(clean_dev, name)
+        except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
+            return [f"the warmup retry probe could not run: {name} raised {type(exc).__name__} in phase "
+                    f"{stage!r}: {exc}"]
         for k in range(min(count, MAX_FAIL_POINTS)):
             with _fresh(result) as (run, dev):
                 out.extend(_fail_and_retry(run, dev, index, name, k, expected))

@@ -36,12 +36,12 @@ def summarize(records: list[dict]) -> list[dict]:
         if rec.get("backend"):
             by_backend[rec["backend"]].append(rec)
     rows = []
-    for backend, recs in by_backend.items():
+    for backend, recs in sorted(by_backend.items()):
         outcomes = Counter(r["outcome"] for r in recs)
         failed = Counter(r["check"] for r in recs if r["outcome"] == "failed")
         worst_check = failed.most_common(1)[0] if failed else None
         budgets = [r["budget"] for r in recs if r.get("budget")]
-        worst_budget = min(budgets, key=lambda b: b["kv_tokens"], default=None)
+        worst_budget = min(budgets, key=lambda b: (b["kv_tokens"], b["case"]), default=None)
         rows.append({
             "backend": backend,
             "cases": len({r["case"] for r in recs}),
@@ -161,8 +161,8 @@ def _declared_support(session: Any, backend: Any) -> dict[str, str]:
     for b in builders:
         try:
             out[builder_name(b)] = declared_support(b).value
-        except DeclarationError as exc:
-            out[builder_name(b)] = f"invalid: {exc}"
+        except Exception as exc:  # noqa: BLE001
+            out[builder_name(b)] = f"invalid: {type(exc).__name__}: {exc}"
     return out
 
 

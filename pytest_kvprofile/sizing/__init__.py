@@ -158,7 +158,7 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
         if installed is not None and version == installed:
             try:
                 oracle = get_oracle()
-            except OracleUnavailable as exc:
+            except OracleError as exc:  # unavailable, or a failed build: never blame the caller's backend
                 if use_oracle:
                     raise
                 notes.append(f"oracle unavailable, analytic only: {exc}")

@@ -176,6 +176,12 @@ def build_key(install: FlashInferInstall, nvcc: Path) -> str:
 
 def _mkdir_private(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise OracleSecurityError(
+            f"refusing to use {path}: owned by uid {st.st_uid}, not by this user ({os.getuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
 
 
 def _sha256(path: Path) -> str:

@@ -289,17 +289,14 @@ def test_bad_matrix_is_a_usage_error_naming_file_and_key(pytester: pytest.Pytest
 
 
 # -- faults the lifecycle does not yet report (fixes described in docs/reliability.md) ----------
-PENDING = "lead fix pending in lifecycle/session/report (see docs/reliability.md, 'Open findings')"
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING)
 def test_raising_bound_workspaces_is_reported_not_ignored(kv: pytest.Pytester) -> None:
     _, doc = run_suite(kv, "--kvprofile-backend", "brokenbk:raising_bound_workspaces")
     failed = [r for r in outcomes(doc, "raise-bound_workspaces").values() if r["outcome"] == "failed"]
     assert failed and all("injected fault in bound_workspaces" in r["message"] for r in failed)
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING)
 def test_raising_declaration_fails_support_declaration_without_internal_error(kv: pytest.Pytester) -> None:
     result, doc = run_suite(kv, "--kvprofile-backend", "stubs", "--kvprofile-backend", "brokenbk:raising_declaration")
     assert result.ret == pytest.ExitCode.TESTS_FAILED and "INTERNALERROR" not in result.stdout.str()
@@ -308,7 +305,6 @@ def test_raising_declaration_fails_support_declaration_without_internal_error(kv
     assert_stubs_pass(doc)
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING)
 def test_declared_workspace_of_the_wrong_type_is_named(kv: pytest.Pytester) -> None:
     _, doc = run_suite(kv, "--kvprofile-backend", "brokenbk:declared_none")
     records = outcomes(doc, "declared-returns-none")
@@ -318,7 +314,6 @@ def test_declared_workspace_of_the_wrong_type_is_named(kv: pytest.Pytester) -> N
         assert "in phase 'setup'" in record["message"]
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING)
 def test_probe_failures_name_the_phase_without_a_harness_traceback(kv: pytest.Pytester) -> None:
     _, doc = run_suite(kv, "--kvprofile-backend", "brokenbk:raising", "-k", "warmup_retryable")
     for backend, phase in (("raise-warmup", lc.PROFILE_WARMUP), ("raise-reserve_persistent_workspace", lc.RESERVATION)):

@@ -73,8 +73,6 @@ def test_serial_runs_are_identical(documents: dict[str, tuple[dict, dict]], mode
     assert _normalize(other_report) == _normalize(report)
 
 
-@pytest.mark.xfail(strict=True, reason="lead fix pending in plugin._short_message and report.summarize "
-                                       "(xdist '[gwN]' header in messages; summary rows in arrival order)")
 @pytest.mark.parametrize("mode", ["xdist-1", "xdist-2"])
 def test_xdist_runs_match_serial(documents: dict[str, tuple[dict, dict]], mode: str) -> None:
     report, verdict = documents["serial"]

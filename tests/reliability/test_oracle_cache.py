@@ -105,7 +105,6 @@ def test_every_cache_entry_is_private(fake_build: Path) -> None:
     assert locks and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in locks)
 
 
-@pytest.mark.xfail(strict=True, reason="lead fix pending in sizing/oracle.py _mkdir_private (docs/reliability.md)")
 def test_a_preexisting_shared_cache_dir_is_made_private(fake_build: Path) -> None:
     root = Path(os.environ["KVPROFILE_CACHE_DIR"]) / "oracle"
     root.mkdir(parents=True)
