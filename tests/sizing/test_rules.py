@@ -126,7 +126,7 @@ def test_requirement_curves_grow_with_tokens():
 
 
 def test_plot_writes_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - the test extra installs it; a missing one is a failure, not a skip
     from pytest_kvprofile.sizing.plot import plot_requirement
 
     rows = sizing_report(TYPICAL_MODELS[:1], ["L40S"], [1], REPORT_ENVELOPE, use_oracle=False)
