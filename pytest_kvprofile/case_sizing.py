@@ -45,6 +45,7 @@ def _required(heads_q: int, heads_kv: int, heads_q_decode: int, head_dim: int, h
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def required_for_case(case: Any) -> Any:
     """The SizingResult (float/int bytes, worst batch, method) for one case's per-rank layout."""
     heads = case.heads

@@ -156,21 +156,25 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(skip_gpu)
     if state is None:
         return
-    from .checks import CHECKS, CHECKS_BY_NAME
+    from .checks import CHECKS
+
+    has_impossible = bool(state.skipped_cases)
+    nonempty = {c.name for c in CHECKS if state.pairs_for(c)}
 
     def unparametrized(item: pytest.Item) -> bool:
         """A suite test whose matrix slice is empty (pytest would report a meaningless skip)."""
         fixtures = getattr(item, "fixturenames", ())
         if "kvprofile_impossible_case" in fixtures:
-            return not state.skipped_cases
+            return not has_impossible
         if "kvprofile_pair" in fixtures:
-            return not state.pairs_for(CHECKS_BY_NAME[item.function.kvprofile_check])
+            return item.function.kvprofile_check not in nonempty
         return False
 
     empty = [it for it in items if unparametrized(it)]
     if empty:
         config.hook.pytest_deselected(items=empty)
-        items[:] = [it for it in items if not unparametrized(it)]
+        dropped = set(map(id, empty))
+        items[:] = [it for it in items if id(it) not in dropped]
 
     order = {c.name: i for i, c in enumerate(CHECKS)}
 
@@ -186,7 +190,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def kvprofile_session(request: pytest.FixtureRequest) -> KvprofileSession:
     """The plugin's session state: matrices, backends and the lifecycle-result cache."""
     session = _session(request.config)
