@@ -7,6 +7,7 @@ or the ``pytest_kvprofile_backends`` hook.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -35,7 +36,7 @@ class Backend:
     version: str = ""
     description: str = ""
     expected_failures: tuple[tuple[str, str], ...] = ()
-    origin: str = "builtin"
+    origin: str = ""  # where it was registered from; filled in by the registry
     bug_class: int | None = None
     torch_mode: bool = False  # builders allocate with plain torch "cuda" calls, served by the simulated device
     make_resources: Callable[[Any], Iterable[Any]] | None = None  # None: the resources the case carries
@@ -48,7 +49,7 @@ class Backend:
 def coerce_backend(obj: Any, origin: str) -> Backend:
     """Turn what a factory or hook returned into a Backend, or say precisely what is wrong."""
     if isinstance(obj, Backend):
-        return obj
+        return obj if obj.origin else dataclasses.replace(obj, origin=origin)
     if isinstance(obj, dict):
         try:
             name = obj["name"]

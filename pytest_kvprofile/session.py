@@ -200,12 +200,39 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
                     raise MatrixError(matrix.path, "resources", f"unknown resource kind {res.kind!r} "
                                       f"(known: {', '.join(RESOURCE_KINDS)})")
     backends = resolve_backends(settings.backend_specs, hooked)
-    session = KvprofileSession(settings, backends, matrices, tier)
-    first = next(iter(session.runnable_cases), None)
+    first = next((c for m in matrices for c in m.cases if c.skip_reason is None), None)
     if first is not None:
         for backend in backends:
             check_protocol(backend, first)
-    return session
+        backends = backends + [d for b in backends if (d := neutral_alone(b, first)) is not None]
+    return KvprofileSession(settings, backends, matrices, tier)
+
+
+def neutral_alone(backend: Backend, case: Case) -> Backend | None:
+    """A third-party set mixing REQUIRED and NEUTRAL builders also runs with its NEUTRAL ones alone.
+
+    NEUTRAL must be safe both carried under a REQUIRED builder's lease and on its own (where the
+    model stays on the legacy path), so both are checked.
+    """
+    if backend.origin in ("builtin", "mutant"):
+        return None
+    try:
+        supports = {builder_name(b): declared_support(b) for b in backend.make_builders(case)}
+    except Exception:  # noqa: BLE001 - the checks of the backend itself report this
+        return None
+    neutral = {n for n, s in supports.items() if s is ProfilingSupport.NEUTRAL}
+    if not neutral or ProfilingSupport.REQUIRED not in supports.values():
+        return None
+    make = backend.make_builders
+
+    def make_neutral(c: Case) -> list[Any]:
+        return [b for b in make(c) if builder_name(b) in neutral]
+
+    return Backend(
+        name=f"{backend.name}-neutral-alone", make_builders=make_neutral, policy=backend.policy,
+        version=backend.version, description=f"the NEUTRAL builders of {backend.name} without the rest",
+        origin=backend.origin, torch_mode=backend.torch_mode,
+    )
 
 
 __all__ = ["KvprofileSession", "Settings", "build_session", "resolve_backends"]

@@ -52,3 +52,22 @@ def test_option_registration_gives_the_same_verdict(pytester, monkeypatch, insta
                             "--kvprofile-backend", "kvprofile_example_backend:backends")
     strip = lambda b: {k: v for k, v in b.items() if k != "origin"}  # noqa: E731
     assert {n: strip(b) for n, b in by_entry_point.items()} == {n: strip(b) for n, b in by_option.items()}
+
+
+def test_a_neutral_builder_is_checked_alone_and_carried(pytester):
+    pytester.makepyfile(hybridbk="""
+from pytest_kvprofile import Backend
+from pytest_kvprofile.stubs import FlashInferLikeBuilder, GDNLikeBuilder
+
+def factory():
+    return Backend(name="my-hybrid", make_builders=lambda case: [FlashInferLikeBuilder(case), GDNLikeBuilder(case)])
+""")
+    pytester.syspathinsert()
+    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(CI_MATRIX),
+                                "--kvprofile-backend", "hybridbk:factory", "-k", "l40s and tp1 and mtp0 and gmu0.90",
+                                "-v", "-p", "no:cacheprovider")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([
+        "*test_workspace_covers_planner[[]my-hybrid-qwen3-8b-*PASSED*",
+        "*test_legacy_path_unchanged[[]my-hybrid-neutral-alone-qwen3-8b-*PASSED*",
+    ])
