@@ -25,6 +25,7 @@ __all__ = [
     "Device",
     "DeviceEvent",
     "DeviceOutOfMemory",
+    "EventSource",
     "GraphPool",
     "MemPool",
     "SimDevice",
@@ -174,7 +175,58 @@ def _host_size(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
-class SimDevice:
+class EventSource:
+    """Phase, event subscription and fault injection, shared by the simulated and the CUDA device.
+
+    Subclasses set ``_phase``, ``_seq``, ``_subscribers`` and ``_fail_countdown`` in ``__init__`` and
+    say what the event figures are through ``_figures()`` (allocated, reserved).
+    """
+
+    _phase: str
+    _seq: int
+    _subscribers: list[Callable[[DeviceEvent], None]]
+    _fail_countdown: int | None
+
+    def _figures(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self._emit("phase", None)
+
+    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` for every event from now on; the returned function unsubscribes."""
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _emit(self, kind: str, alloc: Allocation | None, nbytes: int = 0, pool: str = "", ptr: int = 0) -> None:
+        self._seq += 1
+        if not self._subscribers:
+            return
+        allocated, reserved = self._figures()
+        event = DeviceEvent(self._seq, kind, self._phase, alloc, allocated, reserved, nbytes, pool, ptr)
+        for callback in tuple(self._subscribers):
+            callback(event)
+
+    def fail_after(self, n: int) -> None:
+        """Fault injection: the next ``n`` calls to ``allocate`` succeed, the one after raises
+        ``DeviceOutOfMemory`` (once). Counts device and pinned-host allocations alike."""
+        if n < 0:
+            raise ValueError(f"fail_after needs n >= 0, got {n}")
+        self._fail_countdown = n
+
+
+class SimDevice(EventSource):
     """A simulated GPU: PyTorch caching-allocator figures, an allocation ledger, and events.
 
     ``free = total - nontorch - reserved``, where ``nontorch_bytes`` stands for the CUDA context,
@@ -236,46 +288,12 @@ class SimDevice:
     # -- phase and events ----------------------------------------------------------------------------
 
     @property
-    def phase(self) -> str:
-        return self._phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self._phase = value
-        self._emit("phase", None)
-
-    @property
     def capturing(self) -> bool:
         return self.allocator.capture_pool is not None
 
-    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` for every event from now on; the returned function unsubscribes."""
-        self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
-
-        return unsubscribe
-
-    def _emit(self, kind: str, alloc: Allocation | None, nbytes: int = 0, pool: str = "", ptr: int = 0) -> None:
-        self._seq += 1
-        if not self._subscribers:
-            return
+    def _figures(self) -> tuple[int, int]:
         a = self.allocator
-        event = DeviceEvent(
-            self._seq,
-            kind,
-            self._phase,
-            alloc,
-            a.allocated_bytes[0].current,
-            a.reserved_bytes[0].current,
-            nbytes,
-            pool,
-            ptr,
-        )
-        for callback in tuple(self._subscribers):
-            callback(event)
+        return a.allocated_bytes[0].current, a.reserved_bytes[0].current
 
     def _on_segment(self, kind: str, segment: Segment) -> None:
         self._emit(kind, None, segment.size, segment.pool.id, segment.ptr)
@@ -284,13 +302,6 @@ class SimDevice:
         return self.allocator.reserved_bytes[0].current + self.nontorch_bytes + nbytes <= self.total_memory
 
     # -- allocate / free -----------------------------------------------------------------------------
-
-    def fail_after(self, n: int) -> None:
-        """Fault injection: the next ``n`` calls to ``allocate`` succeed, the one after raises
-        ``DeviceOutOfMemory`` (once). Counts device and pinned-host allocations alike."""
-        if n < 0:
-            raise ValueError(f"fail_after needs n >= 0, got {n}")
-        self._fail_countdown = n
 
     def allocate(
         self,

@@ -200,11 +200,6 @@ def kvprofile_session(request: pytest.FixtureRequest) -> KvprofileSession:
 
 
 @pytest.fixture
-def kvprofile_pair(request: pytest.FixtureRequest) -> Any:
-    return request.param
-
-
-@pytest.fixture
 def kvprofile_impossible_case(request: pytest.FixtureRequest) -> Any:
     return request.param
 

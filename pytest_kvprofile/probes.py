@@ -8,6 +8,8 @@ same persistent memory as a warmup that never failed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections import Counter
 from typing import Any, Iterator
 
@@ -42,14 +44,24 @@ class _ProbeRun(lc.LifecycleRun):
         return out
 
 
+class _Target:
+    """What a probe needs of a finished run: its backend, case and device factory."""
+
+    def __init__(self, backend: Any, case: Any, factory: Any, names: tuple[str, ...]):
+        self.backend, self.case, self.factory, self.names = backend, case, factory, names
+
+    def builder_names(self) -> tuple[str, ...]:
+        return self.names
+
+
 @contextlib.contextmanager
-def _fresh(result: Any) -> Iterator[tuple[_ProbeRun, Any]]:
+def _fresh(target: _Target) -> Iterator[tuple[_ProbeRun, Any]]:
     """A new device and builders, prepared up to warmup, with the backend's device mode active."""
     from .resources import model_parts
 
-    device = result.extra.get("device_factory", lc.make_device)(result.case)
-    builders = model_parts(result.extra["backend"], result.case)
-    run = _ProbeRun(result.extra["backend"], result.case, device, builders)
+    device = target.factory(target.case)
+    builders = model_parts(target.backend, target.case)
+    run = _ProbeRun(target.backend, target.case, device, builders)
     with run.device_mode():
         run.prepare()
         yield run, device
@@ -60,10 +72,29 @@ def _persistent(device: Any, owner: str) -> Counter:
 
 
 def warmup_retry_violations(result: Any) -> list[str]:
-    """For each builder whose warmup allocates, fail it at every allocation and retry."""
+    """For each builder whose warmup allocates, fail it at every allocation and retry.
+
+    The probe never reads gpu_memory_utilization, so cases that differ only in it share one answer.
+    """
     backend = result.extra.get("backend")
     if backend is None:
         return ["the warmup retry probe needs the backend that produced this result"]
+    factory = result.extra.get("device_factory", lc.make_device)
+    names = tuple(result.builder_names())
+    if factory is lc.make_device:
+        try:
+            return list(_probe_simulated(backend, dataclasses.replace(result.case, id="", gmu=0.0), names))
+        except TypeError:  # an unhashable backend: probe without the memo
+            pass
+    return _probe(_Target(backend, result.case, factory, names))
+
+
+@functools.lru_cache(maxsize=256)
+def _probe_simulated(backend: Any, case: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_probe(_Target(backend, case, lc.make_device, names)))
+
+
+def _probe(result: "_Target") -> list[str]:
     out: list[str] = []
     for index, name in enumerate(result.builder_names()):
         stage = lc.RESERVATION

@@ -146,7 +146,7 @@ def verdict_document(session: Any) -> dict:
 
 
 def _declared_support(session: Any, backend: Any) -> dict[str, str]:
-    from .support import DeclarationError, builder_name, declared_support
+    from .support import builder_name, declared_support
 
     case = next(iter(session.runnable_cases), None)
     if case is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..allocator import round_size, segment_size
-from ..device import Allocation, DeviceEvent, DeviceOutOfMemory
+from ..device import Allocation, DeviceEvent, DeviceOutOfMemory, EventSource
 
 __all__ = ["CudaDevice", "CudaDeviceFactory", "CudaGraphPool"]
 
@@ -52,7 +52,7 @@ class CudaGraphPool:
     measured_reserved: int | None = None  # from memory_snapshot at the end of the last capture
 
 
-class CudaDevice:
+class CudaDevice(EventSource):
     """A real CUDA device behind the simulated device's interface (see ``pytest_kvprofile.device``)."""
 
     def __init__(self, index: int = 0, *, torch_mod: Any = None, record_stacks: bool = False) -> None:
@@ -90,43 +90,11 @@ class CudaDevice:
 
     # -- phase and events ----------------------------------------------------------------------
     @property
-    def phase(self) -> str:
-        return self._phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self._phase = value
-        self._emit("phase", None)
-
-    @property
     def capturing(self) -> bool:
         return self._capture is not None
 
-    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` for every event from now on; the returned function unsubscribes."""
-        self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
-
-        return unsubscribe
-
-    def _emit(self, kind: str, alloc: Allocation | None, nbytes: int = 0, pool: str = "", ptr: int = 0) -> None:
-        self._seq += 1
-        if not self._subscribers:
-            return
-        event = DeviceEvent(self._seq, kind, self._phase, alloc, self.memory_allocated(), self.memory_reserved(),
-                            nbytes, pool, ptr)
-        for callback in tuple(self._subscribers):
-            callback(event)
-
-    # -- allocate / free -----------------------------------------------------------------------
-    def fail_after(self, n: int) -> None:
-        """The next ``n`` allocations succeed, the one after raises DeviceOutOfMemory (once)."""
-        if n < 0:
-            raise ValueError(f"fail_after needs n >= 0, got {n}")
-        self._fail_countdown = n
+    def _figures(self) -> tuple[int, int]:
+        return self.memory_allocated(), self.memory_reserved()
 
     def _pool_id(self) -> str:
         return self._capture[0].id if self._capture is not None else "default"
