@@ -154,7 +154,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:
         if not gpu and item.get_closest_marker("kvprofile_gpu") is not None:
             item.add_marker(skip_gpu)
-    if state is None:
+    if state is None or not any(_is_suite_item(it) for it in items):
         return
     from .checks import CHECKS
 
@@ -188,6 +188,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 order.get(item.function.kvprofile_check, 0), index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
+def _is_suite_item(item: pytest.Item) -> bool:
+    fixtures = getattr(item, "fixturenames", ())
+    return "kvprofile_pair" in fixtures or "kvprofile_impossible_case" in fixtures
 
 
 @pytest.fixture(scope="session")

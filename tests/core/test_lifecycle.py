@@ -74,3 +74,21 @@ def test_a_factory_that_raises_is_recorded_not_raised(case):
     assert r.aborted_in == lc.SETUP
     assert "no such GPU" in r.errors[0].describe() and "broken" in r.errors[0].who
     assert "no such GPU" in failing_checks(r)["support_declaration"][0]
+
+
+def test_lazy_workspace_on_l40s_at_098_fails_with_an_overrun_report_naming_the_int_workspace():
+    from pytest_kvprofile.mutants import MUTANT_BACKENDS
+
+    cases = {c.id: c for c in load_matrix(packaged_matrix("default")).cases}
+    case = cases["gemma-2-9b-hd256-tp8-dcp1-mtp0-l40s-gmu0.98"]
+    lazy = lc.run_lifecycle(MUTANT_BACKENDS[0], case)
+    report = failing_checks(lazy)["no_post_kv_overrun"][0]
+    assert "over total x gmu" in report
+    assert "flashinfer: 'prefill int workspace [ubatch 0]' 8.00 MiB (8388608 bytes) in phase 'rebind'" in report
+    assert "would have to give up" in report and "KV tokens" in report
+    mirrors = [a for a in lazy.allocations if a.kind == "pinned_host" and a.phase == "rebind"]
+    assert len(mirrors) == 4 and {a.nbytes for a in mirrors} == {8 << 20}, "pinned mirrors are in the ledger"
+    correct = lc.run_lifecycle(STUBS["stub-flashinfer"], case)
+    assert failing_checks(correct) == {}
+    assert correct.budget.reservation_kv_tokens > 0
+    assert f"the reservation costs {correct.budget.reservation_kv_tokens} tokens" in " ".join(correct.budget.lines())
