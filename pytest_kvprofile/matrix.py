@@ -8,6 +8,7 @@ load; a bad file raises MatrixError naming the file and the key.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,7 @@ class Case:
     skip_reason: str | None = None
     resources: tuple[Resource, ...] = ()
 
-    @property
+    @functools.cached_property
     def heads(self) -> RankHeads:
         return rank_heads(self.model, self.tp, self.dcp)
 

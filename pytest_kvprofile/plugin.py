@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -16,7 +15,6 @@ from .matrix import MatrixError
 from .session import KvprofileSession, Settings, build_session
 
 SESSION_KEY = pytest.StashKey[KvprofileSession]()
-SUITE_DIR = Path(__file__).parent / "suite"
 RECORD_KEY = "kvprofile"
 
 
@@ -96,7 +94,8 @@ def pytest_configure(config: pytest.Config) -> None:
     except (MatrixError, BackendError) as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
-    gpu_hooks = importlib.import_module("pytest_kvprofile.gpu.hooks")
+    from .gpu import hooks as gpu_hooks
+
     if not config.pluginmanager.is_registered(gpu_hooks):
         config.pluginmanager.register(gpu_hooks, "kvprofile-gpu")
     if _is_controller(config):

@@ -50,6 +50,7 @@ class FlashInferCore:
 
     def __init__(self, case: Any):
         self.case = case
+        self._routes = routes(case)
         self.wrappers: dict[tuple[str, int], Wrapper] = {}
         self.module_global: Any = None
         self.warmed = False
@@ -67,7 +68,7 @@ class FlashInferCore:
         return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=INT_WORKSPACE_BYTES)
 
     def routes(self) -> tuple[str, ...]:
-        return routes(self.case)
+        return self._routes
 
     # -- wrappers ------------------------------------------------------------------------------
     def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
