@@ -178,14 +178,16 @@ def _host_size(nbytes: int) -> int:
 class EventSource:
     """Phase, event subscription and fault injection, shared by the simulated and the CUDA device.
 
-    Subclasses set ``_phase``, ``_seq``, ``_subscribers`` and ``_fail_countdown`` in ``__init__`` and
+    Subclasses set ``_phase``, ``_seq``, ``_subscribers``, ``_fail_countdown`` and ``_live`` in ``__init__`` and
     say what the event figures are through ``_figures()`` (allocated, reserved).
     """
 
+    name: str
     _phase: str
     _seq: int
     _subscribers: list[Callable[[DeviceEvent], None]]
     _fail_countdown: int | None
+    _live: dict[int, Allocation]
 
     def _figures(self) -> tuple[int, int]:
         raise NotImplementedError
@@ -224,6 +226,20 @@ class EventSource:
         if n < 0:
             raise ValueError(f"fail_after needs n >= 0, got {n}")
         self._fail_countdown = n
+
+    def _forget(self, alloc: Allocation) -> None:
+        """Take a live allocation out of the ledger, refusing double frees and foreign allocations."""
+        if not alloc.alive:
+            raise ValueError(
+                f"double free of allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}, "
+                f"allocated in phase {alloc.phase!r}, freed in phase {alloc.freed_phase!r})"
+            )
+        if self._live.pop(alloc.id, None) is not alloc:
+            raise ValueError(
+                f"allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}) does not belong to {self.name!r}"
+            )
+        alloc.alive = False
+        alloc.freed_phase = self._phase
 
 
 class SimDevice(EventSource):
@@ -374,17 +390,7 @@ class SimDevice(EventSource):
 
     def free(self, alloc: Allocation) -> None:
         """Return an allocation to the allocator's cache (reserved bytes do not drop)."""
-        if not alloc.alive:
-            raise ValueError(
-                f"double free of allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}, "
-                f"allocated in phase {alloc.phase!r}, freed in phase {alloc.freed_phase!r})"
-            )
-        if self._live.pop(alloc.id, None) is not alloc:
-            raise ValueError(
-                f"allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}) does not belong to {self.name!r}"
-            )
-        alloc.alive = False
-        alloc.freed_phase = self._phase
+        self._forget(alloc)
         if alloc.kind == "device":
             block = alloc.__dict__.pop("_block", None)
             if block is not None:

@@ -148,15 +148,7 @@ class CudaDevice(EventSource):
 
     def free(self, alloc: Allocation) -> None:
         """Drop the ledger's reference; the caching allocator keeps the block cached (reserved stays)."""
-        if not alloc.alive:
-            raise ValueError(
-                f"double free of allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}, "
-                f"allocated in phase {alloc.phase!r}, freed in phase {alloc.freed_phase!r})"
-            )
-        if self._live.pop(alloc.id, None) is not alloc:
-            raise ValueError(f"allocation {alloc.id} (owner {alloc.owner!r}, tag {alloc.tag!r}) does not belong to {self.name!r}")
-        alloc.alive = False
-        alloc.freed_phase = self._phase
+        self._forget(alloc)
         alloc.__dict__.pop("_tensor", None)
         if alloc.kind == "pinned_host":
             self.host_allocated -= alloc.size
