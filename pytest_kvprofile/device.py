@@ -227,6 +227,24 @@ class EventSource:
             raise ValueError(f"fail_after needs n >= 0, got {n}")
         self._fail_countdown = n
 
+    record_stacks: bool
+
+    def _raise_oom(self, nbytes: int, owner: str, tag: str, injected: bool = False) -> NoReturn:
+        raise NotImplementedError
+
+    def _admit(self, nbytes: int, owner: str, tag: str, stack: str | None) -> str | None:
+        """The checks every allocation passes first: size, an armed fault injection, the caller's frame."""
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes (owner {owner!r}, tag {tag!r})")
+        if self._fail_countdown is not None:
+            if self._fail_countdown == 0:
+                self._fail_countdown = None
+                self._raise_oom(nbytes, owner, tag, injected=True)
+            self._fail_countdown -= 1
+        if stack is None and self.record_stacks:
+            stack = _caller_stack()
+        return stack
+
     def _forget(self, alloc: Allocation) -> None:
         """Take a live allocation out of the ledger, refusing double frees and foreign allocations."""
         if not alloc.alive:
@@ -330,15 +348,7 @@ class SimDevice(EventSource):
     ) -> Allocation:
         """Allocate ``nbytes`` for ``owner``; raises ``DeviceOutOfMemory`` when the allocator cannot
         reserve a segment even after releasing its cache. ``stack`` overrides the recorded frame."""
-        if nbytes < 0:
-            raise ValueError(f"cannot allocate {nbytes} bytes (owner {owner!r}, tag {tag!r})")
-        if self._fail_countdown is not None:
-            if self._fail_countdown == 0:
-                self._fail_countdown = None
-                self._raise_oom(nbytes, owner, tag, injected=True)
-            self._fail_countdown -= 1
-        if stack is None and self.record_stacks:
-            stack = _caller_stack()
+        stack = self._admit(nbytes, owner, tag, stack)
         self._next_id += 1
         if pinned_host:
             size = _host_size(nbytes)

@@ -15,7 +15,6 @@ when the device is created, as vLLM measures it.
 from __future__ import annotations
 
 import gc
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -102,15 +101,7 @@ class CudaDevice(EventSource):
     def allocate(self, nbytes: int, *, owner: str, tag: str = "", pinned_host: bool = False,
                  stack: str | None = None) -> Allocation:
         """A ``uint8`` tensor of ``nbytes`` (pinned host memory with ``pinned_host``), in the ledger."""
-        if nbytes < 0:
-            raise ValueError(f"cannot allocate {nbytes} bytes (owner {owner!r}, tag {tag!r})")
-        if self._fail_countdown is not None:
-            if self._fail_countdown == 0:
-                self._fail_countdown = None
-                self._raise_oom(nbytes, owner, tag, injected=True)
-            self._fail_countdown -= 1
-        if stack is None and self.record_stacks:
-            stack = _caller_stack()
+        stack = self._admit(nbytes, owner, tag, stack)
         torch = self._torch
         if pinned_host:
             tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -297,19 +288,6 @@ class CudaDevice(EventSource):
 
     def graph_pools(self) -> list[CudaGraphPool]:
         return [p for p in self._pools.values() if p.reserved or p.use_count > 0]
-
-
-def _caller_stack() -> str:
-    """``path:line in func`` of the first frame outside pytest_kvprofile (the code that allocated)."""
-    import os
-
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(pkg):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 class CudaDeviceFactory:
