@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from pytest_kvprofile.matrix import load_matrix, packaged_matrix
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
 GPUS = ["L40S", "H200"]
 TP = [2, 4]

@@ -268,10 +268,10 @@ def collection_scaling(b: Bench, sizes: tuple[int, ...], budget: float) -> None:
 
 def lifecycle_scaling(b: Bench, sizes: tuple[int, ...], backend_name: str) -> None:
     """Pure Python ``run_lifecycle`` + ``failing_checks`` over every runnable case, per size."""
-    from pytest_kvprofile.checks import failing_checks
-    from pytest_kvprofile.lifecycle import run_lifecycle
-    from pytest_kvprofile.matrix import load_matrix
-    from pytest_kvprofile.stubs import STUB_BACKENDS
+    from pytest_kvprofile.checks.catalog import failing_checks
+    from pytest_kvprofile.lifecycle.driver import run_lifecycle
+    from pytest_kvprofile.matrix.schema import load_matrix
+    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
     backend = next(s for s in STUB_BACKENDS if s.name == backend_name)
     per_case: dict[int, float] = {}
@@ -331,8 +331,8 @@ def tensor_creation(b: Bench, n: int, repeats: int) -> None:
     """``torch.empty(..., device="cuda")`` under SimulatedCuda over a plain CPU ``torch.empty``."""
     import torch
 
-    from pytest_kvprofile.device import SimDevice
-    from pytest_kvprofile.torch_mode import SimulatedCuda
+    from pytest_kvprofile.memory.device import SimDevice
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
     shape = (1024, 256)
 

@@ -7,14 +7,14 @@ registry. Heavy modules (torch, flashinfer, the sizing oracle) load lazily.
 
 from __future__ import annotations
 
-from .backends import Backend, BackendError
-from .lease import Lease, LeaseReleasedError
-from .lifecycle import EnginePolicy, LifecycleResult, run_lifecycle
-from .matrix import Case, Envelope, MatrixError, load_matrix
-from .models import ModelSpec
-from .protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
-from .support import DeclarationError, ProfilingSupport, SupportResolution, declared_support, resolve_support
-from .workspace import ArenaView, WorkspaceLockedError, WorkspaceManager
+from pytest_kvprofile.contract.backends import Backend, BackendError
+from pytest_kvprofile.contract.lease import Lease, LeaseReleasedError
+from pytest_kvprofile.lifecycle.driver import EnginePolicy, LifecycleResult, run_lifecycle
+from pytest_kvprofile.matrix.schema import Case, Envelope, MatrixError, load_matrix
+from pytest_kvprofile.matrix.models import ModelSpec
+from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.support import DeclarationError, ProfilingSupport, SupportResolution, declared_support, resolve_support
+from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceLockedError, WorkspaceManager
 
 __version__ = "0.1.0"
 

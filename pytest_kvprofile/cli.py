@@ -22,14 +22,14 @@ def _default_matrix() -> Path:
 def _load_models(path: Path) -> dict[str, Any]:
     """Model specs of a matrix file: the lead's loader when present, else its ``models:`` map."""
     try:
-        from .matrix import load_matrix
+        from pytest_kvprofile.matrix.schema import load_matrix
     except ImportError:
         load_matrix = None
     if load_matrix is not None:
         return dict(load_matrix(path).models)
     import yaml
 
-    from .models import ModelSpec
+    from pytest_kvprofile.matrix.models import ModelSpec
 
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     models = data.get("models") or {}
@@ -98,9 +98,9 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
 def _cmd_size(args: argparse.Namespace) -> int:
     if args.report is not None:
         return _cmd_report(args)
-    from .models import ModelSpec, impossible_layout, rank_heads
-    from .sizing import Envelope, OracleError, required_workspace
-    from .topology import lookup_gpu
+    from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout, rank_heads
+    from pytest_kvprofile.sizing import Envelope, OracleError, required_workspace
+    from pytest_kvprofile.matrix.gpus import lookup_gpu
 
     if args.gpu:
         try:
@@ -193,8 +193,8 @@ def _cmd_size(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .sizing import OracleError
-    from .sizing.report import format_report, report_for_matrix, report_headline
+    from pytest_kvprofile.sizing import OracleError
+    from pytest_kvprofile.sizing.comparison import format_report, report_for_matrix, report_headline
 
     try:
         rows = report_for_matrix(str(args.report), use_oracle=False if args.no_oracle else None)
@@ -203,7 +203,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 1
     if args.plot is not None:
         try:
-            from .sizing.plot import plot_requirement
+            from pytest_kvprofile.sizing.plot import plot_requirement
         except ImportError as exc:
             print(f"kvprofile size: error: --plot needs matplotlib "
                   f"(`pip install pytest-kvprofile[plot]`): {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pytest_kvprofile.device import DeviceOutOfMemory, SimDevice  # noqa: E402
+from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20

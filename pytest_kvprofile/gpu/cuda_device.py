@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ..allocator import round_size, segment_size
-from ..device import Allocation, DeviceEvent, DeviceOutOfMemory, EventSource
+from pytest_kvprofile.memory.allocator import round_size, segment_size
+from pytest_kvprofile.memory.device import Allocation, DeviceEvent, DeviceOutOfMemory, EventSource
 
 __all__ = ["CudaDevice", "CudaDeviceFactory", "CudaGraphPool"]
 
@@ -52,7 +52,7 @@ class CudaGraphPool:
 
 
 class CudaDevice(EventSource):
-    """A real CUDA device behind the simulated device's interface (see ``pytest_kvprofile.device``)."""
+    """A real CUDA device behind the simulated device's interface (see ``pytest_kvprofile.memory.device``)."""
 
     def __init__(self, index: int = 0, *, torch_mod: Any = None, record_stacks: bool = False) -> None:
         if torch_mod is None:

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends import Backend
-from ..case_sizing import decode_tensor_cores, required_for_case, routes
-from ..protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
-from ..support import ProfilingSupport
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.sizing.case import decode_tensor_cores, required_for_case, routes
+from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.support import ProfilingSupport
 
 __all__ = [
     "BF16_TOLERANCE",

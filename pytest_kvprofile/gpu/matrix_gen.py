@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from .topology import GpuTopology, TopologyError, detect_topology
+from pytest_kvprofile.gpu.topology import GpuTopology, TopologyError, detect_topology
 
 __all__ = ["detected_gpu_entry", "main", "one_gpu_matrix"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..case_sizing import required_for_case
-from .flashinfer_builders import make_wrapper, paged_layout, plan_args, run_checked
+from pytest_kvprofile.sizing.case import required_for_case
+from pytest_kvprofile.gpu.flashinfer_builders import make_wrapper, paged_layout, plan_args, run_checked
 
 __all__ = ["OVERFLOW_MARKER", "RouteProbe", "api_workspace_size", "expect_overflow", "plan_on_device", "route_probes"]
 

@@ -121,7 +121,7 @@ def test_graph_pool_figures_match_snapshot(gpu_device_factory: Any) -> None:
 
 def test_allocator_model_matches_cuda(gpu_device_factory: Any, record_property: Any) -> None:
     """The simulated device's figures against the real allocator's, step by step (error in bytes)."""
-    from pytest_kvprofile.device import SimDevice
+    from pytest_kvprofile.memory.device import SimDevice
 
     real = gpu_device_factory(None)
     sim = SimDevice(name=real.name, total_memory=real.total_memory, num_sm=real.num_sm,
@@ -189,9 +189,9 @@ def test_workspace_size_api_agrees(route_probe: Any) -> None:
 
 def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Any, gpu_device_factory: Any,
                                                      record_property: Any) -> None:
-    from pytest_kvprofile.checks import checks_for
+    from pytest_kvprofile.checks.catalog import checks_for
     from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends
-    from pytest_kvprofile.lifecycle import run_lifecycle
+    from pytest_kvprofile.lifecycle.driver import run_lifecycle
 
     backend = gpu_backends()[0]
     result = run_lifecycle(backend, gpu_case, device_factory=gpu_device_factory)
@@ -213,15 +213,15 @@ def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Any, gpu_device_
 
 
 def _stub_builders(case: Any) -> list[Any]:
-    from pytest_kvprofile.stubs import FlashInferLikeBuilder
+    from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder
 
     return [FlashInferLikeBuilder(case)]
 
 
 def test_lazy_mutant_is_caught_on_cuda(gpu_case: Any, gpu_device_factory: Any) -> None:
-    from pytest_kvprofile.checks import CHECKS_BY_NAME
+    from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME
     from pytest_kvprofile.gpu.flashinfer_builders import gpu_mutant_backends
-    from pytest_kvprofile.lifecycle import run_lifecycle
+    from pytest_kvprofile.lifecycle.driver import run_lifecycle
 
     result = run_lifecycle(gpu_mutant_backends()[0], gpu_case, device_factory=gpu_device_factory)
     gpu_device_factory.release(result)

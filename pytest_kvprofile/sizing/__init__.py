@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .analytic import (
+from pytest_kvprofile.sizing.analytic import (
     DEFAULT_INT_WORKSPACE,
     Envelope,
     Layout,
@@ -27,8 +27,8 @@ from .analytic import (
     prefill_graph,
     prefill_nograph,
 )
-from .oracle import OracleError, OracleUnavailable, get_oracle, oracle_available
-from .planner import family_of
+from pytest_kvprofile.sizing.oracle import OracleError, OracleUnavailable, get_oracle, oracle_available
+from pytest_kvprofile.sizing.planner import family_of
 
 __all__ = [
     "DEFAULT_INT_WORKSPACE",
@@ -81,7 +81,7 @@ class SizingResult:
 
 def installed_flashinfer_version() -> str:
     """The installed flashinfer-python version (read from metadata; FlashInfer is not imported)."""
-    from .oracle import flashinfer_install
+    from pytest_kvprofile.sizing.oracle import flashinfer_install
 
     return flashinfer_install().version
 
@@ -128,7 +128,7 @@ def _validate(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
 
 def _confirm(res: RouteResult, envelope: Envelope, oracle) -> tuple[int, int]:
     """Oracle float/int bytes on the route's worst batch."""
-    from .search import oracle_evaluator
+    from pytest_kvprofile.sizing.search import oracle_evaluator
 
     return oracle_evaluator(oracle, res, envelope)(res.batch)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .planner import (
+from pytest_kvprofile.sizing.planner import (
     FAMILY_07,
     Device,
     PlanSize,

@@ -28,9 +28,10 @@ def _warm_start_seconds(cache: str) -> float:
 def main() -> dict:
     from array import array
 
-    from . import Envelope, route_results
-    from .oracle import build_info, ensure_built, get_oracle, indptrs
-    from .search import adversarial_search, oracle_evaluator
+    from pytest_kvprofile.sizing import Envelope
+    from pytest_kvprofile.sizing import route_results
+    from pytest_kvprofile.sizing.oracle import build_info, ensure_built, get_oracle, indptrs
+    from pytest_kvprofile.sizing.search import adversarial_search, oracle_evaluator
 
     results: dict = {}
     with tempfile.TemporaryDirectory() as cache:

@@ -34,7 +34,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Sequence
 
-from .planner import FAMILY_07, FAMILY_06_MATERIALIZE, family_of
+from pytest_kvprofile.sizing.planner import FAMILY_07, FAMILY_06_MATERIALIZE, family_of
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("oracle.cu", "cuda_stubs.cpp")

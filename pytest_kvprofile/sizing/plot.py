@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import Envelope, required_workspace
-from .report import REPORT_ENVELOPE
-from .rules import FIXED_SIZES, MIB
+from pytest_kvprofile.sizing import Envelope
+from pytest_kvprofile.sizing import required_workspace
+from pytest_kvprofile.sizing.comparison import REPORT_ENVELOPE
+from pytest_kvprofile.sizing.rules import FIXED_SIZES, MIB
 
 DEFAULT_TOKENS: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384)
 

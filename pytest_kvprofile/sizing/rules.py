@@ -7,7 +7,7 @@ shown to catch them.
 
 from __future__ import annotations
 
-from .planner import ceil_div
+from pytest_kvprofile.sizing.planner import ceil_div
 
 MIB = 1 << 20
 

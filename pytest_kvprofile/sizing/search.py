@@ -10,8 +10,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from .analytic import Batch, Envelope, RouteResult
-from .planner import ceil_div, decode_plan, prefill_plan
+from pytest_kvprofile.sizing.analytic import Batch, Envelope, RouteResult
+from pytest_kvprofile.sizing.planner import ceil_div, decode_plan, prefill_plan
 
 Evaluator = Callable[[Batch], tuple[int, int]]
 

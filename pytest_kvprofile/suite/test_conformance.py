@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from pytest_kvprofile.checks import CHECKS
-from pytest_kvprofile.report import budget_record
-from pytest_kvprofile.timeouts import call_with_timeout
+from pytest_kvprofile.checks.catalog import CHECKS
+from pytest_kvprofile.report.documents import budget_record
+from pytest_kvprofile.plugin.timeouts import call_with_timeout
 
 
 def _make_test(check: Any) -> Any:

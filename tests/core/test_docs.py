@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from pytest_kvprofile.checks import CHECKS
+from pytest_kvprofile.checks.catalog import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,9 +6,9 @@ import sys
 PROGRAM = """
 import sys
 import pytest_kvprofile.plugin
-from pytest_kvprofile.session import Settings, build_session
-from pytest_kvprofile.matrix import packaged_matrix
-from pytest_kvprofile.checks import CHECKS
+from pytest_kvprofile.plugin.session import Settings, build_session
+from pytest_kvprofile.matrix.schema import packaged_matrix
+from pytest_kvprofile.checks.catalog import CHECKS
 session = build_session(Settings(matrices=(str(packaged_matrix("ci")),)), [], "cpu")
 assert sum(len(session.pairs_for(c)) for c in CHECKS) > 0
 heavy = sorted(m for m in ("torch", "flashinfer", "pynvml", "numpy") if m in sys.modules)

@@ -3,7 +3,7 @@
 import pytest
 
 from pytest_kvprofile import Lease, LeaseReleasedError, WorkspaceLockedError, WorkspaceManager
-from pytest_kvprofile.device import SimDevice
+from pytest_kvprofile.memory.device import SimDevice
 
 MiB = 1 << 20
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from pytest_kvprofile import lifecycle as lc
-from pytest_kvprofile.checks import failing_checks
-from pytest_kvprofile.matrix import load_matrix, packaged_matrix
-from pytest_kvprofile.stubs import STUB_BACKENDS
+import pytest_kvprofile.lifecycle.driver as lc
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
 STUBS = {b.name: b for b in STUB_BACKENDS}
 
@@ -77,7 +77,7 @@ def test_a_factory_that_raises_is_recorded_not_raised(case):
 
 
 def test_lazy_workspace_on_l40s_at_098_fails_with_an_overrun_report_naming_the_int_workspace():
-    from pytest_kvprofile.mutants import MUTANT_BACKENDS
+    from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 
     cases = {c.id: c for c in load_matrix(packaged_matrix("default")).cases}
     case = cases["gemma-2-9b-hd256-tp8-dcp1-mtp0-l40s-gmu0.98"]

@@ -7,12 +7,12 @@ too many pytest items); ``tests/test_plugin_suite.py`` shows the same verdicts t
 
 import pytest
 
-from pytest_kvprofile.case_sizing import required_for_case
-from pytest_kvprofile.checks import CHECKS, DEFAULT_WASTE_SLACK
-from pytest_kvprofile.conformance import catch_table, sweep
-from pytest_kvprofile.matrix import load_matrix, packaged_matrix
-from pytest_kvprofile.mutants import MUTANT_BACKENDS, WrongVersionFormulaBuilder
-from pytest_kvprofile.stubs import STUB_BACKENDS
+from pytest_kvprofile.sizing.case import required_for_case
+from pytest_kvprofile.checks.catalog import CHECKS, DEFAULT_WASTE_SLACK
+from pytest_kvprofile.checks.sweep import catch_table, sweep
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, WrongVersionFormulaBuilder
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pytest_kvprofile import Backend, Lease, ProfilingSupport, WorkspaceDeclaration, run_lifecycle
-from pytest_kvprofile.checks import failing_checks
-from pytest_kvprofile.matrix import load_matrix, packaged_matrix
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
 MiB = 1 << 20
 

@@ -3,12 +3,12 @@
 import pytest
 
 from pytest_kvprofile import Backend, ProfilingSupport, resolve_support, run_lifecycle
-from pytest_kvprofile.checks import failing_checks
-from pytest_kvprofile.conformance import sweep
-from pytest_kvprofile.matrix import load_matrix, packaged_matrix
-from pytest_kvprofile.mutants import MUTANT_BACKENDS
-from pytest_kvprofile.resources import DMAOutputWorkspace, ResourceAdapter, model_parts
-from pytest_kvprofile.stubs import STUB_BACKENDS
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.checks.sweep import sweep
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+from pytest_kvprofile.contract.resources import DMAOutputWorkspace, ResourceAdapter, model_parts
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
 MUTANTS = {b.name: b for b in MUTANT_BACKENDS}
 

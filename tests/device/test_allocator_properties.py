@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_kvprofile.device import DeviceOutOfMemory, SimDevice
+from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice
 
 MiB = 1 << 20
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pytest_kvprofile.allocator import round_size, segment_size
-from pytest_kvprofile.device import SimDevice
+from pytest_kvprofile.memory.allocator import round_size, segment_size
+from pytest_kvprofile.memory.device import SimDevice
 
 KiB = 1 << 10
 MiB = 1 << 20

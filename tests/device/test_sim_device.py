@@ -4,8 +4,8 @@ import pickle
 
 import pytest
 
-from pytest_kvprofile.device import Allocation, Device, DeviceEvent, DeviceOutOfMemory, SimDevice
-from pytest_kvprofile.topology import lookup_gpu
+from pytest_kvprofile.memory.device import Allocation, Device, DeviceEvent, DeviceOutOfMemory, SimDevice
+from pytest_kvprofile.matrix.gpus import lookup_gpu
 
 MiB = 1 << 20
 GiB = 1 << 30

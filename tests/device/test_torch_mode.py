@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pytest_kvprofile.device import DeviceOutOfMemory, SimDevice  # noqa: E402
-from pytest_kvprofile.torch_mode import SimulatedCuda  # noqa: E402
+from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice  # noqa: E402
+from pytest_kvprofile.memory.torch_mode import SimulatedCuda  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

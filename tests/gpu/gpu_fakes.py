@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
-from pytest_kvprofile.allocator import CachingAllocator
+from pytest_kvprofile.memory.allocator import CachingAllocator
 
 GiB = 1 << 30
 HOST_BASE = 0x7F00_0000_0000

@@ -8,7 +8,7 @@ import sys
 import pytest
 from gpu_fakes import FakeFlashInfer, HybridCuda, HybridTorch
 
-from pytest_kvprofile.checks import CHECKS_BY_NAME, checks_for
+from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, checks_for
 from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
 from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends, gpu_mutant_backends
 from pytest_kvprofile.gpu.sizing_probe import (
@@ -18,8 +18,8 @@ from pytest_kvprofile.gpu.sizing_probe import (
     plan_on_device,
     route_probes,
 )
-from pytest_kvprofile.lifecycle import run_lifecycle
-from pytest_kvprofile.matrix import load_matrix_text
+from pytest_kvprofile.lifecycle.driver import run_lifecycle
+from pytest_kvprofile.matrix.schema import load_matrix_text
 
 CASES = load_matrix_text(
     "name: t\nenvelope: {max_num_seqs: 8, max_num_batched_tokens: 256, max_model_len: 2048, "

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from gpu_fakes import FakeCuda, FakeTorch
 
-from pytest_kvprofile.allocator import round_size, segment_size
-from pytest_kvprofile.device import Device, DeviceOutOfMemory
+from pytest_kvprofile.memory.allocator import round_size, segment_size
+from pytest_kvprofile.memory.device import Device, DeviceOutOfMemory
 from pytest_kvprofile.gpu.cuda_device import CudaDevice, CudaDeviceFactory
-from pytest_kvprofile.lifecycle import run_lifecycle
-from pytest_kvprofile.matrix import load_matrix_text
-from pytest_kvprofile.stubs import STUB_BACKENDS
+from pytest_kvprofile.lifecycle.driver import run_lifecycle
+from pytest_kvprofile.matrix.schema import load_matrix_text
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -109,7 +109,7 @@ def test_lazy_release_waits_for_empty_cache():
 
 def test_run_lifecycle_runs_unchanged_on_the_adapter():
     """The whole lifecycle (stub builders) on CudaDevice over the fake torch: same checks as on SimDevice."""
-    from pytest_kvprofile.checks import failing_checks
+    from pytest_kvprofile.checks.catalog import failing_checks
 
     matrix = load_matrix_text(
         "name: t\nenvelope: {max_num_seqs: 8, max_num_batched_tokens: 512, max_model_len: 4096, "

@@ -20,9 +20,9 @@ from pytest_kvprofile.gpu.flashinfer_builders import (
     scratch_bytes,
     synthetic_lens,
 )
-from pytest_kvprofile.matrix import load_matrix_text
-from pytest_kvprofile.protocol import Batch
-from pytest_kvprofile.support import ProfilingSupport
+from pytest_kvprofile.matrix.schema import load_matrix_text
+from pytest_kvprofile.contract.protocol import Batch
+from pytest_kvprofile.contract.support import ProfilingSupport
 
 CASE = load_matrix_text(
     "name: t\nenvelope: {max_num_seqs: 8, max_num_batched_tokens: 512, max_model_len: 4096}\nmodels:\n"
@@ -109,7 +109,7 @@ def test_builders_declare_like_the_stub_without_touching_cuda():
     case = CASE[0]
     b = FlashInferCudaBuilder(case)
     assert b.get_persistent_workspace_memory_profiling_support() is ProfilingSupport.REQUIRED
-    from pytest_kvprofile.case_sizing import required_for_case
+    from pytest_kvprofile.sizing.case import required_for_case
 
     assert b.declared_workspace(case).float_bytes == required_for_case(case).float_bytes
     assert gpu_backends()[0].make_builders(case)[0].name == "flashinfer-cuda"
@@ -118,7 +118,7 @@ def test_builders_declare_like_the_stub_without_touching_cuda():
 
 
 def test_builder_on_the_simulated_device_says_it_needs_cuda():
-    from pytest_kvprofile.lifecycle import run_lifecycle
+    from pytest_kvprofile.lifecycle.driver import run_lifecycle
 
     result = run_lifecycle(gpu_backends()[0], CASE[0])
     assert result.aborted_in == "reservation"

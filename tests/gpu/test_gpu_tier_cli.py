@@ -10,7 +10,7 @@ pytest.importorskip("pynvml")
 
 
 def test_gpu_flag_without_cuda_is_a_usage_error(pytester):
-    from pytest_kvprofile.gpu_probe import cuda_device_count
+    from pytest_kvprofile.gpu.nvml import cuda_device_count
 
     if cuda_device_count()[0]:
         pytest.skip("this machine has a CUDA device")
@@ -23,7 +23,7 @@ def test_gpu_flag_without_cuda_is_a_usage_error(pytester):
 @pytest.mark.parametrize("module", [
     "pytest_kvprofile.gpu.topology", "pytest_kvprofile.gpu.pinning", "pytest_kvprofile.gpu.cuda_device",
     "pytest_kvprofile.gpu.flashinfer_builders", "pytest_kvprofile.gpu.sizing_probe",
-    "pytest_kvprofile.gpu.matrix_gen", "pytest_kvprofile.gpu.hooks", "pytest_kvprofile.gpu_suite.test_gpu_tier",
+    "pytest_kvprofile.gpu.matrix_gen", "pytest_kvprofile.plugin.gpu", "pytest_kvprofile.gpu_suite.test_gpu_tier",
 ])
 def test_gpu_modules_import_without_cuda(module):
     assert importlib.import_module(module) is not None
@@ -33,7 +33,7 @@ def test_gpu_suite_is_skipped_with_a_reason_on_the_cpu_tier(pytester):
     pytester.makeconftest(
         "import importlib\n"
         "def pytest_configure(config):\n"
-        "    mod = importlib.import_module('pytest_kvprofile.gpu.hooks')\n"
+        "    mod = importlib.import_module('pytest_kvprofile.plugin.gpu')\n"
         "    if not config.pluginmanager.is_registered(mod):\n"
         "        config.pluginmanager.register(mod, 'kvprofile-gpu')\n")
     result = pytester.runpytest_subprocess("--pyargs", "pytest_kvprofile.gpu_suite", "-rs", "-p", "no:cacheprovider",
@@ -44,6 +44,6 @@ def test_gpu_suite_is_skipped_with_a_reason_on_the_cpu_tier(pytester):
 
 
 def _ci_matrix() -> str:
-    from pytest_kvprofile.matrix import packaged_matrix
+    from pytest_kvprofile.matrix.schema import packaged_matrix
 
     return str(packaged_matrix("ci"))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_kvprofile.gpu import hooks
+import pytest_kvprofile.plugin.gpu as hooks
 from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
 from pytest_kvprofile.plugin import SESSION_KEY
 

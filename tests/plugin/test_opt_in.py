@@ -57,7 +57,7 @@ def test_option_registration_gives_the_same_verdict(pytester, monkeypatch, insta
 def test_a_neutral_builder_is_checked_alone_and_carried(pytester):
     pytester.makepyfile(hybridbk="""
 from pytest_kvprofile import Backend
-from pytest_kvprofile.stubs import FlashInferLikeBuilder, GDNLikeBuilder
+from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, GDNLikeBuilder
 
 def factory():
     return Backend(name="my-hybrid", make_builders=lambda case: [FlashInferLikeBuilder(case), GDNLikeBuilder(case)])

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from pytest_kvprofile.checks import CHECKS, checks_for
+from pytest_kvprofile.checks.catalog import CHECKS, checks_for
 
 # the tiny matrix carries no resource, so the resource-capacity check has nothing to look at there
 PROFILING_CHECKS = len([c for c in checks_for("profiling") if c.name != "resource_capacity_honoured"])
 LEGACY_CHECKS = len(checks_for("legacy"))
-from pytest_kvprofile.mutants import MUTANT_BACKENDS
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 
 
 def test_stubs_pass_and_the_header_and_summary_are_printed(pytester, suite_args):
@@ -90,7 +90,7 @@ def test_expected_failures_are_strict_xfails_and_block_the_opt_in(pytester, suit
     pytester.makeconftest(
         """
 from pytest_kvprofile import Backend
-from pytest_kvprofile.mutants import LazyWorkspaceBuilder
+from pytest_kvprofile.builtin.mutants import LazyWorkspaceBuilder
 
 def pytest_kvprofile_backends(config):
     return Backend(

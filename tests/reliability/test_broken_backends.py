@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvprofile import lifecycle as lc
-from pytest_kvprofile.checks import CHECKS
+import pytest_kvprofile.lifecycle.driver as lc
+from pytest_kvprofile.checks.catalog import CHECKS
 
 TINY_MATRIX = """\
 name: tiny
@@ -30,7 +30,7 @@ BROKEN_MODULE = '''
 import threading
 
 from pytest_kvprofile import Backend, WorkspaceDeclaration
-from pytest_kvprofile.stubs import FlashInferLikeBuilder
+from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder
 
 
 class Boom(RuntimeError):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pytest_kvprofile.timeouts import CheckTimeout, call_with_timeout
+from pytest_kvprofile.plugin.timeouts import CheckTimeout, call_with_timeout
 
 
 def _stuck_in_backend(release: threading.Event) -> str:

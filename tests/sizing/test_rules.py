@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvprofile.models import ModelSpec, rank_heads
+from pytest_kvprofile.matrix.models import ModelSpec, rank_heads
 from pytest_kvprofile.sizing import Envelope, required_workspace
-from pytest_kvprofile.sizing.report import REPORT_ENVELOPE, report_headline, sizing_report
+from pytest_kvprofile.sizing.comparison import REPORT_ENVELOPE, report_headline, sizing_report
 from pytest_kvprofile.sizing.rules import (
     FIXED_SIZES,
     decode_shaped_heuristic,
     formula_06x,
     seed004_rule,
 )
-from pytest_kvprofile.topology import lookup_gpu
+from pytest_kvprofile.matrix.gpus import lookup_gpu
 
 MIB = 1 << 20
 SEED004 = [  # (label, heads_q per rank, heads_kv per rank, head_dim, num_sm, published MiB)

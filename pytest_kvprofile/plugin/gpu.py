@@ -18,7 +18,7 @@ CPU_TIER_REASON = "GPU tier: pass --kvprofile-gpu on a machine with a CUDA devic
 
 
 def _state(config: pytest.Config) -> Any:
-    from ..plugin import SESSION_KEY
+    from pytest_kvprofile.plugin import SESSION_KEY
 
     return config.stash.get(SESSION_KEY, None)
 
@@ -38,7 +38,7 @@ def _cuda_initialized() -> bool:
 
 def _device_count() -> int:
     """GPUs NVML counts (no CUDA context)."""
-    from ..gpu_probe import cuda_device_count
+    from pytest_kvprofile.gpu.nvml import cuda_device_count
 
     return cuda_device_count()[0]
 
@@ -47,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not gpu_tier(config):
         return
     if hasattr(config, "workerinput"):
-        from .pinning import PinningError, apply_pinning
+        from pytest_kvprofile.gpu.pinning import PinningError, apply_pinning
 
         count = _device_count()
         try:
@@ -65,7 +65,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     state = _state(config)
     if state is None or not gpu_tier(config):
         return
-    from .cuda_device import CudaDeviceFactory
+    from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
 
     state.device_factory = CudaDeviceFactory(0)
     if not hasattr(config, "workerinput"):
@@ -77,7 +77,7 @@ def controller_hardware() -> dict[str, Any]:
     """What the JSON report records about the machine: NVML and package versions, no CUDA context."""
     from importlib import metadata
 
-    from .topology import TopologyError, detect_topology
+    from pytest_kvprofile.gpu.topology import TopologyError, detect_topology
 
     doc: dict[str, Any] = {}
     try:
@@ -95,7 +95,7 @@ def controller_hardware() -> dict[str, Any]:
 def pytest_report_header(config: pytest.Config) -> str | None:
     if not gpu_tier(config) or hasattr(config, "workerinput"):
         return None
-    from .topology import TopologyError, detect_topology
+    from pytest_kvprofile.gpu.topology import TopologyError, detect_topology
 
     try:
         return f"kvprofile-gpu: {detect_topology().describe()}"
@@ -108,7 +108,7 @@ def gpu_topology(request: pytest.FixtureRequest) -> Any:
     """The machine's GPUs, with SM counts and capability from torch (this process's view)."""
     if not gpu_tier(request.config):
         pytest.skip(CPU_TIER_REASON)
-    from .topology import detect_topology
+    from pytest_kvprofile.gpu.topology import detect_topology
 
     topo = detect_topology(use_torch=True)
     if not topo.visible:
@@ -123,7 +123,7 @@ def gpu_device_factory(request: pytest.FixtureRequest, gpu_topology: Any) -> Any
     state = _state(request.config)
     factory = getattr(state, "device_factory", None)
     if factory is None:
-        from .cuda_device import CudaDeviceFactory
+        from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
 
         factory = CudaDeviceFactory(0)
     return factory

@@ -10,8 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .checks import failing_checks
-from .lifecycle import run_lifecycle
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.lifecycle.driver import run_lifecycle
 
 
 @dataclass

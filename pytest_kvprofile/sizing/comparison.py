@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from ..models import ModelSpec, impossible_layout, kv_bytes_per_token, rank_heads
-from ..topology import GpuSpec, lookup_gpu
-from . import Envelope, required_workspace
-from .rules import FIXED_SIZES, MIB, seed004_rule
+from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout, kv_bytes_per_token, rank_heads
+from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
+from pytest_kvprofile.sizing import Envelope
+from pytest_kvprofile.sizing import required_workspace
+from pytest_kvprofile.sizing.rules import FIXED_SIZES, MIB, seed004_rule
 
 # vLLM's default capture sizes top out at 512 tokens.
 VLLM_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
@@ -155,7 +156,7 @@ def envelope_from(obj: Any, mtp: int = 0) -> Envelope:
 
 def report_for_matrix(path: str, *, use_oracle: bool | None = None) -> list[dict[str, Any]]:
     """The sizing report of every runnable (model, GPU, TP, DCP, MTP) of a matrix file."""
-    from ..matrix import load_matrix
+    from pytest_kvprofile.matrix.schema import load_matrix
 
     matrix = load_matrix(path)
     rows: list[dict[str, Any]] = []

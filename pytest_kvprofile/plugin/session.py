@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .backends import Backend, BackendError, coerce_backend, entry_point_backends, load_factory, validate_builders
-from .checks import CHECKS, Check
-from .lifecycle import LifecycleResult, run_lifecycle
-from .matrix import Case, Matrix, MatrixError, load_matrices, packaged_matrix
-from .resources import RESOURCE_KINDS, model_parts
-from .support import DeclarationError, ProfilingSupport, builder_name, declared_support, resolve_support
+from pytest_kvprofile.contract.backends import Backend, BackendError, coerce_backend, entry_point_backends, load_factory, validate_builders
+from pytest_kvprofile.checks.catalog import CHECKS, Check
+from pytest_kvprofile.lifecycle.driver import LifecycleResult, run_lifecycle
+from pytest_kvprofile.matrix.schema import Case, Matrix, MatrixError, load_matrices, packaged_matrix
+from pytest_kvprofile.contract.resources import RESOURCE_KINDS, model_parts
+from pytest_kvprofile.contract.support import DeclarationError, ProfilingSupport, builder_name, declared_support, resolve_support
 
 RESULT_CACHE_SIZE = 32
 
@@ -35,8 +35,8 @@ class Settings:
 
 
 def builtin_backends() -> dict[str, Backend]:
-    from .mutants import MUTANT_BACKENDS
-    from .stubs import STUB_BACKENDS
+    from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
     return {b.name: b for b in (*STUB_BACKENDS, *MUTANT_BACKENDS)}
 
@@ -48,8 +48,8 @@ def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_poi
     join every session.
     """
     specs = list(specs)
-    from .mutants import MUTANT_BACKENDS
-    from .stubs import STUB_BACKENDS
+    from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
     catalog = builtin_backends()
     out: list[Backend] = []
@@ -119,7 +119,7 @@ class KvprofileSession:
         self._results: OrderedDict[tuple[str, str], LifecycleResult] = OrderedDict()
         self.records: list[dict] = []
         self.hardware: dict | None = None
-        self.device_factory: Any = None  # the GPU tier's CudaDeviceFactory (set by pytest_kvprofile.gpu.hooks)
+        self.device_factory: Any = None  # the GPU tier's CudaDeviceFactory (set by pytest_kvprofile.plugin.gpu)
         self.case_index = {c.id: i for i, c in enumerate(self.cases)}
         self.backend_index = {b.name: i for i, b in enumerate(backends)}
 

@@ -19,7 +19,7 @@ def routes(case: Any) -> tuple[str, ...]:
 
 
 def sizing_envelope(case: Any) -> Any:
-    from .sizing import Envelope
+    from pytest_kvprofile.sizing import Envelope
 
     env = case.envelope
     return Envelope(
@@ -36,7 +36,7 @@ def sizing_envelope(case: Any) -> Any:
 @functools.lru_cache(maxsize=4096)
 def _required(heads_q: int, heads_kv: int, heads_q_decode: int, head_dim: int, head_dim_vo: int, num_sm: int,
               envelope: Any, route_names: tuple[str, ...], tc: bool, capability: tuple[int, int]) -> Any:
-    from .sizing import required_workspace
+    from pytest_kvprofile.sizing import required_workspace
 
     return required_workspace(
         heads_q=heads_q, heads_kv=heads_kv, heads_q_decode=heads_q_decode, head_dim=head_dim,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backends import Backend
-from .lifecycle import EnginePolicy
-from .protocol import BuilderContext
-from .stubs import MODULE_GLOBAL_BYTES, FlashInferLikeBuilder, MMPrefixLikeBuilder
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.lifecycle.driver import EnginePolicy
+from pytest_kvprofile.contract.protocol import BuilderContext
+from pytest_kvprofile.builtin.stubs import MODULE_GLOBAL_BYTES, FlashInferLikeBuilder, MMPrefixLikeBuilder
 
 MiB = 1 << 20
 
@@ -128,7 +128,7 @@ class DecodeHeuristicSizingBuilder(FlashInferLikeBuilder):
     """Bug 11: float workspace from a decode-shaped heuristic (16-row tiles keyed on max requests)."""
 
     def float_bytes(self) -> int:
-        from .sizing.rules import decode_shaped_heuristic
+        from pytest_kvprofile.sizing.rules import decode_shaped_heuristic
 
         h, env = self.case.heads, self.case.envelope
         return decode_shaped_heuristic(
@@ -141,7 +141,7 @@ class WrongVersionFormulaBuilder(FlashInferLikeBuilder):
     """Bug 12: float workspace from the FlashInfer 0.6.x formula, which ignores CUDA-graph padding on 0.7.x."""
 
     def float_bytes(self) -> int:
-        from .sizing.rules import formula_06x
+        from pytest_kvprofile.sizing.rules import formula_06x
 
         h = self.case.heads
         return formula_06x(h.heads_q, h.heads_kv, self.case.model.head_dim, self.case.gpu.num_sm,
@@ -183,7 +183,7 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
 
 
 def _resource_mutant(name: str, cls: type) -> Backend:
-    from .resources import DEFAULT_PARAMS
+    from pytest_kvprofile.contract.resources import DEFAULT_PARAMS
 
     def make(case: Any) -> list[Any]:
         return [FlashInferLikeBuilder(case)]
@@ -197,7 +197,7 @@ def _resource_mutant(name: str, cls: type) -> Backend:
 
 
 def _resource_mutants() -> tuple[Backend, ...]:
-    from .resources import CaptureStagingDMAOutputWorkspace, LazyDMAOutputWorkspace, OversizedDMAOutputWorkspace
+    from pytest_kvprofile.contract.resources import CaptureStagingDMAOutputWorkspace, LazyDMAOutputWorkspace, OversizedDMAOutputWorkspace
 
     return (
         _resource_mutant("mutant-13a-resource-lazy", LazyDMAOutputWorkspace),

@@ -16,8 +16,8 @@ from typing import Any, Iterable
 
 import yaml
 
-from .models import KV_DTYPE_BYTES, ModelSpec, RankHeads, impossible_layout, rank_heads
-from .topology import GIB, GpuSpec, lookup_gpu, slugify
+from pytest_kvprofile.matrix.models import KV_DTYPE_BYTES, ModelSpec, RankHeads, impossible_layout, rank_heads
+from pytest_kvprofile.matrix.gpus import GIB, GpuSpec, lookup_gpu, slugify
 
 GB = 10**9
 MAX_NUMBER = 2**53
@@ -467,7 +467,7 @@ def load_matrix(path: str | Path) -> Matrix:
 
 def packaged_matrix(name: str) -> Path:
     """Path of a matrix shipped with the package (``ci``, ``default``, ``blackwell``, ``l40s``)."""
-    return Path(__file__).parent / "matrices" / f"{name}.yaml"
+    return Path(__file__).resolve().parent.parent / "matrices" / f"{name}.yaml"
 
 
 def load_matrices(paths: Iterable[str | Path]) -> list[Matrix]:

@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Protocol, runtime_checkable
 
-from .allocator import CachingAllocator, GraphPool, MemPool, Segment, round_size, segment_size
+from pytest_kvprofile.memory.allocator import CachingAllocator, GraphPool, MemPool, Segment, round_size, segment_size
 
 if TYPE_CHECKING:
-    from .topology import GpuSpec
+    from pytest_kvprofile.matrix.gpus import GpuSpec
 
 __all__ = [
     "Allocation",
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 HOST_ADDRESS_BASE = 0x7E00_0000_0000
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package root
 
 
 def format_size(nbytes: int) -> str:

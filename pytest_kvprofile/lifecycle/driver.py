@@ -14,12 +14,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .budget import Budget, ProfileWindow, available_kv_bytes, tokens_for
-from .lease import Lease
-from .models import kv_bytes_per_token
-from .protocol import Batch, BuilderContext, WorkspaceDeclaration, call_optional
-from .support import DeclarationError, ProfilingSupport, SupportResolution, builder_name, declared_support, resolve_support
-from .workspace import WorkspaceLockedError, WorkspaceManager
+from pytest_kvprofile.memory.budget import Budget, ProfileWindow, available_kv_bytes, tokens_for
+from pytest_kvprofile.contract.lease import Lease
+from pytest_kvprofile.matrix.models import kv_bytes_per_token
+from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration, call_optional
+from pytest_kvprofile.contract.support import DeclarationError, ProfilingSupport, SupportResolution, builder_name, declared_support, resolve_support
+from pytest_kvprofile.contract.workspace import WorkspaceLockedError, WorkspaceManager
 
 SETUP = "setup"
 BASELINE = "baseline"
@@ -268,12 +268,12 @@ class LifecycleRun:
     @contextlib.contextmanager
     def device_mode(self) -> Any:
         """Serve plain ``torch`` "cuda" calls from this run's simulated device (``Backend.torch_mode``)."""
-        from .device import SimDevice
+        from pytest_kvprofile.memory.device import SimDevice
 
         if not getattr(self.backend, "torch_mode", False) or not isinstance(self.device, SimDevice):
             yield  # on a real CUDA device plain torch calls already reach it
             return
-        from .torch_mode import SimulatedCuda
+        from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
         with SimulatedCuda(self.device) as sim:
             self._torch = sim
@@ -530,7 +530,7 @@ def _with_ubatch(batch: Batch, ubatch: int) -> Batch:
 
 
 def make_device(case: Any) -> Any:
-    from .device import SimDevice
+    from pytest_kvprofile.memory.device import SimDevice
 
     return SimDevice(
         name=case.gpu.name, total_memory=case.gpu.memory_bytes, num_sm=case.gpu.num_sm,
@@ -540,7 +540,7 @@ def make_device(case: Any) -> Any:
 
 def run_lifecycle(backend: Any, case: Any, device_factory: Callable[[Any], Any] = make_device) -> LifecycleResult:
     """Build the backend's builders for ``case`` and drive them through every phase."""
-    from .resources import model_parts
+    from pytest_kvprofile.contract.resources import model_parts
 
     device = device_factory(case)
     run_error: PhaseError | None = None

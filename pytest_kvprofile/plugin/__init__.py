@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from .backends import BackendError
-from .matrix import MatrixError
-from .session import KvprofileSession, Settings, build_session
+from pytest_kvprofile.contract.backends import BackendError
+from pytest_kvprofile.matrix.schema import MatrixError
+from pytest_kvprofile.plugin.session import KvprofileSession, Settings, build_session
 
 SESSION_KEY = pytest.StashKey[KvprofileSession]()
 RECORD_KEY = "kvprofile"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    from . import hookspecs
+    import pytest_kvprofile.plugin.hookspecs as hookspecs
 
     pluginmanager.add_hookspecs(hookspecs)
 
@@ -83,7 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = _settings(config)
     tier = "gpu" if settings.gpu else "cpu"
     if settings.gpu:
-        from .gpu_probe import cuda_device_count
+        from pytest_kvprofile.gpu.nvml import cuda_device_count
 
         count, why = cuda_device_count()
         if count == 0:
@@ -94,7 +94,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except (MatrixError, BackendError) as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
-    from .gpu import hooks as gpu_hooks
+    import pytest_kvprofile.plugin.gpu as gpu_hooks
 
     if not config.pluginmanager.is_registered(gpu_hooks):
         config.pluginmanager.register(gpu_hooks, "kvprofile-gpu")
@@ -126,7 +126,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if session is None:
         return
     if "kvprofile_pair" in metafunc.fixturenames:
-        from .checks import CHECKS_BY_NAME
+        from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME
 
         check = CHECKS_BY_NAME[metafunc.function.kvprofile_check]
         params = []
@@ -155,7 +155,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(skip_gpu)
     if state is None or not any(_is_suite_item(it) for it in items):
         return
-    from .checks import CHECKS
+    from pytest_kvprofile.checks.catalog import CHECKS
 
     has_impossible = bool(state.skipped_cases)
     nonempty = {c.name for c in CHECKS if state.pairs_for(c)}
@@ -243,7 +243,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     state = _session(session.config)
     if state is None or not state.settings.timeout:
         return
-    from .sizing.oracle import OracleError, ensure_built
+    from pytest_kvprofile.sizing.oracle import OracleError, ensure_built
 
     try:
         ensure_built()
@@ -256,7 +256,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = _session(config)
     if state is None or not _is_controller(config):
         return
-    from .report import json_document, verdict_document
+    from pytest_kvprofile.report.documents import json_document, verdict_document
 
     if state.settings.json_path:
         doc = json_document(state)
@@ -280,7 +280,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     state = _session(config)
     if state is None or not _is_controller(config) or not state.records:
         return
-    from .report import summarize, table_lines, verdict_document, verdict_lines
+    from pytest_kvprofile.report.documents import summarize, table_lines, verdict_document, verdict_lines
 
     terminalreporter.section("kvprofile summary")
     for line in table_lines(summarize(state.records)):

@@ -29,11 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .lease import Lease
+from pytest_kvprofile.contract.lease import Lease
 
 if TYPE_CHECKING:
-    from .matrix import Case
-    from .workspace import ArenaView, WorkspaceManager
+    from pytest_kvprofile.matrix.schema import Case
+    from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 from importlib import metadata
 from typing import Any
 
-from .budget import MiB
+from pytest_kvprofile.memory.budget import MiB
 
 SCHEMA_VERSION = 1
 
@@ -90,7 +90,7 @@ def json_document(session: Any) -> dict:
 
 def _sizing_report(session: Any) -> dict:
     """Every layout's exact requirement next to the fixed sizes engines use, with the headline."""
-    from .sizing.report import report_for_matrix, report_headline
+    from pytest_kvprofile.sizing.comparison import report_for_matrix, report_headline
 
     rows = [row for m in session.matrices for row in report_for_matrix(m.path)]
     return {"headline": report_headline(rows), "rows": rows}
@@ -146,12 +146,12 @@ def verdict_document(session: Any) -> dict:
 
 
 def _declared_support(session: Any, backend: Any) -> dict[str, str]:
-    from .support import builder_name, declared_support
+    from pytest_kvprofile.contract.support import builder_name, declared_support
 
     case = next(iter(session.runnable_cases), None)
     if case is None:
         return {}
-    from .resources import model_parts
+    from pytest_kvprofile.contract.resources import model_parts
 
     try:
         builders = model_parts(backend, case)

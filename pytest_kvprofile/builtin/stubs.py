@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import Backend
-from .case_sizing import required_for_case, routes
-from .protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
-from .support import ProfilingSupport
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.sizing.case import required_for_case, routes
+from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.support import ProfilingSupport
 
 MiB = 1 << 20
 INT_WORKSPACE_BYTES = 8 * MiB  # FlashInfer's default int workspace per wrapper, plus a pinned host mirror

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import lifecycle as lc
-from .budget import MiB, tokens_for
-from .support import ProfilingSupport, declared_support
+import pytest_kvprofile.lifecycle.driver as lc
+from pytest_kvprofile.memory.budget import MiB, tokens_for
+from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
 
 DEFAULT_WASTE_SLACK = 2 * MiB  # one large-block rounding of the caching allocator
 PROFILING = "profiling"
@@ -214,7 +214,7 @@ def check_warmup_idempotent(result: Any) -> list[str]:
 
 
 def check_warmup_retryable(result: Any) -> list[str]:
-    from .probes import warmup_retry_violations
+    from pytest_kvprofile.lifecycle.probes import warmup_retry_violations
 
     return warmup_retry_violations(result)
 
@@ -268,7 +268,7 @@ def _several_ubatches(case: Any, parts: list[Any]) -> bool:
 
 
 def _has_capacity_resource(case: Any, parts: list[Any]) -> bool:
-    from .resources import is_resource
+    from pytest_kvprofile.contract.resources import is_resource
 
     return any(is_resource(p) and getattr(p, "capacity_bytes", None) is not None for p in parts)
 
@@ -314,13 +314,13 @@ def check_no_synthetic_in_capture(result: Any) -> list[str]:
 
 
 def _resource_names(result: Any) -> set[str]:
-    from .resources import is_resource
+    from pytest_kvprofile.contract.resources import is_resource
 
     return {b.name for b in result.builders if is_resource(b)}
 
 
 def check_resource_capacity(result: Any) -> list[str]:
-    from .resources import is_resource
+    from pytest_kvprofile.contract.resources import is_resource
 
     out = []
     for part in result.builders:
@@ -378,7 +378,7 @@ def check_graph_pool_full_high_water(result: Any) -> list[str]:
 
 
 def check_workspace_covers_planner(result: Any) -> list[str]:
-    from .case_sizing import required_for_case
+    from pytest_kvprofile.sizing.case import required_for_case
 
     need = required_for_case(result.case)
     out = []

@@ -22,15 +22,15 @@ import torch.cuda.graphs
 import torch.cuda.memory
 from torch.overrides import TorchFunctionMode
 
-from .allocator import GraphPool
-from .device import Allocation, DeviceOutOfMemory, SimDevice
+from pytest_kvprofile.memory.allocator import GraphPool
+from pytest_kvprofile.memory.device import Allocation, DeviceOutOfMemory, SimDevice
 
 __all__ = ["SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
 
 OwnerResolver = Callable[[FrameType, str], "str | tuple[str, str] | None"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package root
 _CONTEXTLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep + "contextlib.py"
 
 _DEVICE_GET = torch.Tensor.device.__get__

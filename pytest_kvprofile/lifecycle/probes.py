@@ -13,10 +13,10 @@ import functools
 from collections import Counter
 from typing import Any, Iterator
 
-from . import lifecycle as lc
-from .budget import MiB
-from .protocol import call_optional
-from .support import ProfilingSupport, builder_name, declared_support
+import pytest_kvprofile.lifecycle.driver as lc
+from pytest_kvprofile.memory.budget import MiB
+from pytest_kvprofile.contract.protocol import call_optional
+from pytest_kvprofile.contract.support import ProfilingSupport, builder_name, declared_support
 
 MAX_FAIL_POINTS = 16
 
@@ -57,7 +57,7 @@ class _Target:
 @contextlib.contextmanager
 def _fresh(target: _Target) -> Iterator[tuple[_ProbeRun, Any]]:
     """A new device and builders, prepared up to warmup, with the backend's device mode active."""
-    from .resources import model_parts
+    from pytest_kvprofile.contract.resources import model_parts
 
     device = target.factory(target.case)
     builders = model_parts(target.backend, target.case)

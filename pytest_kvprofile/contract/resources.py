@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .protocol import Batch, BuilderContext, WorkspaceDeclaration
-from .support import ProfilingSupport
+from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.support import ProfilingSupport
 
 MiB = 1 << 20
 

@@ -1,7 +1,7 @@
 """Backends: a named factory of builders for one model, plus how the engine integrates them.
 
 The built-in backends are the CPU stubs and the mutant catalog; third-party backends register
-through the ``pytest_kvprofile.backends`` entry-point group, ``--kvprofile-backend module:factory``
+through the ``pytest_kvprofile.contract.backends`` entry-point group, ``--kvprofile-backend module:factory``
 or the ``pytest_kvprofile_backends`` hook.
 """
 
@@ -12,9 +12,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from .lifecycle import EnginePolicy
+from pytest_kvprofile.lifecycle.driver import EnginePolicy
 
-ENTRY_POINT_GROUP = "pytest_kvprofile.backends"
+ENTRY_POINT_GROUP = "pytest_kvprofile.contract.backends"
 REQUIRED_BUILDER_ATTRS = ("name",)
 
 
