@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from pytest_kvprofile.units import GiB
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -35,7 +36,6 @@ sys.path.insert(0, str(HERE))
 import matrixgen
 
 PY = sys.executable
-GIB = 1 << 30
 SUITE = ["-m", "pytest", "--pyargs", "pytest_kvprofile.suite", "-p", "no:cacheprovider"]
 BARE_TEST = '''"""N trivially passing parametrized tests: the baseline pytest cost per item."""
 import os
@@ -223,7 +223,7 @@ def memory(b: Bench, serial: tuple[Proc, Proc, int] | None, label: str) -> None:
         b.add("memory", f"peak RSS, suite on {label}", None, "MiB", "< 1024", False, "no suite run")
         return
     rss = serial[0].maxrss
-    b.add("memory", f"peak RSS, suite on {label}", rss / (1 << 20), "MiB", "< 1024", rss < GIB, "-p no:xdist, wait4")
+    b.add("memory", f"peak RSS, suite on {label}", rss / (1 << 20), "MiB", "< 1024", rss < GiB, "-p no:xdist, wait4")
 
 
 # -- 2: scaling ------------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def tensor_creation(b: Bench, n: int, repeats: int) -> None:
         return (time.perf_counter() - t0) / n
 
     def simulated() -> float:
-        dev = SimDevice(name="NVIDIA H100 80GB HBM3", total_memory=80 * GIB, num_sm=132, nontorch_bytes=GIB)
+        dev = SimDevice(name="NVIDIA H100 80GB HBM3", total_memory=80 * GiB, num_sm=132, nontorch_bytes=GiB)
         with SimulatedCuda(dev):
             t0 = time.perf_counter()
             for _ in range(n):

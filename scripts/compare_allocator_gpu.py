@@ -16,13 +16,13 @@ import argparse
 import os
 import sys
 from typing import Any, Callable
+from pytest_kvprofile.units import MiB
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice  # noqa: E402
 
 KiB = 1 << 10
-MiB = 1 << 20
 
 # (op, name, bytes): "alloc" name size | "free" name | "empty_cache" | "reset_peak" |
 # "capture_begin" | "capture_end" | "release_graph" | "free_all" | "oom" name size (expect an OOM)

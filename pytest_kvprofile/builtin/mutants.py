@@ -12,8 +12,8 @@ from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.lifecycle.driver import EnginePolicy
 from pytest_kvprofile.contract.protocol import BuilderContext
 from pytest_kvprofile.builtin.stubs import MODULE_GLOBAL_BYTES, FlashInferLikeBuilder, MMPrefixLikeBuilder
+from pytest_kvprofile.units import MiB
 
-MiB = 1 << 20
 
 
 class LazyWorkspaceBuilder(FlashInferLikeBuilder):

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.sizing.case import required_for_case, routes
+from pytest_kvprofile.sizing.case import for_case, routes
 from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.units import MiB
 
-MiB = 1 << 20
 INT_WORKSPACE_BYTES = 8 * MiB  # FlashInfer's default int workspace per wrapper, plus a pinned host mirror
 MODULE_GLOBAL_BYTES = 32 * MiB  # a trtllm-gen-like module-global workspace, created by kernel warmup
 AUTOTUNE_SCRATCH_BYTES = 64 * MiB  # transient scratch of warmup's autotuning
@@ -58,11 +58,11 @@ class FlashInferCore:
     # -- sizing --------------------------------------------------------------------------------
     def float_bytes(self) -> int:
         """What this builder declares and asks the arena for."""
-        return required_for_case(self.case).float_bytes
+        return for_case(self.case).float_bytes
 
     def planner_need(self) -> int:
         """What FlashInfer's planner really carves for the envelope's worst batch (the oracle's answer)."""
-        return required_for_case(self.case).float_bytes
+        return for_case(self.case).float_bytes
 
     def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
         return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=INT_WORKSPACE_BYTES)

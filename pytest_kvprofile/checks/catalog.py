@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest_kvprofile.lifecycle.driver as lc
-from pytest_kvprofile.memory.budget import MiB, tokens_for
+from pytest_kvprofile.memory.budget import tokens_for
+from pytest_kvprofile.units import MiB
 from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
 
 DEFAULT_WASTE_SLACK = 2 * MiB  # one large-block rounding of the caching allocator
@@ -378,9 +379,9 @@ def check_graph_pool_full_high_water(result: Any) -> list[str]:
 
 
 def check_workspace_covers_planner(result: Any) -> list[str]:
-    from pytest_kvprofile.sizing.case import required_for_case
+    from pytest_kvprofile.sizing.case import for_case
 
-    need = required_for_case(result.case)
+    need = for_case(result.case)
     out = []
     per_token = result.budget.kv_bytes_per_token if result.budget else 1
     resources = _resource_names(result)

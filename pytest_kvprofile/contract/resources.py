@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.units import MiB
 
-MiB = 1 << 20
 
 
 class ResourceAdapter:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from pytest_kvprofile.units import MiB
 
-MiB = 1 << 20
 OWNER = "workspace-manager"
 
 

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.sizing.case import decode_tensor_cores, required_for_case, routes
+from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case, routes
 from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.units import MiB
 
 __all__ = [
     "BF16_TOLERANCE",
@@ -39,7 +40,6 @@ __all__ = [
     "synthetic_lens",
 ]
 
-MiB = 1 << 20
 INT_WORKSPACE_BYTES = 8 * MiB  # FlashInfer's default int workspace per wrapper
 BF16_TOLERANCE = 2e-2  # relative (Frobenius) error of bf16 attention against a float32 reference
 CHECK_ROWS = 16  # query rows per checked request (the last ones: they see the most KV)
@@ -338,10 +338,10 @@ class FlashInferCudaBuilder:
         return ProfilingSupport.REQUIRED
 
     def float_bytes(self) -> int:
-        return required_for_case(self.case).float_bytes
+        return for_case(self.case).float_bytes
 
     def int_bytes(self) -> int:
-        return max(INT_WORKSPACE_BYTES, required_for_case(self.case).int_bytes)
+        return max(INT_WORKSPACE_BYTES, for_case(self.case).int_bytes)
 
     def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
         return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=self.int_bytes())

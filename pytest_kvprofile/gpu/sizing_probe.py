@@ -1,7 +1,7 @@
 """The sizing oracle against the real planner: plan() on each route's worst batch with exactly the
 oracle's float bytes, then 16 bytes fewer, then ask ``workspace_size()``.
 
-A route probe is pure data (built on CPU from ``required_for_case``); only ``plan_on_device``,
+A route probe is pure data (built on CPU from ``for_case``); only ``plan_on_device``,
 ``expect_overflow`` and ``api_workspace_size`` touch CUDA and FlashInfer.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvprofile.sizing.case import required_for_case
+from pytest_kvprofile.sizing.case import for_case
 from pytest_kvprofile.gpu.flashinfer_builders import make_wrapper, paged_layout, plan_args, run_checked
 
 __all__ = ["OVERFLOW_MARKER", "RouteProbe", "api_workspace_size", "expect_overflow", "plan_on_device", "route_probes"]
@@ -51,7 +51,7 @@ class RouteProbe:
 
 def route_probes(case: Any) -> list[RouteProbe]:
     """A probe for every route of ``case`` whose worst batch the oracle names (FA3 and MLA decode have none)."""
-    res = required_for_case(case)
+    res = for_case(case)
     out = []
     for route, rs in res.routes.items():
         if rs.worst_batch is None or not route.startswith(("prefill", "decode")):

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pytest_kvprofile.units import MiB
 
 pytestmark = pytest.mark.kvprofile_gpu
-MiB = 1 << 20
 
 
 def _session(config: Any) -> Any:

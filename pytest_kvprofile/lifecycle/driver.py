@@ -439,28 +439,24 @@ class LifecycleRun:
             self._call(b, "warmup", self.ctx(b))
         self._record_phase(WARMUP_REPEAT)
 
-    def _graph_sizes(self) -> list[int]:
-        env = self.case.envelope
-        return [s for s in env.cuda_graph_sizes if s <= env.max_num_seqs]
-
-    def _graph_batch(self, size: int) -> Batch:
-        q = 1 + self.case.mtp
-        return Batch("decode", size, size * q, cuda_graph=True)
+    def _captures(self) -> tuple[DecodeCapture, ...]:
+        """The decode steps captured in CUDA graphs, largest first (capture sizes are tokens)."""
+        return self.case.envelope.decode_captures(self.case.mtp)
 
     def _graph_profile(self) -> Any:
         """Capture dummy graphs in a private pool and estimate the pool's footprint."""
         pool = None
-        for size in sorted(self._graph_sizes(), reverse=True):
+        for capture in self._captures():
             with self.device.graph_capture(pool) as pool:
-                self._graph_forward(size, plan=False)
+                self._graph_forward(capture, plan=False)
         if pool is not None:
             self.result.graph_pool_high_water = pool.high_water_reserved
             self.result.graph_pool_retained = pool.reserved
         return pool
 
-    def _graph_forward(self, size: int, plan: bool) -> None:
+    def _graph_forward(self, capture: DecodeCapture, plan: bool) -> None:
         """One captured decode step: the same allocations in graph profiling and in the real capture."""
-        batch = self._graph_batch(size)
+        batch = _graph_batch(capture)
         self.in_dummy_forward = True
         act = self._alloc_engine(self._activation_bytes(batch.num_tokens), "model", "activations")
         try:
@@ -469,7 +465,7 @@ class LifecycleRun:
                 if plan:
                     for ub in range(self.manager.num_ubatches):
                         self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
-            out = self._alloc_engine(batch.num_tokens * self.case.model.hidden * 2, "model", f"graph output bs={size}")
+            out = self._alloc_engine(batch.num_tokens * self.case.model.hidden * 2, "model", f"graph output bs={capture.num_reqs}")
         finally:
             self.device.free(act)
             self.in_dummy_forward = False
@@ -501,28 +497,32 @@ class LifecycleRun:
             self.result.kv_allocation = self._alloc_engine(available, "kv-cache", "kv cache")
 
     def _capture(self, pool: Any) -> None:
-        for size in sorted(self._graph_sizes(), reverse=True):
+        for capture in self._captures():
             with self.device.graph_capture(pool) as pool:
-                self._graph_forward(size, plan=True)
+                self._graph_forward(capture, plan=True)
 
     def _serving_batches(self) -> list[Batch]:
         env = self.case.envelope
         q = 1 + self.case.mtp
         decode_reqs = max(1, min(env.max_num_seqs, env.max_num_batched_tokens // q))
-        graph_max = max(self._graph_sizes(), default=0)
+        captures = self._captures()
         batches = [
             Batch("prefill", 1, env.max_num_batched_tokens),
             Batch("mixed", min(env.max_num_seqs, 8), env.max_num_batched_tokens),
             Batch("decode", decode_reqs, decode_reqs * q),
         ]
-        if graph_max:
-            batches.append(self._graph_batch(graph_max))
+        if captures:
+            batches.append(_graph_batch(captures[0]))
         return batches
 
     def _teardown(self) -> None:
         self._post_kv = False
         self.result.post_kv_peak_used = self._peak_used
         self._unsubscribe()
+
+
+def _graph_batch(capture: DecodeCapture) -> Batch:
+    return Batch("decode", capture.num_reqs, capture.num_tokens, cuda_graph=True)
 
 
 def _with_ubatch(batch: Batch, ubatch: int) -> Batch:

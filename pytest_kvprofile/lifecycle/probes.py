@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any, Iterator
 
 import pytest_kvprofile.lifecycle.driver as lc
-from pytest_kvprofile.memory.budget import MiB
+from pytest_kvprofile.units import MiB
 from pytest_kvprofile.contract.protocol import call_optional
 from pytest_kvprofile.contract.support import ProfilingSupport, builder_name, declared_support
 

@@ -8,18 +8,17 @@ load; a bad file raises MatrixError naming the file and the key.
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
-from pytest_kvprofile.matrix.models import KV_DTYPE_BYTES, ModelSpec, RankHeads, impossible_layout, rank_heads
-from pytest_kvprofile.matrix.gpus import GIB, GpuSpec, lookup_gpu, slugify
+from pytest_kvprofile.matrix.cases import Case, Envelope, Matrix, Resource, case_id
+from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu, slugify
+from pytest_kvprofile.matrix.models import KV_DTYPE_BYTES, ModelSpec, impossible_layout
+from pytest_kvprofile.units import GB, GiB
 
-GB = 10**9
 MAX_NUMBER = 2**53
 
 
@@ -29,73 +28,6 @@ class MatrixError(ValueError):
     def __init__(self, path: str, key: str, message: str):
         self.path, self.key = path, key
         super().__init__(f"{path}: {key}: {message}")
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """The engine limits a case is profiled and sized for."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 32768
-    page_size: int = 16
-    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-    num_ubatches: int = 1
-    nontorch_mib: int = 512
-
-
-@dataclass(frozen=True)
-class Resource:
-    """A non-builder owner of persistent device memory that a case carries (e.g. a DMA workspace)."""
-
-    kind: str
-    params: tuple[tuple[str, Any], ...] = ()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return dict(self.params).get(key, default)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One (model, GPU, TP, DCP, MTP, gmu) point of a matrix."""
-
-    id: str
-    matrix: str
-    model: ModelSpec
-    gpu: GpuSpec
-    tp: int
-    dcp: int
-    mtp: int
-    gmu: float
-    envelope: Envelope
-    skip_reason: str | None = None
-    resources: tuple[Resource, ...] = ()
-
-    @functools.cached_property
-    def heads(self) -> RankHeads:
-        return rank_heads(self.model, self.tp, self.dcp)
-
-    @property
-    def weights_bytes(self) -> int:
-        return int(self.model.weights_gib * GIB) // self.tp
-
-    @property
-    def nontorch_bytes(self) -> int:
-        """CUDA context and library handles; TP adds NCCL's buffers."""
-        return (self.envelope.nontorch_mib + (256 if self.tp > 1 else 0)) << 20
-
-    @property
-    def layout_key(self) -> tuple:
-        """Everything but gmu: cases equal under this key run identical pre-KV phases."""
-        return (self.matrix, self.model.name, self.gpu.name, self.tp, self.dcp, self.mtp, self.envelope)
-
-
-@dataclass
-class Matrix:
-    path: str
-    name: str
-    models: dict[str, ModelSpec]
-    cases: list[Case] = field(default_factory=list)
 
 
 _TOP_KEYS = {"name", "description", "envelope", "models", "gpus", "tp", "dcp", "mtp", "gmu", "exclude", "resources"}
@@ -227,7 +159,7 @@ def _parse_gpu(path: str, index: int, raw: Any) -> GpuSpec:
     _positive(path, f"{where}.num_sm", raw["num_sm"])
     if "memory_gib" in raw:
         _positive(path, f"{where}.memory_gib", raw["memory_gib"])
-        memory = int(raw["memory_gib"] * GIB)
+        memory = int(raw["memory_gib"] * GiB)
     elif "memory_gb" in raw:
         _positive(path, f"{where}.memory_gb", raw["memory_gb"])
         memory = int(raw["memory_gb"] * GB)
@@ -239,14 +171,16 @@ def _parse_gpu(path: str, index: int, raw: Any) -> GpuSpec:
     return GpuSpec(raw["name"], raw["num_sm"], memory, interconnect)
 
 
-def _parse_envelope(path: str, raw: Any) -> Envelope:
+def parse_envelope(path: str, raw: Any) -> Envelope:
+    """Validate an ``envelope:`` mapping; errors name ``path`` and the key."""
     raw = _mapping(path, "envelope", raw)
     _unknown(path, "envelope.", raw, _ENVELOPE_KEYS)
     values: dict[str, Any] = {}
     for key, value in raw.items():
         _check_type(path, f"envelope.{key}", value, _ENVELOPE_KEYS[key])
-        if key == "cuda_graph_sizes":
-            values[key] = tuple(sorted(_int_list(path, "envelope.cuda_graph_sizes", value, 1)))
+        if key == "cuda_graph_sizes":  # tokens per captured step; [] turns CUDA graphs off
+            sizes = _int_list(path, "envelope.cuda_graph_sizes", value, 1) if value else []
+            values[key] = tuple(sorted(sizes))
         else:
             _positive(path, f"envelope.{key}", value)
             values[key] = value
@@ -345,12 +279,8 @@ FIT_MARGIN_GIB = 2
 
 def _weights_do_not_fit(model: ModelSpec, gpu: GpuSpec, tp: int, gmu: float, envelope: Envelope) -> bool:
     """A layout whose weights leave no room for activations and KV cannot be served at all."""
-    need = model.weights_gib * GIB / tp + (envelope.nontorch_mib << 20) + FIT_MARGIN_GIB * GIB
+    need = model.weights_gib * GiB / tp + (envelope.nontorch_mib << 20) + FIT_MARGIN_GIB * GiB
     return need >= gpu.memory_bytes * gmu
-
-
-def case_id(model: str, tp: int, dcp: int, mtp: int, gpu: GpuSpec, gmu: float) -> str:
-    return f"{model}-tp{tp}-dcp{dcp}-mtp{mtp}-{gpu.slug}-gmu{gmu:.2f}"
 
 
 def parse_matrix(data: Any, path: str) -> Matrix:
@@ -363,7 +293,7 @@ def parse_matrix(data: Any, path: str) -> Matrix:
     name = data.get("name", Path(path).stem)
     if not isinstance(name, str) or not name:
         raise MatrixError(path, "name", f"expected a non-empty string, got {name!r}")
-    envelope = _parse_envelope(path, data.get("envelope", {}))
+    envelope = parse_envelope(path, data.get("envelope", {}))
     models_raw = _mapping(path, "models", data["models"])
     if not models_raw:
         raise MatrixError(path, "models", "no models")

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pytest_kvprofile.units import GiB, MiB
 
-MiB = 1 << 20
-GiB = 1 << 30
 KV_ALIGN = 2 * MiB  # the KV cache is carved in allocator-block multiples, so sizing never rounds up
 
 

@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 from importlib import metadata
 from typing import Any
 
-from pytest_kvprofile.memory.budget import MiB
+from pytest_kvprofile.units import MiB
 
 SCHEMA_VERSION = 1
 

@@ -1,232 +1,46 @@
 """Exact FlashInfer workspace sizing: what a backend must reserve for every batch it can plan.
 
-``required_workspace`` returns, for one per-rank head layout, SM count and envelope, the float
-and int workspace bytes the installed FlashInfer's planners carve for the worst batch of each
-enabled route, and that batch. The closed form comes from :mod:`.analytic`; the host oracle
-(:mod:`.oracle`, FlashInfer's planners compiled for the CPU) confirms it on the worst batch.
-
-Routes share one float arena in vLLM (the global workspace manager hands every wrapper the same
-buffer, and the wrappers of one step plan one after another), so the float requirement is the
-*maximum* over routes, not the sum. Each wrapper has its own int buffer, so ``int_bytes`` is the
-per-wrapper maximum.
+| name | module | what it is |
+|---|---|---|
+| `for_case`, `plan_envelope`, `decode_tensor_cores`, `routes` | `case` | the one computation of what a matrix case needs |
+| `required_workspace`, `SizingResult`, `RouteSizing`, `route_results`, `installed_flashinfer_version` | `requirement` | the requirement for any per-rank layout and envelope |
+| `PlanEnvelope`, `PlanBatch`, `DEFAULT_INT_WORKSPACE` | `analytic` | the batches one `plan()` can see; closed-form worst cases |
+| `OracleError`, `OracleUnavailable`, `get_oracle`, `oracle_available` | `oracle` | FlashInfer's own planner compiled for the host |
+| `sizing_report`, `report_for_matrix`, `format_report` | `comparison` | the requirement next to the fixed sizes in use |
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
-
-from pytest_kvprofile.sizing.analytic import (
-    DEFAULT_INT_WORKSPACE,
-    Envelope,
-    Layout,
-    RouteResult,
-    decode_cc,
-    decode_tc,
-    fa3_int,
-    prefill_graph,
-    prefill_nograph,
-)
+from pytest_kvprofile.sizing.analytic import DEFAULT_INT_WORKSPACE, PlanBatch, PlanEnvelope
+from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case, plan_envelope, routes
+from pytest_kvprofile.sizing.comparison import format_report, report_for_matrix, sizing_report
 from pytest_kvprofile.sizing.oracle import OracleError, OracleUnavailable, get_oracle, oracle_available
-from pytest_kvprofile.sizing.planner import family_of
+from pytest_kvprofile.sizing.requirement import (
+    RouteSizing,
+    SizingResult,
+    installed_flashinfer_version,
+    required_workspace,
+    route_results,
+)
 
 __all__ = [
     "DEFAULT_INT_WORKSPACE",
-    "Envelope",
     "OracleError",
     "OracleUnavailable",
+    "PlanBatch",
+    "PlanEnvelope",
     "RouteSizing",
     "SizingResult",
+    "decode_tensor_cores",
+    "for_case",
+    "format_report",
+    "get_oracle",
     "installed_flashinfer_version",
     "oracle_available",
+    "plan_envelope",
+    "report_for_matrix",
     "required_workspace",
+    "route_results",
+    "routes",
+    "sizing_report",
 ]
-
-
-@dataclass(frozen=True)
-class RouteSizing:
-    """One route's worst case, as confirmed (or not) by the oracle."""
-
-    route: str
-    float_bytes: int
-    int_bytes: int
-    worst_batch: tuple[tuple[int, ...], tuple[int, ...], bool] | None
-    exact: bool
-    gap_bytes: int
-    confirmed_by_oracle: bool
-    heads_q: int
-    heads_kv: int
-    blocks_per_sm: int | None
-    notes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class SizingResult:
-    """What a backend must reserve: float arena bytes (max over routes) and int bytes per wrapper."""
-
-    float_bytes: int
-    int_bytes: int
-    worst_batch: tuple[tuple[int, ...], tuple[int, ...], bool] | None
-    method: str  # "oracle" | "analytic"
-    exact: bool
-    flashinfer_version: str
-    num_sm: int
-    heads_q: int
-    heads_kv: int
-    routes: dict[str, RouteSizing]
-    notes: tuple[str, ...]
-    worst_route: str = ""
-    gap_bytes: int = 0
-
-
-def installed_flashinfer_version() -> str:
-    """The installed flashinfer-python version (read from metadata; FlashInfer is not imported)."""
-    from pytest_kvprofile.sizing.oracle import flashinfer_install
-
-    return flashinfer_install().version
-
-
-def route_results(*, heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | None,
-                  num_sm: int, envelope: Envelope, routes: tuple[str, ...],
-                  decode_tensor_cores: bool, family: str, heads_q_decode: int | None,
-                  decode_blocks_per_sm: int | None,
-                  compute_capability: tuple[int, int]) -> list[RouteResult]:
-    """The analytic worst case of every sub-route that ``routes`` enables."""
-    dvo = head_dim_vo or head_dim
-    cc = compute_capability
-    lay = Layout(heads_q, heads_kv, head_dim, dvo, num_sm, cc[0], cc[1])
-    dec = Layout(heads_q_decode or heads_q, heads_kv, head_dim, dvo, num_sm, cc[0], cc[1])
-    out: list[RouteResult] = []
-    for route in routes:
-        if route == "prefill":
-            out.append(prefill_nograph(family, lay, envelope))
-            if envelope.cuda_graph:
-                out.append(prefill_graph(family, lay, envelope))
-        elif route == "decode":
-            graphs = (False, True) if envelope.cuda_graph else (False,)
-            for graph in graphs:
-                if decode_tensor_cores:
-                    out.append(decode_tc(family, dec, envelope, graph))
-                else:
-                    out.append(decode_cc(family, dec, envelope, graph, decode_blocks_per_sm))
-        elif route == "fa3":
-            out.append(fa3_int(lay, envelope, envelope.cuda_graph))
-        else:
-            raise ValueError(f"unknown route {route!r}; known: prefill, decode, fa3")
-    return out
-
-
-def _validate(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
-              heads_q_decode: int | None) -> None:
-    if heads_q < 1 or heads_kv < 1 or head_dim < 1 or num_sm < 1:
-        raise ValueError("heads_q, heads_kv, head_dim and num_sm must be positive")
-    if heads_q % heads_kv:
-        raise ValueError(f"heads_q={heads_q} is not a multiple of heads_kv={heads_kv}")
-    if heads_q_decode is not None and heads_q_decode % heads_kv:
-        raise ValueError(f"heads_q_decode={heads_q_decode} is not a multiple of heads_kv={heads_kv}")
-
-
-def _confirm(res: RouteResult, envelope: Envelope, oracle) -> tuple[int, int]:
-    """Oracle float/int bytes on the route's worst batch."""
-    from pytest_kvprofile.sizing.search import oracle_evaluator
-
-    return oracle_evaluator(oracle, res, envelope)(res.batch)
-
-
-@lru_cache(maxsize=4096)
-def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | None, num_sm: int,
-              envelope: Envelope, routes: tuple[str, ...], decode_tensor_cores: bool,
-              flashinfer_version: str | None, use_oracle: bool | None,
-              heads_q_decode: int | None, decode_blocks_per_sm: int | None,
-              compute_capability: tuple[int, int]) -> SizingResult:
-    _validate(heads_q, heads_kv, head_dim, num_sm, heads_q_decode)
-    installed: str | None
-    try:
-        installed = installed_flashinfer_version()
-    except OracleUnavailable:
-        installed = None
-    version = flashinfer_version or installed
-    if version is None:
-        raise OracleUnavailable("no FlashInfer installed and no flashinfer_version given")
-    family = family_of(version)
-    notes: list[str] = []
-    if version != installed:
-        notes.append(f"FlashInfer {version} is not installed: sized from the {family} family's "
-                     "model and the Python port, not confirmed by that version's planner")
-    oracle = None
-    if use_oracle is not False:
-        if installed is not None and version == installed:
-            try:
-                oracle = get_oracle()
-            except OracleError as exc:  # unavailable, or a failed build: never blame the caller's backend
-                if use_oracle:
-                    raise
-                notes.append(f"oracle unavailable, analytic only: {exc}")
-        elif use_oracle:
-            raise OracleUnavailable(
-                f"the oracle runs the installed FlashInfer ({installed}), not {version}")
-    results = route_results(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-                            head_dim_vo=head_dim_vo, num_sm=num_sm, envelope=envelope,
-                            routes=routes, decode_tensor_cores=decode_tensor_cores, family=family,
-                            heads_q_decode=heads_q_decode,
-                            decode_blocks_per_sm=decode_blocks_per_sm,
-                            compute_capability=compute_capability)
-    sized: dict[str, RouteSizing] = {}
-    for res in results:
-        fbytes, exact, confirmed = res.float_bytes, res.exact, False
-        rnotes = list(res.notes)
-        if oracle is not None and res.batch is not None:
-            got_f, _ = _confirm(res, envelope, oracle)
-            confirmed = got_f == res.float_bytes if res.exact else got_f <= res.float_bytes
-            if not confirmed:
-                rnotes.append(f"oracle carves {got_f} bytes on the worst batch, model said "
-                              f"{res.float_bytes}; using the larger")
-                fbytes, exact = max(fbytes, got_f), False
-        batch = res.batch.as_tuple() if res.batch is not None else None
-        sized[res.route] = RouteSizing(res.route, fbytes, res.int_bytes, batch, exact,
-                                       res.gap_bytes, confirmed, res.layout.heads_q,
-                                       res.layout.heads_kv, res.blocks_per_sm, tuple(rnotes))
-        notes.extend(rnotes)
-    worst = max(sized.values(), key=lambda r: (r.float_bytes, r.route)) if sized else None
-    float_bytes = worst.float_bytes if worst else 0
-    int_bytes = max((r.int_bytes for r in sized.values()), default=0)
-    if int_bytes > DEFAULT_INT_WORKSPACE:
-        notes.append(f"int workspace needs {int_bytes} bytes > FlashInfer's 8 MiB default")
-    # Exactness is about the binding route; other routes may be bounds that lie below it.
-    exact = worst is not None and worst.exact and all(
-        r.exact or r.float_bytes < float_bytes for r in sized.values())
-    confirmed_all = oracle is not None and worst is not None and worst.confirmed_by_oracle
-    return SizingResult(
-        float_bytes=float_bytes,
-        int_bytes=int_bytes,
-        worst_batch=worst.worst_batch if worst else None,
-        method="oracle" if confirmed_all else "analytic",
-        exact=exact,
-        flashinfer_version=version,
-        num_sm=num_sm,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        routes=sized,
-        notes=tuple(notes),
-        worst_route=worst.route if worst else "",
-        gap_bytes=worst.gap_bytes if worst else 0,
-    )
-
-
-def required_workspace(*, heads_q: int, heads_kv: int, head_dim: int,
-                       head_dim_vo: int | None = None, num_sm: int, envelope: Envelope,
-                       routes: tuple[str, ...] = ("prefill", "decode"),
-                       decode_tensor_cores: bool = True, flashinfer_version: str | None = None,
-                       use_oracle: bool | None = None, heads_q_decode: int | None = None,
-                       decode_blocks_per_sm: int | None = None,
-                       compute_capability: tuple[int, int] = (9, 0)) -> SizingResult:
-    """Worst-case float/int workspace over ``envelope`` for one rank's wrappers.
-
-    ``heads_q``/``heads_kv`` are per rank; ``heads_q_decode`` is the decode wrapper's query heads
-    when it differs (DCP: ``heads_q * dcp``). ``use_oracle``: None uses the oracle when it can be
-    built for the installed FlashInfer, True requires it, False never builds it. Results are
-    cached per argument tuple.
-    """
-    return _required(heads_q, heads_kv, head_dim, head_dim_vo, num_sm, envelope, tuple(routes),
-                     decode_tensor_cores, flashinfer_version, use_oracle, heads_q_decode,
-                     decode_blocks_per_sm, tuple(compute_capability))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pytest_kvprofile.sizing.planner import (
     FAMILY_07,
-    Device,
+    PlannerDevice,
     PlanSize,
     ceil_div,
     cta_tile_q,
@@ -36,13 +36,13 @@ from pytest_kvprofile.sizing.planner import (
     prefill_int_bytes,
     prefill_plan,
 )
+from pytest_kvprofile.units import MiB
 
-MIB = 1 << 20
-DEFAULT_INT_WORKSPACE = 8 * MIB  # per wrapper, FlashInfer's default
+DEFAULT_INT_WORKSPACE = 8 * MiB  # per wrapper, FlashInfer's default
 
 
 @dataclass(frozen=True)
-class Envelope:
+class PlanEnvelope:
     """Every batch the engine's scheduler can hand one ``plan()``.
 
     ``cuda_graph_sizes`` are capture sizes in tokens (vLLM pads a step to the next one); under
@@ -61,11 +61,11 @@ class Envelope:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"Envelope.{name} must be >= 1")
+                raise ValueError(f"PlanEnvelope.{name} must be >= 1")
         if self.mtp < 0:
-            raise ValueError("Envelope.mtp must be >= 0")
+            raise ValueError("PlanEnvelope.mtp must be >= 0")
         if any(s < 1 for s in self.cuda_graph_sizes):
-            raise ValueError("Envelope.cuda_graph_sizes must be positive")
+            raise ValueError("PlanEnvelope.cuda_graph_sizes must be positive")
         object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(self.cuda_graph_sizes))))
 
     @property
@@ -81,7 +81,7 @@ class Envelope:
 
 
 @dataclass(frozen=True)
-class Batch:
+class PlanBatch:
     """One batch as a plan sees it (kv_lens in tokens, including the new ones)."""
 
     qo_lens: tuple[int, ...]
@@ -108,8 +108,8 @@ class Layout:
     smem_optin: int = 101376
 
     @property
-    def device(self) -> Device:
-        return Device(self.num_sm, self.cc_major, self.cc_minor, self.smem_optin)
+    def device(self) -> PlannerDevice:
+        return PlannerDevice(self.num_sm, self.cc_major, self.cc_minor, self.smem_optin)
 
     @property
     def group(self) -> int:
@@ -125,14 +125,14 @@ class RouteResult:
     layout: Layout
     float_bytes: int
     int_bytes: int
-    batch: Batch | None
+    batch: PlanBatch | None
     exact: bool
     gap_bytes: int = 0
     blocks_per_sm: int | None = None
     notes: tuple[str, ...] = field(default=())
 
 
-def _plan(family: str, lay: Layout, batch: Batch, page_size: int) -> PlanSize:
+def _plan(family: str, lay: Layout, batch: PlanBatch, page_size: int) -> PlanSize:
     pages = [ceil_div(k, page_size) for k in batch.kv_lens]
     return prefill_plan(family, batch.qo_lens, pages, heads_q=lay.heads_q, heads_kv=lay.heads_kv,
                         head_dim_qk=lay.head_dim_qk, head_dim_vo=lay.head_dim_vo,
@@ -141,7 +141,7 @@ def _plan(family: str, lay: Layout, batch: Batch, page_size: int) -> PlanSize:
                         fixed_uniform_q_len=batch.fixed_uniform_q_len)
 
 
-def _split_witness(target: int, tiles_per_req: int, q_len: int, env: Envelope,
+def _split_witness(target: int, tiles_per_req: int, q_len: int, env: PlanEnvelope,
                    max_reqs: int | None = None) -> list[tuple[int, int]]:
     """Requests of ``q_len`` tokens whose KV splits into chunks totalling ``target`` work items.
 
@@ -173,8 +173,8 @@ def _int_bound(family: str, lay: Layout, tokens: int, batch: int, cuda_graph: bo
     return prefill_int_bytes(family, padded, batch, tokens, True, cuda_graph)
 
 
-def _finish(route: str, family: str, lay: Layout, env: Envelope, bound: int,
-            cands: list[Batch], int_bytes: int, notes: tuple[str, ...] = ()) -> RouteResult:
+def _finish(route: str, family: str, lay: Layout, env: PlanEnvelope, bound: int,
+            cands: list[PlanBatch], int_bytes: int, notes: tuple[str, ...] = ()) -> RouteResult:
     best, best_batch = -1, None
     for cand in cands:
         got = _plan(family, lay, cand, env.page_size).float_bytes
@@ -199,7 +199,7 @@ def _q_for_tile(lay: Layout, target_cta: int, uniform: int = 0) -> int:
     return 1
 
 
-def prefill_nograph(family: str, lay: Layout, env: Envelope) -> RouteResult:
+def prefill_nograph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
     """No CUDA graph: padded == the split batch <= max_batch_size_if_split; largest tile wins."""
     max_bs = max_batch_size_if_split(lay.num_sm, lay.heads_kv)
     cta = max_cta_tile_q(lay.head_dim_vo, lay.head_dim_qk, lay.device)
@@ -209,7 +209,7 @@ def prefill_nograph(family: str, lay: Layout, env: Envelope) -> RouteResult:
     ib = _int_bound(family, lay, env.max_num_batched_tokens,
                     min(env.max_num_seqs, env.max_num_batched_tokens), False)
     reqs = _split_witness(max_bs, tiles, q, env)
-    cands = [Batch(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs), False)] if reqs else []
+    cands = [PlanBatch(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs), False)] if reqs else []
     first = _finish("prefill", family, lay, env, bound, cands, ib)
     if first.exact:
         return first
@@ -218,20 +218,20 @@ def prefill_nograph(family: str, lay: Layout, env: Envelope) -> RouteResult:
         q_t = ((t - 1) * cta) // lay.group + 1
         reqs = _split_witness(max_bs, t, q_t, env)
         if reqs:
-            cands.append(Batch(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs), False))
+            cands.append(PlanBatch(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs), False))
     return _finish("prefill", family, lay, env, bound, cands, ib)
 
 
-def _graph_batch(tokens: int, batch: int, env: Envelope, cap: int) -> Batch | None:
+def _graph_batch(tokens: int, batch: int, env: PlanEnvelope, cap: int) -> PlanBatch | None:
     """``batch`` requests sharing ``tokens`` query tokens, none longer than ``cap``."""
     if batch * cap < tokens or batch > tokens:
         return None
     base, extra = divmod(tokens, batch)
     qo = tuple(base + (1 if i < extra else 0) for i in range(batch))
-    return Batch(qo, qo, True)
+    return PlanBatch(qo, qo, True)
 
 
-def prefill_graph(family: str, lay: Layout, env: Envelope) -> RouteResult:
+def prefill_graph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
     """CUDA graph: padded = max(max_batch_size_if_split, total_num_tiles_q), always split.
 
     The tile estimate depends only on the token count N and batch size B (``ceil(N*g/cta) + B -
@@ -259,7 +259,7 @@ def prefill_graph(family: str, lay: Layout, env: Envelope) -> RouteResult:
     return _finish("prefill_cuda_graph", family, lay, env, best, [cand] if cand else [], ib)
 
 
-def decode_tc(family: str, lay: Layout, env: Envelope, cuda_graph: bool) -> RouteResult:
+def decode_tc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> RouteResult:
     """Tensor-core decode: every request has ``u = 1 + mtp`` query tokens."""
     u = env.q_decode
     g = lay.group
@@ -283,24 +283,24 @@ def decode_tc(family: str, lay: Layout, env: Envelope, cuda_graph: bool) -> Rout
             if fb > best:
                 best, best_b = fb, b
         kv = min(env.max_model_len, max(u, 128))
-        cand = Batch((u,) * best_b, (kv,) * best_b, True)
+        cand = PlanBatch((u,) * best_b, (kv,) * best_b, True)
         return _finish(route, family, lay, env, best, [cand], ib)
     if tiles > max_bs:
         bound = 0
-        cands = [Batch((u,), (u,), cuda_graph, u, True)]
+        cands = [PlanBatch((u,), (u,), cuda_graph, u, True)]
     else:
         bound = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, max_bs, cta)
         if cuda_graph:
             kv = min(env.max_model_len, max(u, 128))
-            cands = [Batch((u,), (kv,), True, u, True)]
+            cands = [PlanBatch((u,), (kv,), True, u, True)]
         else:
             reqs = _split_witness(max_bs, tiles, u, env, b_max)
-            cands = [Batch(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs), False, u, True)]
+            cands = [PlanBatch(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs), False, u, True)]
             cands = [c for c in cands if c.qo_lens]
     return _finish(route, family, lay, env, bound, cands, ib)
 
 
-def decode_cc(family: str, lay: Layout, env: Envelope, cuda_graph: bool,
+def decode_cc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool,
               blocks_per_sm: int | None) -> RouteResult:
     """CUDA-core decode: the split batch is bounded by ``blocks_per_sm * num_sm / H_kv``."""
     notes: tuple[str, ...] = ()
@@ -328,7 +328,7 @@ def decode_cc(family: str, lay: Layout, env: Envelope, cuda_graph: bool,
                           page_size=page, num_sm=lay.num_sm, blocks_per_sm=blocks_per_sm,
                           cuda_graph=cuda_graph).float_bytes
         if got >= best:
-            best, best_batch = got, Batch(qo, kv, cuda_graph)
+            best, best_batch = got, PlanBatch(qo, kv, cuda_graph)
     b_max = min(env.max_num_seqs, env.max_num_batched_tokens)
     ib = 3 * (ceil_div(4 * max(padded, b_max) + 4, 16) * 16) + 4 + 16 + max(padded, b_max) + 16
     exact = best == bound
@@ -338,7 +338,7 @@ def decode_cc(family: str, lay: Layout, env: Envelope, cuda_graph: bool,
                        bound - best, blocks_per_sm, notes)
 
 
-def fa3_int(lay: Layout, env: Envelope, cuda_graph: bool) -> RouteResult:
+def fa3_int(lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> RouteResult:
     """FA3 ``PrefillSM90Plan`` int arrays (seven per-work arrays plus the per-SM indptr)."""
     cta = 192 if lay.head_dim_vo == 64 else 128
     n = env.graph_tokens if cuda_graph else env.max_num_batched_tokens

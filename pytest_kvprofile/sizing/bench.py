@@ -28,8 +28,8 @@ def _warm_start_seconds(cache: str) -> float:
 def main() -> dict:
     from array import array
 
-    from pytest_kvprofile.sizing import Envelope
-    from pytest_kvprofile.sizing import route_results
+    from pytest_kvprofile.sizing.analytic import PlanEnvelope
+    from pytest_kvprofile.sizing.requirement import route_results
     from pytest_kvprofile.sizing.oracle import build_info, ensure_built, get_oracle, indptrs
     from pytest_kvprofile.sizing.search import adversarial_search, oracle_evaluator
 
@@ -56,7 +56,7 @@ def main() -> dict:
         for _ in range(20000):
             oracle.prefill_raw(qo, kv, 32, 8, 128, 128, 16, False)
         results["qps_prefill_batch1_nograph"] = int(20000 / (time.perf_counter() - t0))
-        env = Envelope(cuda_graph=True, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        env = PlanEnvelope(cuda_graph=True, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         times = []
         for lay in ((32, 8, 128, 142), (8, 1, 128, 132), (64, 8, 128, 148), (32, 2, 256, 188)):
             for res in route_results(heads_q=lay[0], heads_kv=lay[1], head_dim=lay[2],

@@ -1,56 +1,72 @@
-"""The workspace a case really needs, asked of the sizing oracle (or its analytic model)."""
+"""What one matrix case needs: the single sizing computation every consumer calls.
+
+``workspace_covers_planner``, the JSON sizing report, ``kvprofile size``, the stub and GPU
+builders and the example backend all call :func:`for_case`, so the number a backend is told to
+reserve is the number the check demands. The per-rank heads come from the case (TP, and DCP for
+the decode wrapper), the SM count and compute capability from its GPU, and the batches from its
+envelope through :func:`plan_envelope`, which reads the captured decode steps from
+``Envelope.decode_captures`` (capture sizes are tokens).
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+
+from pytest_kvprofile.matrix.cases import Case
+from pytest_kvprofile.sizing.analytic import PlanEnvelope
+from pytest_kvprofile.sizing.requirement import SizingResult, required_workspace
 
 DECODE_TC_MIN_GROUP = 4  # vLLM plans decode on tensor cores from a GQA group of 4 (and always under MTP)
+DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an inline matrix GPU without one is sized as a Hopper part
 
 
-def decode_tensor_cores(case: Any) -> bool:
+def decode_tensor_cores(case: Case) -> bool:
+    """Whether the case's decode wrapper runs the tensor-core (prefill) planner."""
     heads = case.heads
     return case.mtp > 0 or heads.heads_q // heads.heads_kv >= DECODE_TC_MIN_GROUP
 
 
-def routes(case: Any) -> tuple[str, ...]:
-    """MLA decode runs FlashInfer's MLA planner, which the oracle does not model; its prefill is FA2."""
+def routes(case: Case) -> tuple[str, ...]:
+    """MLA decode runs FlashInfer's MLA planner, which is not modelled; its prefill is FA2."""
     return ("prefill",) if case.model.attention == "mla" else ("prefill", "decode")
 
 
-def sizing_envelope(case: Any) -> Any:
-    from pytest_kvprofile.sizing import Envelope
+def compute_capability(case: Case) -> tuple[int, int]:
+    cc = case.gpu.compute_capability
+    return cc if cc != (0, 0) else DEFAULT_COMPUTE_CAPABILITY
 
+
+def plan_envelope(case: Case) -> PlanEnvelope:
+    """Every batch one ``plan()`` of this case can see; CUDA graphs on when a decode step is captured."""
     env = case.envelope
-    return Envelope(
-        max_num_seqs=env.max_num_seqs,
-        max_num_batched_tokens=env.max_num_batched_tokens,
-        max_model_len=env.max_model_len,
-        page_size=env.page_size,
-        cuda_graph=bool(env.cuda_graph_sizes),
-        cuda_graph_sizes=tuple(s for s in env.cuda_graph_sizes if s <= env.max_num_seqs),
-        mtp=case.mtp,
+    sizes = tuple(c.num_tokens for c in env.decode_captures(case.mtp))
+    return PlanEnvelope(
+        max_num_seqs=env.max_num_seqs, max_num_batched_tokens=env.max_num_batched_tokens,
+        max_model_len=env.max_model_len, page_size=env.page_size, cuda_graph=bool(sizes),
+        cuda_graph_sizes=sizes, mtp=case.mtp,
+    )
+
+
+def for_case(case: Case, *, use_oracle: bool | None = None) -> SizingResult:
+    """The float/int workspace this case's rank must reserve, the worst batch and how it was found.
+
+    ``use_oracle``: None (what the check uses) confirms with FlashInfer's host-compiled planner when it
+    can be built, True requires it, False sizes from the analytic model alone.
+    """
+    heads = case.heads
+    return _for_layout(
+        heads.heads_q, heads.heads_kv, heads.heads_q_decode, case.model.head_dim, case.model.dim_vo,
+        case.gpu.num_sm, plan_envelope(case), routes(case), decode_tensor_cores(case), compute_capability(case),
+        use_oracle,
     )
 
 
 @functools.lru_cache(maxsize=4096)
-def _required(heads_q: int, heads_kv: int, heads_q_decode: int, head_dim: int, head_dim_vo: int, num_sm: int,
-              envelope: Any, route_names: tuple[str, ...], tc: bool, capability: tuple[int, int]) -> Any:
-    from pytest_kvprofile.sizing import required_workspace
-
+def _for_layout(heads_q: int, heads_kv: int, heads_q_decode: int, head_dim: int, head_dim_vo: int, num_sm: int,
+                envelope: PlanEnvelope, route_names: tuple[str, ...], tc: bool,
+                capability: tuple[int, int], use_oracle: bool | None) -> SizingResult:
     return required_workspace(
         heads_q=heads_q, heads_kv=heads_kv, heads_q_decode=heads_q_decode, head_dim=head_dim,
         head_dim_vo=head_dim_vo, num_sm=num_sm, envelope=envelope, routes=route_names, decode_tensor_cores=tc,
-        compute_capability=capability,
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def required_for_case(case: Any) -> Any:
-    """The SizingResult (float/int bytes, worst batch, method) for one case's per-rank layout."""
-    heads = case.heads
-    return _required(
-        heads.heads_q, heads.heads_kv, heads.heads_q_decode, case.model.head_dim, case.model.dim_vo,
-        case.gpu.num_sm, sizing_envelope(case), routes(case), decode_tensor_cores(case),
-        case.gpu.compute_capability if case.gpu.compute_capability != (0, 0) else (9, 0),
+        compute_capability=capability, use_oracle=use_oracle,
     )

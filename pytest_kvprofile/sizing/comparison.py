@@ -1,23 +1,25 @@
 """The sizing report: the exact requirement of every (model, GPU, layout) next to the sizes in use.
 
 Why: a fixed workspace is wrong in one direction or the other on almost every GPU; the report
-says by how much, in MiB and in the KV-cache tokens the difference is worth on that rank.
+says by how much, in MiB and in the KV-cache tokens the difference is worth on that rank. Every
+row is :func:`pytest_kvprofile.sizing.for_case` of a case, so the report says what the check demands.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout, kv_bytes_per_token, rank_heads
+from pytest_kvprofile.matrix.cases import Case, Envelope, layout_case
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
-from pytest_kvprofile.sizing import Envelope
-from pytest_kvprofile.sizing import required_workspace
-from pytest_kvprofile.sizing.rules import FIXED_SIZES, MIB, seed004_rule
+from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout, kv_bytes_per_token
+from pytest_kvprofile.sizing.case import for_case
+from pytest_kvprofile.sizing.rules import FIXED_SIZES, seed004_rule
+from pytest_kvprofile.units import MiB
 
-# vLLM's default capture sizes top out at 512 tokens.
+# vLLM's default capture sizes (tokens) top out at 512.
 VLLM_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
-REPORT_ENVELOPE = Envelope(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32768,
-                           page_size=16, cuda_graph=True, cuda_graph_sizes=VLLM_CAPTURE_SIZES)
+REPORT_ENVELOPE = Envelope(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32768, page_size=16,
+                           cuda_graph_sizes=VLLM_CAPTURE_SIZES)
 
 
 def _layouts(layouts: Iterable[Any]) -> list[tuple[int, int, int]]:
@@ -41,19 +43,54 @@ def _compare(name: str, have: int, need: int, kv_tok: int) -> dict[str, Any]:
     return {
         "name": name,
         "bytes": have,
-        "mib": round(have / MIB, 2),
+        "mib": round(have / MiB, 2),
         "status": "overflow" if delta < 0 else ("exact" if delta == 0 else "waste"),
         "delta_bytes": delta,
-        "delta_mib": round(delta / MIB, 2),
+        "delta_mib": round(delta / MiB, 2),
         "delta_kv_tokens": int(delta // kv_tok) if delta >= 0 else -int(-delta // kv_tok),
     }
 
 
-def sizing_report(models: Mapping[str, ModelSpec] | Iterable[ModelSpec],
-                  gpus: Iterable[GpuSpec | str], layouts: Iterable[Any],
-                  envelope: Envelope = REPORT_ENVELOPE, *,
+def case_row(case: Case, *, use_oracle: bool | None = None) -> dict[str, Any]:
+    """One report row: what ``case`` needs, and how the common fixed sizes and the seed-004 rule compare."""
+    model, gpu, heads = case.model, case.gpu, case.heads
+    res = for_case(case, use_oracle=use_oracle)
+    kv_tok = kv_bytes_per_token(model, case.tp, case.dcp)
+    need = res.float_bytes
+    comps = [_compare(n, b, need, kv_tok) for n, b in FIXED_SIZES.items()]
+    comps.append(_compare("seed004-rule", seed004_rule(
+        heads.heads_q, heads.heads_kv, model.head_dim, gpu.num_sm, head_dim_vo=model.head_dim_vo), need, kv_tok))
+    qo, kv, graph = res.worst_batch if res.worst_batch else ((), (), False)
+    return {
+        "model": model.name,
+        "gpu": gpu.name,
+        "num_sm": gpu.num_sm,
+        "tp": case.tp,
+        "dcp": case.dcp,
+        "mtp": case.mtp,
+        "heads_q": heads.heads_q,
+        "heads_kv": heads.heads_kv,
+        "heads_q_decode": heads.heads_q_decode,
+        "head_dim": model.head_dim,
+        "head_dim_vo": model.head_dim_vo,
+        "required_float_bytes": need,
+        "required_float_mib": round(need / MiB, 2),
+        "required_int_bytes": res.int_bytes,
+        "worst_route": res.worst_route,
+        "worst_batch": {"num_requests": len(qo), "tokens": sum(qo), "max_kv_len": max(kv, default=0),
+                        "cuda_graph": graph},
+        "exact": res.exact,
+        "method": res.method,
+        "flashinfer_version": res.flashinfer_version,
+        "kv_bytes_per_token": kv_tok,
+        "compare": comps,
+    }
+
+
+def sizing_report(models: Mapping[str, ModelSpec] | Iterable[ModelSpec], gpus: Iterable[GpuSpec | str],
+                  layouts: Iterable[Any], envelope: Envelope = REPORT_ENVELOPE, *,
                   use_oracle: bool | None = None) -> list[dict[str, Any]]:
-    """One row per possible (model, GPU, layout): requirement, fixed sizes, seed-004 rule.
+    """One row per possible (model, GPU, layout), each sized as a case with ``envelope``.
 
     ``layouts`` items are TP ints, (tp, dcp[, mtp]) tuples, or mappings/objects with tp/dcp/mtp.
     ``delta`` > 0 is waste, < 0 overflow; ``delta_kv_tokens`` converts it with the model's
@@ -61,52 +98,11 @@ def sizing_report(models: Mapping[str, ModelSpec] | Iterable[ModelSpec],
     """
     specs = list(models.values()) if isinstance(models, Mapping) else list(models)
     gpu_specs = [g if isinstance(g, GpuSpec) else lookup_gpu(g) for g in gpus]
-    rows: list[dict[str, Any]] = []
-    for model in specs:
-        for gpu in gpu_specs:
-            for tp, dcp, mtp in _layouts(layouts):
-                if impossible_layout(model, tp, dcp, mtp):
-                    continue
-                heads = rank_heads(model, tp, dcp)
-                env = envelope if mtp == envelope.mtp else Envelope(
-                    **{**envelope.__dict__, "mtp": mtp})
-                res = required_workspace(
-                    heads_q=heads.heads_q, heads_kv=heads.heads_kv, head_dim=model.head_dim,
-                    head_dim_vo=model.head_dim_vo, num_sm=gpu.num_sm, envelope=env,
-                    heads_q_decode=heads.heads_q_decode if dcp > 1 else None,
-                    use_oracle=use_oracle)
-                kv_tok = kv_bytes_per_token(model, tp, dcp)
-                need = res.float_bytes
-                comps = [_compare(n, b, need, kv_tok) for n, b in FIXED_SIZES.items()]
-                comps.append(_compare("seed004-rule", seed004_rule(
-                    heads.heads_q, heads.heads_kv, model.head_dim, gpu.num_sm,
-                    head_dim_vo=model.head_dim_vo), need, kv_tok))
-                qo, kv, graph = res.worst_batch if res.worst_batch else ((), (), False)
-                rows.append({
-                    "model": model.name,
-                    "gpu": gpu.name,
-                    "num_sm": gpu.num_sm,
-                    "tp": tp,
-                    "dcp": dcp,
-                    "mtp": mtp,
-                    "heads_q": heads.heads_q,
-                    "heads_kv": heads.heads_kv,
-                    "heads_q_decode": heads.heads_q_decode,
-                    "head_dim": model.head_dim,
-                    "head_dim_vo": model.head_dim_vo,
-                    "required_float_bytes": need,
-                    "required_float_mib": round(need / MIB, 2),
-                    "required_int_bytes": res.int_bytes,
-                    "worst_route": res.worst_route,
-                    "worst_batch": {"num_requests": len(qo), "tokens": sum(qo),
-                                    "max_kv_len": max(kv, default=0), "cuda_graph": graph},
-                    "exact": res.exact,
-                    "method": res.method,
-                    "flashinfer_version": res.flashinfer_version,
-                    "kv_bytes_per_token": kv_tok,
-                    "compare": comps,
-                })
-    return rows
+    return [
+        case_row(layout_case(model, gpu, tp, dcp, mtp, envelope), use_oracle=use_oracle)
+        for model in specs for gpu in gpu_specs for tp, dcp, mtp in _layouts(layouts)
+        if impossible_layout(model, tp, dcp, mtp) is None
+    ]
 
 
 def report_headline(rows: list[dict[str, Any]]) -> list[str]:
@@ -132,11 +128,11 @@ def format_report(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no cases"
     names = [c["name"] for c in rows[0]["compare"]]
-    head = ["model", "gpu", "tp", "dcp", "heads", "need MiB", "route", *names]
+    head = ["model", "gpu", "tp", "dcp", "mtp", "heads", "need MiB", "route", *names]
     lines = ["\t".join(head)]
     for r in rows:
         deltas = [f"{c['delta_mib']:+.1f} ({c['delta_kv_tokens']:+d} tok)" for c in r["compare"]]
-        lines.append("\t".join([r["model"], r["gpu"], str(r["tp"]), str(r["dcp"]),
+        lines.append("\t".join([r["model"], r["gpu"], str(r["tp"]), str(r["dcp"]), str(r["mtp"]),
                                 f"{r['heads_q']}/{r['heads_kv']}",
                                 f"{r['required_float_mib']:.1f}", r["worst_route"], *deltas]))
     lines.append("")
@@ -144,28 +140,17 @@ def format_report(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def envelope_from(obj: Any, mtp: int = 0) -> Envelope:
-    """A sizing :class:`Envelope` from a matrix envelope (CUDA graphs on when it has capture sizes)."""
-    if isinstance(obj, Envelope):
-        return obj
-    sizes = tuple(getattr(obj, "cuda_graph_sizes", ()) or ())
-    return Envelope(max_num_seqs=obj.max_num_seqs, max_num_batched_tokens=obj.max_num_batched_tokens,
-                    max_model_len=obj.max_model_len, page_size=obj.page_size,
-                    cuda_graph=bool(sizes), cuda_graph_sizes=sizes, mtp=mtp)
+def distinct_layout_cases(cases: Iterable[Case]) -> list[Case]:
+    """The runnable cases that differ in something sizing reads (gmu never matters), first of each."""
+    out: dict[tuple, Case] = {}
+    for case in cases:
+        if case.skip_reason is None:
+            out.setdefault(case.layout_key, case)
+    return list(out.values())
 
 
 def report_for_matrix(path: str, *, use_oracle: bool | None = None) -> list[dict[str, Any]]:
-    """The sizing report of every runnable (model, GPU, TP, DCP, MTP) of a matrix file."""
+    """The sizing report of every distinct runnable layout of a matrix file."""
     from pytest_kvprofile.matrix.schema import load_matrix
 
-    matrix = load_matrix(path)
-    rows: list[dict[str, Any]] = []
-    seen: set[tuple] = set()
-    for case in matrix.cases:
-        key = (case.model.name, case.gpu.name, case.tp, case.dcp, case.mtp, case.envelope)
-        if case.skip_reason or key in seen:
-            continue
-        seen.add(key)
-        rows.extend(sizing_report([case.model], [case.gpu], [(case.tp, case.dcp, case.mtp)],
-                                  envelope_from(case.envelope, case.mtp), use_oracle=use_oracle))
-    return rows
+    return [case_row(case, use_oracle=use_oracle) for case in distinct_layout_cases(load_matrix(path).cases)]

@@ -20,7 +20,6 @@ from typing import Sequence
 FAMILY_06_MATERIALIZE = "0.6-materialize"
 FAMILY_06 = "0.6"
 FAMILY_07 = "0.7"
-FAMILIES = (FAMILY_06_MATERIALIZE, FAMILY_06, FAMILY_07)
 
 PREFILL_BLOCKS_PER_SM = 2  # hard-coded in PrefillPlanImpl
 
@@ -50,7 +49,7 @@ def align_up(x: int, a: int) -> int:
 
 
 @dataclass(frozen=True)
-class Device:
+class PlannerDevice:
     """What the planners read from the device: SM count, compute capability, opt-in smem."""
 
     num_sm: int
@@ -59,7 +58,7 @@ class Device:
     smem_optin: int = 101376
 
 
-def cta_tile_q(avg_packed_qo_len: int, head_dim_vo: int, head_dim_qk: int, dev: Device,
+def cta_tile_q(avg_packed_qo_len: int, head_dim_vo: int, head_dim_qk: int, dev: PlannerDevice,
                kv_dtype_bytes: int = 2) -> int:
     """``FA2DetermineCtaTileQ`` (head_dim is the VO dim at the batch-prefill call sites)."""
     qk = head_dim_qk or head_dim_vo
@@ -78,7 +77,7 @@ def cta_tile_q(avg_packed_qo_len: int, head_dim_vo: int, head_dim_qk: int, dev: 
     return 64
 
 
-def max_cta_tile_q(head_dim_vo: int, head_dim_qk: int, dev: Device) -> int:
+def max_cta_tile_q(head_dim_vo: int, head_dim_qk: int, dev: PlannerDevice) -> int:
     """The largest tile the planner can pick: it grows with the packed query length."""
     return cta_tile_q(1 << 40, head_dim_vo, head_dim_qk, dev)
 
@@ -162,7 +161,7 @@ def _prefill_chunk_search(cuda_graph: bool, max_bs: int, packed: Sequence[int], 
 
 
 def prefill_plan(family: str, qo_lens: Sequence[int], kv_pages: Sequence[int], *, heads_q: int,
-                 heads_kv: int, head_dim_qk: int, head_dim_vo: int, page_size: int, dev: Device,
+                 heads_kv: int, head_dim_qk: int, head_dim_vo: int, page_size: int, dev: PlannerDevice,
                  cuda_graph: bool, uniform_q_len: int = 0, fixed_uniform_q_len: bool = False,
                  kv_dtype_bytes: int = 2) -> PlanSize:
     """Sizes ``PrefillPlan`` carves for one batch (window_left=-1, no fixed split, split enabled)."""

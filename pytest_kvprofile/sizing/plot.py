@@ -9,19 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from pytest_kvprofile.sizing import Envelope
-from pytest_kvprofile.sizing import required_workspace
-from pytest_kvprofile.sizing.comparison import REPORT_ENVELOPE
-from pytest_kvprofile.sizing.rules import FIXED_SIZES, MIB
+from pytest_kvprofile.sizing.analytic import PlanEnvelope
+from pytest_kvprofile.sizing.requirement import required_workspace
+from pytest_kvprofile.sizing.rules import FIXED_SIZES
+from pytest_kvprofile.units import MiB
 
 DEFAULT_TOKENS: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def requirement_curves(rows: Sequence[dict[str, Any]], tokens: Sequence[int] = DEFAULT_TOKENS,
-                       envelope: Envelope = REPORT_ENVELOPE) -> dict[str, list[tuple[int, float]]]:
+                       envelope: PlanEnvelope = PlanEnvelope()) -> dict[str, list[tuple[int, float]]]:
     """Per GPU: (tokens per step, MiB) of the largest requirement over the report's layouts.
 
-    Each point plans CUDA graphs over full steps of that many tokens (capture sizes up to it).
+    A what-if, not a case's requirement (that is :func:`pytest_kvprofile.sizing.for_case`): each point
+    plans CUDA graphs over full steps of that many tokens, so it shows where each fixed size stops
+    being enough as captured steps grow.
     """
     curves: dict[str, list[tuple[int, float]]] = {}
     for gpu in dict.fromkeys(r["gpu"] for r in rows):
@@ -30,13 +32,13 @@ def requirement_curves(rows: Sequence[dict[str, Any]], tokens: Sequence[int] = D
                    for r in rows if r["gpu"] == gpu}
         points = []
         for n in tokens:
-            env = Envelope(max_num_seqs=min(envelope.max_num_seqs, n), max_num_batched_tokens=n,
+            env = PlanEnvelope(max_num_seqs=min(envelope.max_num_seqs, n), max_num_batched_tokens=n,
                            max_model_len=envelope.max_model_len, page_size=envelope.page_size,
                            cuda_graph=True, cuda_graph_sizes=(n,), mtp=envelope.mtp)
             need = max(required_workspace(heads_q=hq, heads_kv=hkv, head_dim=d, head_dim_vo=dvo,
                                           num_sm=sm, envelope=env, heads_q_decode=hqd).float_bytes
                        for hq, hkv, d, dvo, sm, hqd in layouts)
-            points.append((n, need / MIB))
+            points.append((n, need / MiB))
         curves[gpu] = points
     return curves
 
@@ -54,8 +56,8 @@ def plot_requirement(rows: Sequence[dict[str, Any]], out: Path,
     for gpu, pts in curves.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=gpu)
     for name, size in FIXED_SIZES.items():
-        ax.axhline(size / MIB, linestyle="--", linewidth=0.8, color="grey")
-        ax.annotate(name, (tokens[0], size / MIB), fontsize=7, va="bottom")
+        ax.axhline(size / MiB, linestyle="--", linewidth=0.8, color="grey")
+        ax.annotate(name, (tokens[0], size / MiB), fontsize=7, va="bottom")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per step (CUDA graphs)")
     ax.set_ylabel("FlashInfer float workspace needed (MiB)")

@@ -8,14 +8,14 @@ shown to catch them.
 from __future__ import annotations
 
 from pytest_kvprofile.sizing.planner import ceil_div
+from pytest_kvprofile.units import MiB
 
-MIB = 1 << 20
 
 FIXED_SIZES: dict[str, int] = {
-    "flashinfer-default": 128 * MIB,
-    "vllm-default": 394 * MIB,
-    "sglang": 384 * MIB,
-    "tensorrt-llm": 320 * MIB,
+    "flashinfer-default": 128 * MiB,
+    "vllm-default": 394 * MiB,
+    "sglang": 384 * MiB,
+    "tensorrt-llm": 320 * MiB,
 }
 
 
@@ -28,7 +28,7 @@ def _cta_tile_q_06(head_dim: int) -> int:
 
 
 def seed004_rule(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
-                 base: int = 80 * MIB, head_dim_vo: int | None = None) -> int:
+                 base: int = 80 * MiB, head_dim_vo: int | None = None) -> int:
     """Seed 004's published rule: ceil split bound, 16 MiB slack, 16 MiB alignment, base floor.
 
     ``padded = ceil(2 * num_sm / heads_kv)`` (FlashInfer rounds down), ``cta_tile_q`` 128 (64 for
@@ -38,12 +38,12 @@ def seed004_rule(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
     padded = ceil_div(2 * num_sm, heads_kv)
     cta = _cta_tile_q_06(dvo)
     tmp = heads_q * padded * cta * dvo * 4 + heads_q * padded * cta * 4
-    return max(base, _align(tmp + 16 * MIB, 16 * MIB))
+    return max(base, _align(tmp + 16 * MiB, 16 * MiB))
 
 
 def decode_shaped_heuristic(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
                             max_requests: int = 256, *, tp: int = 1,
-                            base: int = 80 * MIB, head_dim_vo: int | None = None) -> int:
+                            base: int = 80 * MiB, head_dim_vo: int | None = None) -> int:
     """The rule seed 004 replaced (bug class 11): sized as if every plan were a decode.
 
     ``cta_tile_q = 16`` and the padded batch keyed on ``max_requests``, ignoring the SM count; it
@@ -58,7 +58,7 @@ def decode_shaped_heuristic(heads_q: int, heads_kv: int, head_dim: int, num_sm: 
     dvo = head_dim_vo or head_dim
     padded = _align(max_requests, 16)
     tmp = heads_q * padded * 16 * dvo * 4 + heads_q * padded * 16 * 4
-    return _align(tmp, MIB)
+    return _align(tmp, MiB)
 
 
 def formula_06x(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,

@@ -10,10 +10,10 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from pytest_kvprofile.sizing.analytic import Batch, Envelope, RouteResult
+from pytest_kvprofile.sizing.analytic import PlanBatch, PlanEnvelope, RouteResult
 from pytest_kvprofile.sizing.planner import ceil_div, decode_plan, prefill_plan
 
-Evaluator = Callable[[Batch], tuple[int, int]]
+Evaluator = Callable[[PlanBatch], tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,10 @@ class SearchResult:
     tried: int
     max_float_bytes: int
     max_int_bytes: int
-    batch: Batch | None
+    batch: PlanBatch | None
 
 
-def _kv_for(q: int, env: Envelope, rng: random.Random) -> int:
+def _kv_for(q: int, env: PlanEnvelope, rng: random.Random) -> int:
     lo, hi = max(q, 1), env.max_model_len
     if lo >= hi:
         return lo
@@ -59,12 +59,12 @@ def _qo_lens(batch: int, budget: int, rng: random.Random, cap: int) -> list[int]
     return out
 
 
-def random_batches(route: str, env: Envelope, n: int, seed: int = 0) -> list[Batch]:
+def random_batches(route: str, env: PlanEnvelope, n: int, seed: int = 0) -> list[PlanBatch]:
     """``n`` batches the envelope allows for ``route`` (extremes first, then random)."""
     rng = random.Random(seed)
     graph = route.endswith("cuda_graph")
     u = env.q_decode
-    out: list[Batch] = []
+    out: list[PlanBatch] = []
     for i in range(n):
         if route.startswith("decode_tc"):
             cap = (env.graph_tokens // u if graph and env.cuda_graph_sizes else env.max_num_seqs)
@@ -74,12 +74,12 @@ def random_batches(route: str, env: Envelope, n: int, seed: int = 0) -> list[Bat
             b = [1, b_max, rng.randint(1, b_max)][i % 3]
             qo = [u] * b
             kv = [_kv_for(u, env, rng) for _ in range(b)]
-            out.append(Batch(tuple(qo), tuple(kv), graph, u, True))
+            out.append(PlanBatch(tuple(qo), tuple(kv), graph, u, True))
             continue
         if route.startswith("decode_cc"):
             b_max = min(env.max_num_seqs, env.max_num_batched_tokens)
             b = [1, b_max, rng.randint(1, b_max)][i % 3]
-            out.append(Batch((1,) * b, tuple(_kv_for(1, env, rng) for _ in range(b)), graph))
+            out.append(PlanBatch((1,) * b, tuple(_kv_for(1, env, rng) for _ in range(b)), graph))
             continue
         tokens = env.graph_tokens if graph else env.max_num_batched_tokens
         b_max = min(env.max_num_seqs, tokens)
@@ -87,15 +87,15 @@ def random_batches(route: str, env: Envelope, n: int, seed: int = 0) -> list[Bat
         budget = [tokens, rng.randint(b, tokens)][i % 2]
         qo = _qo_lens(b, budget, rng, env.max_model_len)
         kv = [_kv_for(q, env, rng) for q in qo]
-        out.append(Batch(tuple(qo), tuple(kv), graph))
+        out.append(PlanBatch(tuple(qo), tuple(kv), graph))
     return out
 
 
-def port_evaluator(family: str, result: RouteResult, env: Envelope) -> Evaluator:
+def port_evaluator(family: str, result: RouteResult, env: PlanEnvelope) -> Evaluator:
     """Evaluate batches with the Python port of the planner."""
     lay = result.layout
 
-    def run(batch: Batch) -> tuple[int, int]:
+    def run(batch: PlanBatch) -> tuple[int, int]:
         pages = [ceil_div(k, env.page_size) for k in batch.kv_lens]
         if result.planner == "decode":
             ps = decode_plan(lay.heads_q, lay.heads_kv, lay.head_dim_vo, pages,
@@ -113,11 +113,11 @@ def port_evaluator(family: str, result: RouteResult, env: Envelope) -> Evaluator
     return run
 
 
-def oracle_evaluator(oracle, result: RouteResult, env: Envelope) -> Evaluator:
+def oracle_evaluator(oracle, result: RouteResult, env: PlanEnvelope) -> Evaluator:
     """Evaluate batches with the compiled oracle (the installed FlashInfer's own planner)."""
     lay = result.layout
 
-    def run(batch: Batch) -> tuple[int, int]:
+    def run(batch: PlanBatch) -> tuple[int, int]:
         oracle.set_device(lay.num_sm, lay.cc_major, lay.cc_minor, lay.smem_optin)
         if result.planner == "decode":
             return oracle.decode(batch.kv_lens, heads_q=lay.heads_q, heads_kv=lay.heads_kv,
@@ -133,7 +133,7 @@ def oracle_evaluator(oracle, result: RouteResult, env: Envelope) -> Evaluator:
     return run
 
 
-def adversarial_search(result: RouteResult, env: Envelope, evaluate: Evaluator,
+def adversarial_search(result: RouteResult, env: PlanEnvelope, evaluate: Evaluator,
                        n: int = 200, seed: int = 0) -> SearchResult:
     """The largest float (and int) bytes any of ``n`` envelope batches makes the planner carve."""
     if result.planner == "fa3":

@@ -4,8 +4,8 @@ import pytest
 
 from pytest_kvprofile import Lease, LeaseReleasedError, WorkspaceLockedError, WorkspaceManager
 from pytest_kvprofile.memory.device import SimDevice
+from pytest_kvprofile.units import MiB
 
-MiB = 1 << 20
 
 
 def test_release_is_idempotent_and_runs_the_callback_once():

@@ -7,7 +7,7 @@ too many pytest items); ``tests/test_plugin_suite.py`` shows the same verdicts t
 
 import pytest
 
-from pytest_kvprofile.sizing.case import required_for_case
+from pytest_kvprofile.sizing.case import for_case
 from pytest_kvprofile.checks.catalog import CHECKS, DEFAULT_WASTE_SLACK
 from pytest_kvprofile.checks.sweep import catch_table, sweep
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
@@ -48,7 +48,7 @@ def test_every_mutant_is_caught_on_every_case_where_its_bug_has_an_effect(mutant
             continue
         for case_id in s.escaped:
             case = cases[case_id]
-            excess = WrongVersionFormulaBuilder(case).float_bytes() - required_for_case(case).float_bytes
+            excess = WrongVersionFormulaBuilder(case).float_bytes() - for_case(case).float_bytes
             assert 0 <= excess <= DEFAULT_WASTE_SLACK, (case_id, excess)
 
 

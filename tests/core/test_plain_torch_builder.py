@@ -10,8 +10,8 @@ import torch
 from pytest_kvprofile import Backend, Lease, ProfilingSupport, WorkspaceDeclaration, run_lifecycle
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+from pytest_kvprofile.units import MiB
 
-MiB = 1 << 20
 
 
 class TorchWrapper:

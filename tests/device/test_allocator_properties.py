@@ -4,8 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice
+from pytest_kvprofile.units import MiB
 
-MiB = 1 << 20
 
 sizes = st.one_of(
     st.integers(0, 4096),

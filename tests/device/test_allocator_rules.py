@@ -4,10 +4,9 @@ import pytest
 
 from pytest_kvprofile.memory.allocator import round_size, segment_size
 from pytest_kvprofile.memory.device import SimDevice
+from pytest_kvprofile.units import GiB, MiB
 
 KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 @pytest.fixture

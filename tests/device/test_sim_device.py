@@ -6,9 +6,8 @@ import pytest
 
 from pytest_kvprofile.memory.device import Allocation, Device, DeviceEvent, DeviceOutOfMemory, SimDevice
 from pytest_kvprofile.matrix.gpus import lookup_gpu
+from pytest_kvprofile.units import GiB, MiB
 
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from pytest_kvprofile.memory.allocator import CachingAllocator
+from pytest_kvprofile.units import GiB
 
-GiB = 1 << 30
 HOST_BASE = 0x7F00_0000_0000
 
 

@@ -11,9 +11,8 @@ from pytest_kvprofile.gpu.cuda_device import CudaDevice, CudaDeviceFactory
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix_text
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+from pytest_kvprofile.units import GiB, MiB
 
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 def make(**kw):

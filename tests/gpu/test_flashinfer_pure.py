@@ -109,9 +109,9 @@ def test_builders_declare_like_the_stub_without_touching_cuda():
     case = CASE[0]
     b = FlashInferCudaBuilder(case)
     assert b.get_persistent_workspace_memory_profiling_support() is ProfilingSupport.REQUIRED
-    from pytest_kvprofile.sizing.case import required_for_case
+    from pytest_kvprofile.sizing.case import for_case
 
-    assert b.declared_workspace(case).float_bytes == required_for_case(case).float_bytes
+    assert b.declared_workspace(case).float_bytes == for_case(case).float_bytes
     assert gpu_backends()[0].make_builders(case)[0].name == "flashinfer-cuda"
     lazy = gpu_mutant_backends()[0].make_builders(case)[0]
     assert isinstance(lazy, LazyFlashInferCudaBuilder) and lazy.warmup_materializes_persistent is False

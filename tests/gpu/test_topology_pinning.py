@@ -18,8 +18,8 @@ from pytest_kvprofile.gpu.topology import (
     match_catalog,
     visible_nvml_indices,
 )
+from pytest_kvprofile.units import MiB
 
-MiB = 1 << 20
 
 
 @pytest.mark.parametrize("name, mib, want", [

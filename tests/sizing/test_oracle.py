@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from pytest_kvprofile.sizing import oracle as oracle_mod
-from pytest_kvprofile.sizing.planner import Device, ceil_div, decode_plan, prefill_plan
+from pytest_kvprofile.sizing.planner import PlannerDevice, ceil_div, decode_plan, prefill_plan
 
-MIB = 1 << 20
 
 
 def test_library_needs_no_cuda_runtime(oracle_cache):
@@ -83,7 +82,7 @@ def test_count_only_equals_materializing_and_port(oracle):
         mat = oracle.prefill(qo, kv, materialize=True, **kw)
         assert count == mat
         port = prefill_plan("0.7", qo, [ceil_div(k, ps) for k in kv], heads_q=hq, heads_kv=hkv,
-                            head_dim_qk=d, head_dim_vo=d, page_size=ps, dev=Device(sm, 9, 0),
+                            head_dim_qk=d, head_dim_vo=d, page_size=ps, dev=PlannerDevice(sm, 9, 0),
                             cuda_graph=graph, uniform_q_len=u, fixed_uniform_q_len=bool(u))
         assert count == (port.float_bytes, port.int_bytes)
         if u == 0:

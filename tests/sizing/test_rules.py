@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_kvprofile.matrix.models import ModelSpec, rank_heads
-from pytest_kvprofile.sizing import Envelope, required_workspace
+from pytest_kvprofile.sizing import PlanEnvelope, required_workspace
 from pytest_kvprofile.sizing.comparison import REPORT_ENVELOPE, report_headline, sizing_report
 from pytest_kvprofile.sizing.rules import (
     FIXED_SIZES,
@@ -14,8 +14,8 @@ from pytest_kvprofile.sizing.rules import (
     seed004_rule,
 )
 from pytest_kvprofile.matrix.gpus import lookup_gpu
+from pytest_kvprofile.units import MiB
 
-MIB = 1 << 20
 SEED004 = [  # (label, heads_q per rank, heads_kv per rank, head_dim, num_sm, published MiB)
     ("Qwen3-8B, L40S", 32, 8, 128, 142, 96),
     ("Qwen3-8B, L40S, TP=2", 16, 4, 128, 142, 96),
@@ -26,12 +26,12 @@ SEED004 = [  # (label, heads_q per rank, heads_kv per rank, head_dim, num_sm, pu
 
 @pytest.mark.parametrize("label,hq,hkv,d,sm,mib", SEED004, ids=[r[0] for r in SEED004])
 def test_seed004_table(label, hq, hkv, d, sm, mib):
-    assert seed004_rule(hq, hkv, d, sm) == mib * MIB
+    assert seed004_rule(hq, hkv, d, sm) == mib * MiB
 
 
 def test_fixed_sizes():
-    assert FIXED_SIZES == {"flashinfer-default": 128 * MIB, "vllm-default": 394 * MIB,
-                           "sglang": 384 * MIB, "tensorrt-llm": 320 * MIB}
+    assert FIXED_SIZES == {"flashinfer-default": 128 * MiB, "vllm-default": 394 * MiB,
+                           "sglang": 384 * MiB, "tensorrt-llm": 320 * MiB}
 
 
 def test_seed004_cases_through_the_oracle(oracle, capsys):
@@ -39,20 +39,20 @@ def test_seed004_cases_through_the_oracle(oracle, capsys):
     lines = []
     for label, hq, hkv, d, sm, mib in SEED004:
         plain = required_workspace(heads_q=hq, heads_kv=hkv, head_dim=d, num_sm=sm,
-                                   envelope=Envelope())
+                                   envelope=PlanEnvelope())
         graph = required_workspace(heads_q=hq, heads_kv=hkv, head_dim=d, num_sm=sm,
                                    envelope=REPORT_ENVELOPE)
         assert plain.method == graph.method == "oracle" and plain.exact and graph.exact
         # On 0.7.x the rule over-reserves without graphs (rows shrink by the GQA group) ...
-        assert plain.float_bytes < mib * MIB
-        lines.append(f"{label}: rule {mib} MiB, needs {plain.float_bytes / MIB:.2f} MiB "
-                     f"(no graphs), {graph.float_bytes / MIB:.2f} MiB (vLLM graphs)")
+        assert plain.float_bytes < mib * MiB
+        lines.append(f"{label}: rule {mib} MiB, needs {plain.float_bytes / MiB:.2f} MiB "
+                     f"(no graphs), {graph.float_bytes / MiB:.2f} MiB (vLLM graphs)")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     # ... and under CUDA graphs Qwen3-8B needs more than the rule's 96 MiB.
     qwen = required_workspace(heads_q=32, heads_kv=8, head_dim=128, num_sm=142,
                               envelope=REPORT_ENVELOPE)
-    assert qwen.float_bytes > 96 * MIB
+    assert qwen.float_bytes > 96 * MiB
 
 
 TYPICAL_MODELS = [
@@ -62,7 +62,7 @@ TYPICAL_MODELS = [
     ModelSpec("hd256", 16, 4, 256, 32),
 ]
 TYPICAL_GPUS = ["L40S", "H100", "H200", "B200", "RTX PRO 6000 Blackwell"]
-GRAPH_ENVELOPE = Envelope(max_num_seqs=256, max_num_batched_tokens=4096, cuda_graph=True,
+GRAPH_ENVELOPE = PlanEnvelope(max_num_seqs=256, max_num_batched_tokens=4096, cuda_graph=True,
                           cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
 

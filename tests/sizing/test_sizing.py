@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from pytest_kvprofile.sizing import Envelope, required_workspace, route_results
+from pytest_kvprofile.sizing import PlanEnvelope, required_workspace, route_results
 from pytest_kvprofile.sizing.analytic import Layout, prefill_graph, prefill_nograph
 from pytest_kvprofile.sizing.planner import FAMILY_06, FAMILY_07, family_of
 from pytest_kvprofile.sizing.search import adversarial_search, oracle_evaluator, port_evaluator
+from pytest_kvprofile.units import MiB
 
-MIB = 1 << 20
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 # (heads_q, heads_kv, head_dim, head_dim_vo, num_sm): catalog GPUs, SM counts in no catalog,
@@ -24,12 +24,12 @@ LAYOUTS = [
     (16, 16, 192, 128, 132), (128, 1, 576, 512, 132), (5, 1, 128, None, 300),
 ]
 ENVELOPES = [
-    Envelope(),
-    Envelope(cuda_graph=True, cuda_graph_sizes=GRAPH_SIZES),
-    Envelope(max_num_seqs=64, max_num_batched_tokens=2048, cuda_graph=True, mtp=3),
-    Envelope(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=131072, page_size=1,
+    PlanEnvelope(),
+    PlanEnvelope(cuda_graph=True, cuda_graph_sizes=GRAPH_SIZES),
+    PlanEnvelope(max_num_seqs=64, max_num_batched_tokens=2048, cuda_graph=True, mtp=3),
+    PlanEnvelope(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=131072, page_size=1,
              cuda_graph=True),
-    Envelope(max_num_seqs=128, max_num_batched_tokens=4096, page_size=64, mtp=1),
+    PlanEnvelope(max_num_seqs=128, max_num_batched_tokens=4096, page_size=64, mtp=1),
 ]
 
 
@@ -98,7 +98,7 @@ def test_port_matches_claims_without_oracle():
 
 
 def test_repeated_calls_are_cached():
-    env = Envelope(cuda_graph=True)
+    env = PlanEnvelope(cuda_graph=True)
     a = required_workspace(heads_q=32, heads_kv=8, head_dim=128, num_sm=142, envelope=env,
                            use_oracle=False)
     t0 = time.perf_counter()
@@ -109,7 +109,7 @@ def test_repeated_calls_are_cached():
 
 
 def test_dcp_decode_heads_and_bad_layouts():
-    env = Envelope()
+    env = PlanEnvelope()
     res = required_workspace(heads_q=8, heads_kv=1, head_dim=128, num_sm=132, envelope=env,
                              heads_q_decode=32, use_oracle=False)
     assert res.routes["decode_tc"].heads_q == 32 and res.routes["prefill"].heads_q == 8
@@ -126,23 +126,23 @@ def test_version_families():
     assert family_of("0.8.0rc1") == FAMILY_07
     # The 0.6 formula does not divide by the GQA group: 4x more for Qwen3-8B without graphs.
     lay = Layout(32, 8, 128, 128, 142)
-    env = Envelope()
+    env = PlanEnvelope()
     f06 = prefill_nograph(FAMILY_06, lay, env).float_bytes
     f07 = prefill_nograph(FAMILY_07, lay, env).float_bytes
     assert f06 == 32 * 35 * 128 * 129 * 4 and f07 * 4 == pytest.approx(f06, rel=0.01)
-    assert prefill_graph(FAMILY_07, lay, Envelope(cuda_graph=True)).float_bytes > 128 * MIB
+    assert prefill_graph(FAMILY_07, lay, PlanEnvelope(cuda_graph=True)).float_bytes > 128 * MiB
 
 
 def test_fa3_int_route_flags_overflow():
-    env = Envelope(max_num_seqs=2048, max_num_batched_tokens=262144, cuda_graph=True)
+    env = PlanEnvelope(max_num_seqs=2048, max_num_batched_tokens=262144, cuda_graph=True)
     res = required_workspace(heads_q=128, heads_kv=8, head_dim=128, num_sm=132, envelope=env,
                              routes=("fa3",), use_oracle=False)
-    assert res.float_bytes == 0 and res.int_bytes > 8 * MIB
+    assert res.float_bytes == 0 and res.int_bytes > 8 * MiB
     assert any("8 MiB" in n or "default int" in n for n in res.notes)
 
 
 def test_cuda_core_decode_with_given_occupancy(oracle):
-    env = Envelope(cuda_graph=True)
+    env = PlanEnvelope(cuda_graph=True)
     res = required_workspace(heads_q=32, heads_kv=8, head_dim=128, num_sm=142, envelope=env,
                              routes=("decode",), decode_tensor_cores=False,
                              decode_blocks_per_sm=4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvprofile import Backend, BoundWorkspace, ProfilingSupport, WorkspaceDeclaration
-from pytest_kvprofile.sizing import Envelope, required_workspace
+from pytest_kvprofile.sizing import for_case
 
 __version__ = "1.0.0"
 MiB = 1 << 20
@@ -19,21 +19,12 @@ INT_WORKSPACE = 4 * MiB
 
 
 def float_workspace_bytes(case: Any) -> int:
-    """Size the float arena from FlashInfer's own planner, for this GPU and this rank's heads."""
-    env = case.envelope
-    heads = case.heads
-    graph_sizes = tuple(s for s in env.cuda_graph_sizes if s <= env.max_num_seqs)
-    return required_workspace(
-        heads_q=heads.heads_q, heads_kv=heads.heads_kv, heads_q_decode=heads.heads_q_decode,
-        head_dim=case.model.head_dim, head_dim_vo=case.model.dim_vo, num_sm=case.gpu.num_sm,
-        envelope=Envelope(
-            max_num_seqs=env.max_num_seqs, max_num_batched_tokens=env.max_num_batched_tokens,
-            max_model_len=env.max_model_len, page_size=env.page_size, cuda_graph=bool(graph_sizes),
-            cuda_graph_sizes=graph_sizes, mtp=case.mtp,
-        ),
-        routes=("prefill",) if case.model.attention == "mla" else ("prefill", "decode"),
-        decode_tensor_cores=case.mtp > 0 or heads.heads_q // heads.heads_kv >= 4,
-    ).float_bytes
+    """Size the float arena from FlashInfer's own planner, for this GPU and this rank's heads.
+
+    ``pytest_kvprofile.sizing.for_case`` is the computation ``workspace_covers_planner`` checks
+    against, so the declaration and the check cannot disagree.
+    """
+    return for_case(case).float_bytes
 
 
 class PagedAttentionBuilder:
