@@ -1,24 +1,37 @@
 """pytest-kvprofile: prove that an attention backend's persistent memory is visible to KV-cache sizing.
 
-The public API is importable without pytest: the contract (support declaration, lease, workspace
-manager, builder protocol), the lifecycle driver and its checks, the matrix loader, and the backend
-registry. Heavy modules (torch, flashinfer, the sizing oracle) load lazily.
+The public API is importable without pytest and without initializing CUDA: the contract (support
+declaration, lease, workspace manager, builder protocol, backends), the matrix, the lifecycle and its
+checks, the simulated device and the sizing entry point. The README's "Public API" table lists it;
+heavy modules (torch, flashinfer, the sizing oracle's compiled library) load lazily.
 """
 
 from __future__ import annotations
 
-from pytest_kvprofile.contract.backends import Backend, BackendError
+from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, failing_checks
+from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy
 from pytest_kvprofile.contract.lease import Lease, LeaseReleasedError
-from pytest_kvprofile.lifecycle.driver import EnginePolicy, LifecycleResult, run_lifecycle
-from pytest_kvprofile.matrix.schema import Case, Envelope, MatrixError, load_matrix
-from pytest_kvprofile.matrix.models import ModelSpec
 from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
-from pytest_kvprofile.contract.support import DeclarationError, ProfilingSupport, SupportResolution, declared_support, resolve_support
+from pytest_kvprofile.contract.support import (
+    DeclarationError,
+    ProfilingSupport,
+    SupportResolution,
+    declared_support,
+    resolve_support,
+)
 from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceLockedError, WorkspaceManager
+from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
+from pytest_kvprofile.lifecycle.record import LifecycleResult
+from pytest_kvprofile.matrix.cases import Case, DecodeCapture, Envelope
+from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
+from pytest_kvprofile.matrix.models import ModelSpec
+from pytest_kvprofile.matrix.schema import MatrixError, load_matrix, packaged_matrix
+from pytest_kvprofile.memory.device import Device, DeviceOutOfMemory, SimDevice
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CHECKS",
     "ArenaView",
     "Backend",
     "BackendError",
@@ -26,22 +39,33 @@ __all__ = [
     "BoundWorkspace",
     "BuilderContext",
     "Case",
+    "Check",
+    "CheckOptions",
+    "DecodeCapture",
     "DeclarationError",
+    "Device",
+    "DeviceOutOfMemory",
     "EnginePolicy",
     "Envelope",
+    "GpuSpec",
     "Lease",
     "LeaseReleasedError",
     "LifecycleResult",
     "MatrixError",
     "ModelSpec",
     "ProfilingSupport",
+    "SimDevice",
     "SupportResolution",
     "WorkspaceDeclaration",
     "WorkspaceLockedError",
     "WorkspaceManager",
     "__version__",
     "declared_support",
+    "failing_checks",
     "load_matrix",
+    "lookup_gpu",
+    "make_device",
+    "packaged_matrix",
     "resolve_support",
     "run_lifecycle",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.lifecycle.driver import EnginePolicy
+from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.protocol import BuilderContext
 from pytest_kvprofile.builtin.stubs import MODULE_GLOBAL_BYTES, FlashInferLikeBuilder, MMPrefixLikeBuilder
 from pytest_kvprofile.units import MiB
@@ -183,7 +183,7 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
 
 
 def _resource_mutant(name: str, cls: type) -> Backend:
-    from pytest_kvprofile.contract.resources import DEFAULT_PARAMS
+    from pytest_kvprofile.builtin.resources import DEFAULT_PARAMS
 
     def make(case: Any) -> list[Any]:
         return [FlashInferLikeBuilder(case)]
@@ -197,7 +197,11 @@ def _resource_mutant(name: str, cls: type) -> Backend:
 
 
 def _resource_mutants() -> tuple[Backend, ...]:
-    from pytest_kvprofile.contract.resources import CaptureStagingDMAOutputWorkspace, LazyDMAOutputWorkspace, OversizedDMAOutputWorkspace
+    from pytest_kvprofile.builtin.resources import (
+        CaptureStagingDMAOutputWorkspace,
+        LazyDMAOutputWorkspace,
+        OversizedDMAOutputWorkspace,
+    )
 
     return (
         _resource_mutant("mutant-13a-resource-lazy", LazyDMAOutputWorkspace),

@@ -1,7 +1,9 @@
-"""The conformance checks: pure functions from a LifecycleResult to a list of violations.
+"""The conformance checks: functions from a LifecycleResult and the run's options to violations.
 
 Each check names the rule it enforces and the phase it needs; a run that aborted before that phase
-fails the check with the builder, phase and error that stopped it. An empty list is a pass.
+fails the check with the builder, phase and error that stopped it. An empty list is a pass. Every
+check only reads the record, except ``warmup_retryable``, which re-runs the builders of the
+record's probe target on fresh devices (the fault injection cannot happen inside the main run).
 """
 
 from __future__ import annotations
@@ -9,15 +11,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import pytest_kvprofile.lifecycle.driver as lc
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
+from pytest_kvprofile.contract.workspace import ArenaView
+from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.memory.budget import tokens_for
 from pytest_kvprofile.units import MiB
-from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
 
 DEFAULT_WASTE_SLACK = 2 * MiB  # one large-block rounding of the caching allocator
-PROFILING = "profiling"
-LEGACY = "legacy"
 BOTH = "both"
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """The run's settings a check reads (ini ``kvprofile_workspace_slack_mib``)."""
+
+    waste_slack_bytes: int = DEFAULT_WASTE_SLACK
+
+
+CheckFn = Callable[[LifecycleResult, CheckOptions], list[str]]
 
 
 def _always(case: Any, parts: list[Any]) -> bool:
@@ -31,20 +43,20 @@ class Check:
     path: str  # which lifecycle path it applies to
     needs: str  # the last phase it reads
     bugs: tuple[int, ...]
-    fn: Callable[[Any], list[str]]
+    fn: CheckFn
     relevant: Callable[[Any, list[Any]], bool] = _always  # False: the check has nothing to look at here
 
     def applies(self, path: str) -> bool:
         return self.path == BOTH or self.path == path
 
-    def run(self, result: Any) -> list[str]:
+    def run(self, result: LifecycleResult, options: CheckOptions = CheckOptions()) -> list[str]:
         abort = aborted_before(result, self.needs)
         if abort:
             return [abort]
-        return self.fn(result)
+        return self.fn(result, options)
 
 
-def aborted_before(result: Any, phase: str) -> str | None:
+def aborted_before(result: LifecycleResult, phase: str) -> str | None:
     """Why the phases this check needs never ran (a builder or engine error), or None."""
     if result.aborted_in is None:
         return None
@@ -61,11 +73,11 @@ def _fmt_alloc(a: Any) -> str:
     return f"{a.owner}: {a.tag!r} {a.nbytes / MiB:.2f} MiB ({a.nbytes} bytes) in phase {a.phase!r}{where}"
 
 
-def _builder_names(result: Any) -> set[str]:
+def _builder_names(result: LifecycleResult) -> set[str]:
     return set(result.builder_names())
 
 
-def _live_builder_device_bytes(result: Any, owner: str, at_phase: str) -> int:
+def _live_builder_device_bytes(result: LifecycleResult, owner: str, at_phase: str) -> int:
     """Device bytes owned by ``owner`` alive at the end of ``at_phase``."""
     order = lc.PHASE_ORDER
     limit = order.index(at_phase)
@@ -80,7 +92,7 @@ def _live_builder_device_bytes(result: Any, owner: str, at_phase: str) -> int:
 
 
 # -- support ----------------------------------------------------------------------------------
-def check_support_declaration(result: Any) -> list[str]:
+def check_support_declaration(result: LifecycleResult, options: CheckOptions) -> list[str]:
     if result.declaration_error:
         return [result.declaration_error]
     res = result.resolution
@@ -92,13 +104,13 @@ def check_support_declaration(result: Any) -> list[str]:
     if result.path != (PROFILING if res.enabled else LEGACY):
         out.append(f"the engine took the {result.path} path although the resolver said enabled={res.enabled}")
     if not res.enabled:
-        calls = [(p, b) for p, b, m in result.calls if m == "reserve_persistent_workspace"]
+        calls = [(c.phase, c.builder) for c in result.calls if c.method == "reserve_persistent_workspace"]
         if calls:
             out.append(f"reserve_persistent_workspace() was called on the legacy path: {calls}")
     return out
 
 
-def check_legacy_path_unchanged(result: Any) -> list[str]:
+def check_legacy_path_unchanged(result: LifecycleResult, options: CheckOptions) -> list[str]:
     out = []
     if result.leases:
         out.append(f"leases were taken on the legacy path: {[r.owner for r in result.leases]}")
@@ -119,7 +131,7 @@ def check_legacy_path_unchanged(result: Any) -> list[str]:
 
 
 # -- leases ------------------------------------------------------------------------------------
-def check_persistent_memory_visible(result: Any) -> list[str]:
+def check_persistent_memory_visible(result: LifecycleResult, options: CheckOptions) -> list[str]:
     """Every builder byte alive after KV sizing was already held at the closing measurement."""
     out = []
     by_id = {a.id: a for a in result.allocations}
@@ -146,10 +158,9 @@ def check_persistent_memory_visible(result: Any) -> list[str]:
     return out
 
 
-def check_lease_outlives_closing(result: Any) -> list[str]:
+def check_lease_outlives_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
     out = []
-    early = result.extra.get("released_before_closing", ())
-    for owner in early:
+    for owner in result.released_before_closing:
         out.append(f"the lease of {owner!r} was released before the closing measurement")
     by_id = {a.id: a for a in result.allocations}
     for rec in result.leases:
@@ -163,7 +174,7 @@ def check_lease_outlives_closing(result: Any) -> list[str]:
     return out
 
 
-def check_lease_released_before_graph_profiling(result: Any) -> list[str]:
+def check_lease_released_before_graph_profiling(result: LifecycleResult, options: CheckOptions) -> list[str]:
     out = []
     by_id = {a.id: a for a in result.allocations}
     for rec in result.leases:
@@ -188,7 +199,7 @@ def check_lease_released_before_graph_profiling(result: Any) -> list[str]:
 
 
 # -- warmup and replay -------------------------------------------------------------------------
-def check_profile_replayed(result: Any) -> list[str]:
+def check_profile_replayed(result: LifecycleResult, options: CheckOptions) -> list[str]:
     warmed = [
         a for a in result.allocations
         if a.phase == lc.PROFILE_WARMUP and a.kind == "device" and a.freed_phase not in lc.WINDOW_PHASES
@@ -203,7 +214,7 @@ def check_profile_replayed(result: Any) -> list[str]:
     return []
 
 
-def check_warmup_idempotent(result: Any) -> list[str]:
+def check_warmup_idempotent(result: LifecycleResult, options: CheckOptions) -> list[str]:
     repeat = [a for a in result.allocations if a.phase == lc.WARMUP_REPEAT and a.kind == "device"]
     kept = [a for a in repeat if a.freed_phase is None]
     if kept:
@@ -214,14 +225,14 @@ def check_warmup_idempotent(result: Any) -> list[str]:
     return []
 
 
-def check_warmup_retryable(result: Any) -> list[str]:
+def check_warmup_retryable(result: LifecycleResult, options: CheckOptions) -> list[str]:
     from pytest_kvprofile.lifecycle.probes import warmup_retry_violations
 
-    return warmup_retry_violations(result)
+    return warmup_retry_violations(result.probe, tuple(result.builder_names()))
 
 
 # -- arena -------------------------------------------------------------------------------------
-def check_arena_stable(result: Any) -> list[str]:
+def check_arena_stable(result: LifecycleResult, options: CheckOptions) -> list[str]:
     closing = result.phase(lc.CLOSING)
     out = []
     for phase in (lc.LEASE_RELEASE, lc.GRAPH_PROFILING, lc.KV_SIZING, lc.REBIND, lc.WARMUP, lc.CAPTURE, lc.LOCK,
@@ -238,16 +249,20 @@ def check_arena_stable(result: Any) -> list[str]:
     capture = result.phase(lc.CAPTURE)
     serving = result.phase(lc.SERVING)
     if capture is not None and serving is not None and capture.bound != serving.bound:
-        moved = sorted(set(capture.bound) ^ set(serving.bound))
-        out.append(f"workspace pointers bound at capture changed before replay: {moved[:4]}")
+        moved = sorted(set(capture.bound) ^ set(serving.bound), key=lambda b: (b.owner, b.workspace.ubatch))
+        detail = "; ".join(
+            f"{b.owner} {b.workspace.role} [ubatch {b.workspace.ubatch}] ptr {b.workspace.ptr:#x} "
+            f"{b.workspace.nbytes} bytes ({'at capture' if b in capture.bound else 'at serving'})"
+            for b in moved[:4])
+        out.append(f"workspace pointers bound at capture changed before replay: {detail}")
     return out
 
 
-def _fmt_arena(arena: tuple) -> str:
-    return ", ".join(f"ubatch {u}: ptr {ptr:#x} size {size / MiB:.2f} MiB" for u, ptr, size in arena) or "none"
+def _fmt_arena(arena: tuple[ArenaView, ...]) -> str:
+    return ", ".join(f"ubatch {v.ubatch}: ptr {v.ptr:#x} size {v.nbytes / MiB:.2f} MiB" for v in arena) or "none"
 
 
-def check_arena_not_grown_after_lock(result: Any) -> list[str]:
+def check_arena_not_grown_after_lock(result: LifecycleResult, options: CheckOptions) -> list[str]:
     out = []
     for err in result.errors:
         if err.exc_type == "WorkspaceLockedError":
@@ -274,15 +289,16 @@ def _has_capacity_resource(case: Any, parts: list[Any]) -> bool:
     return any(is_resource(p) and getattr(p, "capacity_bytes", None) is not None for p in parts)
 
 
-def check_ubatch_arenas_disjoint(result: Any) -> list[str]:
+def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions) -> list[str]:
     out = []
     for rec in result.phases:
-        arenas = {u: (ptr, ptr + size) for u, ptr, size in rec.arena if size}
+        arenas = {v.ubatch: (v.ptr, v.end) for v in rec.arena if v.nbytes}
         spans = sorted(arenas.items(), key=lambda kv: kv[1])
         for (u1, (_s1, e1)), (u2, (s2, _e2)) in zip(spans, spans[1:]):
             if s2 < e1:
                 out.append(f"phase {rec.name!r}: the arenas of ubatch {u1} and ubatch {u2} overlap")
-        for owner, ub, role, ptr, nbytes in rec.bound:
+        for bound in rec.bound:
+            ub, ptr, nbytes = bound.workspace.ubatch, bound.workspace.ptr, bound.workspace.nbytes
             if ub not in arenas:
                 continue
             start, end = arenas[ub]
@@ -290,7 +306,7 @@ def check_ubatch_arenas_disjoint(result: Any) -> list[str]:
                 other = [u for u, (s, e) in arenas.items() if u != ub and s <= ptr < e]
                 where = f"inside ubatch {other[0]}'s arena" if other else "outside its arena"
                 out.append(
-                    f"phase {rec.name!r}: {owner}'s {role} for ubatch {ub} points {where} "
+                    f"phase {rec.name!r}: {bound.owner}'s {bound.workspace.role} for ubatch {ub} points {where} "
                     f"(ptr {ptr:#x}, {nbytes / MiB:.2f} MiB)"
                 )
         if out:
@@ -299,7 +315,7 @@ def check_ubatch_arenas_disjoint(result: Any) -> list[str]:
 
 
 # -- capture -----------------------------------------------------------------------------------
-def check_no_synthetic_in_capture(result: Any) -> list[str]:
+def check_no_synthetic_in_capture(result: LifecycleResult, options: CheckOptions) -> list[str]:
     resources = _resource_names(result)
     bad = [
         a for a in result.allocations
@@ -314,13 +330,13 @@ def check_no_synthetic_in_capture(result: Any) -> list[str]:
     return []
 
 
-def _resource_names(result: Any) -> set[str]:
+def _resource_names(result: LifecycleResult) -> set[str]:
     from pytest_kvprofile.contract.resources import is_resource
 
     return {b.name for b in result.builders if is_resource(b)}
 
 
-def check_resource_capacity(result: Any) -> list[str]:
+def check_resource_capacity(result: LifecycleResult, options: CheckOptions) -> list[str]:
     from pytest_kvprofile.contract.resources import is_resource
 
     out = []
@@ -342,7 +358,7 @@ def check_resource_capacity(result: Any) -> list[str]:
 
 
 # -- budget ------------------------------------------------------------------------------------
-def check_no_post_kv_overrun(result: Any) -> list[str]:
+def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> list[str]:
     budget = result.budget
     out = []
     oom = [e for e in result.errors if e.exc_type == "DeviceOutOfMemory" and e.phase in lc.POST_KV_PHASES]
@@ -366,7 +382,7 @@ def check_no_post_kv_overrun(result: Any) -> list[str]:
     return out
 
 
-def check_graph_pool_full_high_water(result: Any) -> list[str]:
+def check_graph_pool_full_high_water(result: LifecycleResult, options: CheckOptions) -> list[str]:
     budget = result.budget
     if budget.graph_pool_estimate < result.graph_pool_high_water:
         missing = result.graph_pool_high_water - budget.graph_pool_estimate
@@ -378,7 +394,7 @@ def check_graph_pool_full_high_water(result: Any) -> list[str]:
     return []
 
 
-def check_workspace_covers_planner(result: Any) -> list[str]:
+def check_workspace_covers_planner(result: LifecycleResult, options: CheckOptions) -> list[str]:
     from pytest_kvprofile.sizing.case import for_case
 
     need = for_case(result.case)
@@ -406,7 +422,7 @@ def check_workspace_covers_planner(result: Any) -> list[str]:
                 f"needs {need.int_bytes}"
             )
         excess = decl.float_bytes - need.float_bytes
-        slack = result.extra.get("waste_slack_bytes", DEFAULT_WASTE_SLACK)
+        slack = options.waste_slack_bytes
         if excess > slack:
             out.append(
                 f"builder {b.name!r} reserves {decl.float_bytes / MiB:.2f} MiB of float workspace where FlashInfer "
@@ -414,12 +430,6 @@ def check_workspace_covers_planner(result: Any) -> list[str]:
                 f"{result.case.gpu.num_sm} SMs: {excess / MiB:.2f} MiB wasted, {tokens_for(excess, per_token)} KV "
                 f"tokens per rank (allowed slack {slack / MiB:.2f} MiB, ini kvprofile_workspace_slack_mib)"
             )
-        if not out:
-            result.extra.setdefault("sizing", {})[b.name] = {
-                "declared_float": decl.float_bytes, "required_float": need.float_bytes,
-                "headroom_mib": excess / MiB, "headroom_kv_tokens": tokens_for(excess, per_token),
-                "method": need.method,
-            }
     return out
 
 
@@ -473,13 +483,13 @@ def checks_for(path: str) -> list[Check]:
     return [c for c in CHECKS if c.applies(path)]
 
 
-def failing_checks(result: Any) -> dict[str, list[str]]:
+def failing_checks(result: LifecycleResult, options: CheckOptions = CheckOptions()) -> dict[str, list[str]]:
     """Run every applicable check; {check name: violations} for those that fail."""
     out = {}
     for check in checks_for(result.path):
         if not check.relevant(result.case, result.builders):
             continue
-        violations = check.run(result)
+        violations = check.run(result, options)
         if violations:
             out[check.name] = violations
     return out

@@ -1,25 +1,34 @@
 """Backends: a named factory of builders for one model, plus how the engine integrates them.
 
-The built-in backends are the CPU stubs and the mutant catalog; third-party backends register
-through the ``pytest_kvprofile.contract.backends`` entry-point group, ``--kvprofile-backend module:factory``
-or the ``pytest_kvprofile_backends`` hook.
+Where backends come from (entry points, ``--kvprofile-backend``, the hook, the built-ins) is
+:mod:`pytest_kvprofile.contract.registry`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from pytest_kvprofile.lifecycle.driver import EnginePolicy
-
-ENTRY_POINT_GROUP = "pytest_kvprofile.contract.backends"
 REQUIRED_BUILDER_ATTRS = ("name",)
 
 
 class BackendError(ValueError):
     """A backend cannot be used; the message names it and what is missing."""
+
+
+@dataclass(frozen=True)
+class EnginePolicy:
+    """How the engine integrates the backend; the correct values are the defaults.
+
+    ``warmup_in_window``: None means "when any builder says its warmup materializes persistent
+    resources". ``graph_estimate``: "high_water" (the pool's full high-water mark) or
+    "gross_minus_retained" (the older accounting that omits live reserved pages).
+    """
+
+    warmup_in_window: bool | None = None
+    replay_after_warmup: bool = True
+    graph_estimate: str = "high_water"
 
 
 @dataclass(frozen=True)
@@ -88,48 +97,3 @@ def validate_builders(backend: Backend, builders: list[Any]) -> None:
         names.append(b.name)
     if len(set(names)) != len(names):
         raise BackendError(f"backend {backend.name!r}: builder names are not unique: {names}")
-
-
-def load_factory(spec: str) -> list[Backend]:
-    """Import ``package.module:factory`` and call it; it returns one backend or several."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise BackendError(f"--kvprofile-backend {spec!r}: expected 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the backend's, reported as such
-        raise BackendError(f"backend {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise BackendError(f"backend {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    return call_factory(factory, spec)
-
-
-def call_factory(factory: Any, origin: str) -> list[Backend]:
-    if not callable(factory):
-        raise BackendError(f"backend {origin!r}: {factory!r} is not callable")
-    try:
-        produced = factory()
-    except Exception as exc:  # noqa: BLE001
-        raise BackendError(f"backend {origin!r}: the factory raised {type(exc).__name__}: {exc}") from None
-    items = produced if isinstance(produced, (list, tuple)) else [produced]
-    if not items:
-        raise BackendError(f"backend {origin!r}: the factory returned an empty list")
-    return [coerce_backend(item, origin) for item in items]
-
-
-def entry_point_backends() -> list[Backend]:
-    from importlib.metadata import entry_points
-
-    out: list[Backend] = []
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        try:
-            factory = ep.load()
-        except Exception as exc:  # noqa: BLE001
-            raise BackendError(
-                f"backend entry point {ep.name!r} ({ep.value}): cannot load: {type(exc).__name__}: {exc}"
-            ) from None
-        out.extend(call_factory(factory, f"entry point {ep.name!r}"))
-    return out

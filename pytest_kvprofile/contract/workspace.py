@@ -87,18 +87,16 @@ class WorkspaceManager:
         """Grow every micro-batch arena to ``nbytes`` (what a backend does inside the profiling window)."""
         return [self.get_workspace(requester, nbytes, u) for u in range(self.num_ubatches)]
 
-    def snapshot(self) -> tuple[tuple[int, int, int], ...]:
-        """(ubatch, pointer, size) for every arena: what captured graphs depend on."""
+    def snapshot(self) -> tuple[ArenaView, ...]:
+        """Every micro-batch's whole arena (pointer and size): what captured graphs depend on."""
         out = []
         for u, arena in enumerate(self._arenas):
-            out.append((u, arena.ptr if arena is not None else 0, arena.nbytes if arena is not None else 0))
+            ptr, size = (arena.ptr, arena.nbytes) if arena is not None else (0, 0)
+            out.append(ArenaView(ubatch=u, ptr=ptr, nbytes=size, arena_size=size))
         return tuple(out)
 
     def lock(self) -> None:
         self.locked = True
-
-    def unlock(self) -> None:
-        self.locked = False
 
     def close(self) -> None:
         """Free every arena (end of a case); the manager is unusable afterwards."""

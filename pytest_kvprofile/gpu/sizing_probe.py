@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_kvprofile.gpu.reference import paged_layout
+from pytest_kvprofile.gpu.wrappers import make_wrapper, plan_args, run_checked
 from pytest_kvprofile.sizing.case import for_case
-from pytest_kvprofile.gpu.flashinfer_builders import make_wrapper, paged_layout, plan_args, run_checked
 
 __all__ = ["OVERFLOW_MARKER", "RouteProbe", "api_workspace_size", "expect_overflow", "plan_on_device", "route_probes"]
 

@@ -232,14 +232,16 @@ def _nvml_links(nvml: Any, handles: list[Any]) -> list[GpuLink]:
 
 
 def _nvlink_active(nvml: Any, handle: Any) -> int:
+    """Enabled NVLinks over every link index: a link NVML does not report (unpopulated, or
+    "not supported" on a PCIe part) is skipped, not taken as the end of the list."""
     active = 0
     enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
     for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))):
         try:
             if nvml.nvmlDeviceGetNvLinkState(handle, link) == enabled:
                 active += 1
-        except Exception:  # noqa: BLE001 - "not supported" or past the device's last link
-            break
+        except Exception:  # noqa: BLE001 - pynvml raises NVMLError subclasses per link
+            continue
     return active
 
 

@@ -1,4 +1,4 @@
-"""The reference lifecycle: the phases of DESIGN.md section 2 driven over a builder set, traced.
+"""The reference lifecycle: the engine's phases (``phases.py``, docs/contract.md) driven over a builder set.
 
 One run takes a backend (builders + engine policy) and a case, drives the builders through
 profiling, KV sizing and serving on a device, and records what the checks need: every allocation
@@ -11,128 +11,47 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pytest_kvprofile.memory.budget import Budget, ProfileWindow, available_kv_bytes, tokens_for
+from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
-from pytest_kvprofile.matrix.models import kv_bytes_per_token
-from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration, call_optional
-from pytest_kvprofile.contract.support import DeclarationError, ProfilingSupport, SupportResolution, builder_name, declared_support, resolve_support
+from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration, call_optional
+from pytest_kvprofile.contract.support import DeclarationError, ProfilingSupport, builder_name, declared_support, resolve_support
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError, WorkspaceManager
-
-SETUP = "setup"
-BASELINE = "baseline"
-RESERVATION = "reservation"
-PROFILE_RUN = "profile_run"
-PROFILE_WARMUP = "profile_warmup"
-PROFILE_REPLAY = "profile_replay"
-CLOSING = "closing_measurement"
-LEASE_RELEASE = "lease_release"
-GRAPH_PROFILING = "graph_profiling"
-KV_SIZING = "kv_sizing"
-REBIND = "rebind"
-WARMUP = "warmup"
-CAPTURE = "capture"
-LOCK = "lock"
-SERVING = "serving"
-WARMUP_REPEAT = "warmup_repeat"
-TEARDOWN = "teardown"
-
-WINDOW_PHASES = (RESERVATION, PROFILE_RUN, PROFILE_WARMUP, PROFILE_REPLAY)
-POST_KV_PHASES = (KV_SIZING, REBIND, WARMUP, CAPTURE, LOCK, SERVING, WARMUP_REPEAT)
-PHASE_ORDER = (
-    SETUP, BASELINE, RESERVATION, PROFILE_RUN, PROFILE_WARMUP, PROFILE_REPLAY, CLOSING, LEASE_RELEASE,
-    GRAPH_PROFILING, KV_SIZING, REBIND, WARMUP, CAPTURE, LOCK, SERVING, WARMUP_REPEAT,
+from pytest_kvprofile.lifecycle.phases import (
+    BASELINE,
+    CAPTURE,
+    CLOSING,
+    GRAPH_PROFILING,
+    KV_SIZING,
+    LEASE_RELEASE,
+    LOCK,
+    POST_KV_PHASES,
+    PROFILE_REPLAY,
+    PROFILE_RUN,
+    PROFILE_WARMUP,
+    REBIND,
+    RESERVATION,
+    SERVING,
+    SETUP,
+    WARMUP,
+    WARMUP_REPEAT,
 )
-ENGINE_OWNERS = ("model", "kv-cache", "workspace-manager", "engine")
-
-
-@dataclass(frozen=True)
-class EnginePolicy:
-    """How the engine integrates the backend; the correct values are the defaults.
-
-    ``warmup_in_window``: None means "when any builder says its warmup materializes persistent
-    resources". ``graph_estimate``: "high_water" (the pool's full high-water mark) or
-    "gross_minus_retained" (the older accounting that omits live reserved pages).
-    """
-
-    warmup_in_window: bool | None = None
-    replay_after_warmup: bool = True
-    graph_estimate: str = "high_water"
-
-
-@dataclass
-class PhaseRecord:
-    name: str
-    allocated: int
-    reserved: int
-    arena: tuple
-    bound: tuple
-    locked: bool
-
-
-@dataclass
-class PhaseError:
-    phase: str
-    who: str
-    exc_type: str
-    message: str
-    traceback: str
-    injected: bool = False
-
-    def describe(self) -> str:
-        return f"{self.who} raised {self.exc_type} in phase {self.phase!r}: {self.message}"
-
-
-@dataclass
-class LeaseRecord:
-    owner: str
-    lease: Lease
-    allocation_ids: tuple[int, ...]
-
-
-@dataclass
-class LifecycleResult:
-    """Everything one run recorded; checks read it, nothing here is a verdict."""
-
-    backend: str
-    case: Any
-    builders: list[Any]
-    resolution: SupportResolution | None
-    declaration_error: str | None
-    path: str  # "profiling" or "legacy"
-    policy: EnginePolicy
-    allocations: list[Any] = field(default_factory=list)
-    phases: list[PhaseRecord] = field(default_factory=list)
-    errors: list[PhaseError] = field(default_factory=list)
-    leases: list[LeaseRecord] = field(default_factory=list)
-    calls: list[tuple[str, str, str]] = field(default_factory=list)  # (phase, builder, method)
-    window: ProfileWindow | None = None
-    budget: Budget | None = None
-    graph_pool_high_water: int = 0
-    graph_pool_retained: int = 0
-    post_kv_peak_used: int = 0
-    post_kv_peak_live: list[Any] = field(default_factory=list)
-    lock_probe_error: str | None = None
-    aborted_in: str | None = None
-    declared: dict[str, Any] = field(default_factory=dict)
-    kv_allocation: Any = None
-    alloc_origin: dict[int, str] = field(default_factory=dict)  # allocation id -> builder method
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def phase(self, name: str) -> PhaseRecord | None:
-        for rec in self.phases:
-            if rec.name == name:
-                return rec
-        return None
-
-    def allocs_in(self, *phases: str) -> list[Any]:
-        return [a for a in self.allocations if a.phase in phases]
-
-    def builder_names(self) -> list[str]:
-        return [builder_name(b) for b in self.builders]
-
+from pytest_kvprofile.lifecycle.record import (
+    LEGACY,
+    PROFILING,
+    BoundRecord,
+    CallRecord,
+    LeaseRecord,
+    LifecycleResult,
+    PhaseError,
+    PhaseRecord,
+    ProbeTarget,
+)
+from pytest_kvprofile.matrix.cases import Case, DecodeCapture
+from pytest_kvprofile.matrix.models import kv_bytes_per_token
+from pytest_kvprofile.memory.budget import Budget, ProfileWindow, available_kv_bytes, tokens_for
+from pytest_kvprofile.memory.device import Device
 
 class _Abort(Exception):
     """Stops a run after a builder's error has been recorded."""
@@ -141,25 +60,24 @@ class _Abort(Exception):
 class LifecycleRun:
     """Drives one backend over one case on one device. Use ``run_lifecycle``."""
 
-    def __init__(self, backend: Any, case: Any, device: Any, builders: list[Any]):
-        self.backend = backend
-        self.case = case
+    def __init__(self, target: ProbeTarget, device: Device):
+        self.backend = target.backend
+        self.case = target.case
         self.device = device
-        self.builders = builders
-        self.policy: EnginePolicy = getattr(backend, "policy", None) or EnginePolicy()
-        self.manager = WorkspaceManager(device, num_ubatches=case.envelope.num_ubatches)
+        self.builders: list[Any] = []
+        self.policy: EnginePolicy = getattr(self.backend, "policy", None) or EnginePolicy()
+        self.manager = WorkspaceManager(device, num_ubatches=self.case.envelope.num_ubatches)
         self.in_window = False
         self.in_dummy_forward = False
-        self._contexts = {builder_name(b): BuilderContext(self, builder_name(b)) for b in builders}
+        self._contexts: dict[str, BuilderContext] = {}
         self._post_kv = False
         self._peak_used = 0
         self._current_call: str | None = None
         self._torch: Any = None
         self.result = LifecycleResult(
-            backend=getattr(backend, "name", str(backend)), case=case, builders=builders,
-            resolution=None, declaration_error=None, path="legacy", policy=self.policy,
+            backend=getattr(self.backend, "name", str(self.backend)), case=self.case, probe=target,
+            policy=self.policy,
         )
-        self.result.extra["backend"] = backend
         self._unsubscribe = device.subscribe(self._on_event)
 
     # -- recording ---------------------------------------------------------------------------
@@ -180,12 +98,12 @@ class LifecycleRun:
         self.device.phase = phase
 
     def _record_phase(self, phase: str) -> None:
-        bound = []
+        bound: list[BoundRecord] = []
         for b in self.builders:
             fn = getattr(b, "bound_workspaces", None)
             if fn is not None:
                 try:
-                    bound.extend((builder_name(b), w.ubatch, w.role, w.ptr, w.nbytes) for w in fn())
+                    bound.extend(BoundRecord(builder_name(b), _bound(w)) for w in fn())
                 except Exception as exc:  # noqa: BLE001 - recorded like any other builder failure
                     self._fail(builder_name(b), exc)
         self.result.phases.append(
@@ -201,7 +119,7 @@ class LifecycleRun:
 
     def _call(self, builder: Any, method: str, *args: Any) -> Any:
         name = builder_name(builder)
-        self.result.calls.append((self.device.phase, name, method))
+        self.result.calls.append(CallRecord(self.device.phase, name, method))
         self._current_call = method
         scope = self._torch.owner_scope(name, method) if self._torch is not None else contextlib.nullcontext()
         try:
@@ -282,9 +200,22 @@ class LifecycleRun:
             finally:
                 self._torch = None
 
+    def make_builders(self) -> None:
+        """Construct the backend's parts for the case, once, on this run's device (phase ``setup``)."""
+        from pytest_kvprofile.contract.registry import model_parts
+
+        self._enter(SETUP)
+        try:
+            self.builders = model_parts(self.backend, self.case)
+        except Exception as exc:  # noqa: BLE001 - a raising factory is reported by every check
+            self._fail(f"backend {self.result.backend!r} factory", exc)
+        self.result.builders = self.builders
+        self._contexts = {builder_name(b): BuilderContext(self, builder_name(b)) for b in self.builders}
+
     def run(self) -> LifecycleResult:
         try:
             with self.device_mode():
+                self.make_builders()
                 self._run()
         except _Abort:
             pass
@@ -315,7 +246,7 @@ class LifecycleRun:
                     self._enter(SETUP)
                     self._fail(builder_name(b), exc)
         enabled = self.result.resolution is not None and self.result.resolution.enabled
-        self.result.path = "profiling" if enabled else "legacy"
+        self.result.path = PROFILING if enabled else LEGACY
 
     def _warmup_in_window(self) -> bool:
         if self.policy.warmup_in_window is not None:
@@ -326,7 +257,7 @@ class LifecycleRun:
         case, dev = self.case, self.device
         self._enter(SETUP)
         self._resolve()
-        profiling = self.result.path == "profiling"
+        profiling = self.result.path == PROFILING
         self._alloc_engine(case.weights_bytes, "model", "weights")
         self._record_phase(SETUP)
 
@@ -387,7 +318,7 @@ class LifecycleRun:
             peak_allocated=peak_allocated,
         )
         self.in_window = False
-        self.result.extra["released_before_closing"] = tuple(r.owner for r in self.result.leases if r.lease.released)
+        self.result.released_before_closing = tuple(r.owner for r in self.result.leases if r.lease.released)
         self._record_phase(CLOSING)
 
         if profiling:
@@ -404,7 +335,7 @@ class LifecycleRun:
         self._record_phase(GRAPH_PROFILING)
 
         self._enter(KV_SIZING)
-        self._size_kv(pool)
+        self._size_kv()
         self._record_phase(KV_SIZING)
 
         self._enter(REBIND)
@@ -471,7 +402,7 @@ class LifecycleRun:
             self.in_dummy_forward = False
         self.device.free(out)
 
-    def _size_kv(self, pool: Any) -> None:
+    def _size_kv(self) -> None:
         case, dev, window = self.case, self.device, self.result.window
         assert window is not None
         if self.policy.graph_estimate == "gross_minus_retained":
@@ -525,11 +456,22 @@ def _graph_batch(capture: DecodeCapture) -> Batch:
     return Batch("decode", capture.num_reqs, capture.num_tokens, cuda_graph=True)
 
 
+def _bound(w: Any) -> BoundWorkspace:
+    """A reported range as a BoundWorkspace (duck-typed ones with the same four fields are accepted)."""
+    if isinstance(w, BoundWorkspace):
+        return w
+    try:
+        return BoundWorkspace(int(w.ubatch), str(w.role), int(w.ptr), int(w.nbytes))
+    except (AttributeError, TypeError, ValueError):
+        raise TypeError(f"bound_workspaces() yielded {type(w).__name__}, not a BoundWorkspace") from None
+
+
 def _with_ubatch(batch: Batch, ubatch: int) -> Batch:
     return Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, ubatch)
 
 
-def make_device(case: Any) -> Any:
+def make_device(case: Case) -> Device:
+    """The CPU tier's device for a case: a simulated GPU of the case's memory, SMs and non-torch bytes."""
     from pytest_kvprofile.memory.device import SimDevice
 
     return SimDevice(
@@ -538,23 +480,7 @@ def make_device(case: Any) -> Any:
     )
 
 
-def run_lifecycle(backend: Any, case: Any, device_factory: Callable[[Any], Any] = make_device) -> LifecycleResult:
-    """Build the backend's builders for ``case`` and drive them through every phase."""
-    from pytest_kvprofile.contract.resources import model_parts
-
-    device = device_factory(case)
-    run_error: PhaseError | None = None
-    try:
-        builders = model_parts(backend, case)
-    except Exception as exc:  # noqa: BLE001
-        run_error = PhaseError(SETUP, f"backend {getattr(backend, 'name', backend)!r} factory", type(exc).__name__,
-                               str(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-        builders = []
-    run = LifecycleRun(backend, case, device, builders)
-    run.result.extra["device_factory"] = device_factory
-    if run_error is not None:
-        run.result.errors.append(run_error)
-        run.result.aborted_in = SETUP
-        run._teardown()
-        return run.result
-    return run.run()
+def run_lifecycle(backend: Any, case: Case, device_factory: Callable[[Case], Device] = make_device) -> LifecycleResult:
+    """Build the backend's builders for ``case`` on a fresh device and drive them through every phase."""
+    target = ProbeTarget(backend, case, device_factory)
+    return LifecycleRun(target, device_factory(case)).run()

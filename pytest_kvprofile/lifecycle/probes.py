@@ -13,15 +13,18 @@ import functools
 from collections import Counter
 from typing import Any, Iterator
 
-import pytest_kvprofile.lifecycle.driver as lc
-from pytest_kvprofile.units import MiB
+import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.contract.protocol import call_optional
 from pytest_kvprofile.contract.support import ProfilingSupport, builder_name, declared_support
+from pytest_kvprofile.lifecycle.driver import LifecycleRun, make_device
+from pytest_kvprofile.lifecycle.record import ProbeTarget
+from pytest_kvprofile.matrix.cases import Case
+from pytest_kvprofile.units import MiB
 
 MAX_FAIL_POINTS = 16
 
 
-class _ProbeRun(lc.LifecycleRun):
+class _ProbeRun(LifecycleRun):
     """A run that stops after the reservation: the state a warmup starts from inside the window."""
 
     def prepare(self) -> None:
@@ -44,25 +47,13 @@ class _ProbeRun(lc.LifecycleRun):
         return out
 
 
-class _Target:
-    """What a probe needs of a finished run: its backend, case and device factory."""
-
-    def __init__(self, backend: Any, case: Any, factory: Any, names: tuple[str, ...]):
-        self.backend, self.case, self.factory, self.names = backend, case, factory, names
-
-    def builder_names(self) -> tuple[str, ...]:
-        return self.names
-
-
 @contextlib.contextmanager
-def _fresh(target: _Target) -> Iterator[tuple[_ProbeRun, Any]]:
+def _fresh(target: ProbeTarget) -> Iterator[tuple[_ProbeRun, Any]]:
     """A new device and builders, prepared up to warmup, with the backend's device mode active."""
-    from pytest_kvprofile.contract.resources import model_parts
-
-    device = target.factory(target.case)
-    builders = model_parts(target.backend, target.case)
-    run = _ProbeRun(target.backend, target.case, device, builders)
+    device = target.device_factory(target.case)
+    run = _ProbeRun(target, device)
     with run.device_mode():
+        run.make_builders()
         run.prepare()
         yield run, device
 
@@ -71,35 +62,31 @@ def _persistent(device: Any, owner: str) -> Counter:
     return Counter((a.tag, a.nbytes) for a in device.live_allocations() if a.owner == owner and a.kind == "device")
 
 
-def warmup_retry_violations(result: Any) -> list[str]:
-    """For each builder whose warmup allocates, fail it at every allocation and retry.
+def warmup_retry_violations(target: ProbeTarget, names: tuple[str, ...]) -> list[str]:
+    """For each of the builders ``names``, fail its warmup at every allocation and retry.
 
-    The probe never reads gpu_memory_utilization, so cases that differ only in it share one answer.
+    The probe never reads gpu_memory_utilization, so cases that differ only in it share one answer
+    on the simulated device.
     """
-    backend = result.extra.get("backend")
-    if backend is None:
-        return ["the warmup retry probe needs the backend that produced this result"]
-    factory = result.extra.get("device_factory", lc.make_device)
-    names = tuple(result.builder_names())
-    if factory is lc.make_device:
+    if target.device_factory is make_device:
         try:
-            return list(_probe_simulated(backend, dataclasses.replace(result.case, id="", gmu=0.0), names))
+            return list(_probe_simulated(target.backend, dataclasses.replace(target.case, id="", gmu=0.0), names))
         except TypeError:  # an unhashable backend: probe without the memo
             pass
-    return _probe(_Target(backend, result.case, factory, names))
+    return _probe(target, names)
 
 
 @functools.lru_cache(maxsize=256)
-def _probe_simulated(backend: Any, case: Any, names: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(_probe(_Target(backend, case, lc.make_device, names)))
+def _probe_simulated(backend: Any, case: Case, names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_probe(ProbeTarget(backend, case, make_device), names))
 
 
-def _probe(result: "_Target") -> list[str]:
+def _probe(target: ProbeTarget, names: tuple[str, ...]) -> list[str]:
     out: list[str] = []
-    for index, name in enumerate(result.builder_names()):
+    for index, name in enumerate(names):
         stage = lc.RESERVATION
         try:
-            with _fresh(result) as (clean_run, clean_dev):
+            with _fresh(target) as (clean_run, clean_dev):
                 stage = lc.PROFILE_WARMUP
                 builder = clean_run.builders[index]
                 count = _count_allocations(
@@ -110,7 +97,7 @@ def _probe(result: "_Target") -> list[str]:
             return [f"the warmup retry probe could not run: {name} raised {type(exc).__name__} in phase "
                     f"{stage!r}: {exc}"]
         for k in range(min(count, MAX_FAIL_POINTS)):
-            with _fresh(result) as (run, dev):
+            with _fresh(target) as (run, dev):
                 out.extend(_fail_and_retry(run, dev, index, name, k, expected))
         if out:
             break

@@ -140,15 +140,27 @@ class DeviceEvent:
 
 @runtime_checkable
 class Device(Protocol):
-    """What the harness needs from a device: the simulated one, or a wrapper over ``torch.cuda``."""
+    """What the lifecycle needs of a device: the simulated one (:class:`SimDevice`) or the GPU tier's
+    wrapper over ``torch.cuda`` (``pytest_kvprofile.gpu.cuda_device.CudaDevice``).
+
+    Allocation with attribution (owner, tag, phase), a ledger of live allocations, torch's memory
+    figures, events for recording, CUDA-graph capture into a private pool, and fault injection.
+    """
 
     name: str
     total_memory: int
     num_sm: int
+    nontorch_bytes: int
     phase: str
 
+    @property
+    def capturing(self) -> bool: ...
     def allocate(self, nbytes: int, *, owner: str, tag: str = "", pinned_host: bool = False) -> Allocation: ...
     def free(self, alloc: Allocation) -> None: ...
+    def live_allocations(self) -> list[Allocation]: ...
+    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]: ...
+    def fail_after(self, n: int) -> None: ...
+    def graph_capture(self, pool: Any = None) -> Any: ...
     def mem_get_info(self) -> tuple[int, int]: ...
     def memory_allocated(self) -> int: ...
     def memory_reserved(self) -> int: ...
@@ -170,7 +182,7 @@ def _caller_stack() -> str:
     return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
 
 
-def _host_size(nbytes: int) -> int:
+def host_block_size(nbytes: int) -> int:
     """Pinned host blocks are rounded up to a power of two (CachingHostAllocator)."""
     return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
@@ -351,7 +363,7 @@ class SimDevice(EventSource):
         stack = self._admit(nbytes, owner, tag, stack)
         self._next_id += 1
         if pinned_host:
-            size = _host_size(nbytes)
+            size = host_block_size(nbytes)
             ptr = self._host_next_ptr
             self._host_next_ptr += max(size, 512)
             self.host_allocated += size

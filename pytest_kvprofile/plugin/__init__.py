@@ -1,10 +1,13 @@
-"""pytest hook implementations for pytest-kvprofile; the logic lives in plain modules beside it."""
+"""pytest hook implementations for pytest-kvprofile (the ``pytest11`` entry point).
+
+Hooks only: the session state is :mod:`.session`, the controller's recorder :mod:`.recorder`, the
+GPU tier's hooks :mod:`.gpu`, the plugin's own hook specifications :mod:`.hookspecs`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +15,8 @@ import pytest
 
 from pytest_kvprofile.contract.backends import BackendError
 from pytest_kvprofile.matrix.schema import MatrixError
-from pytest_kvprofile.plugin.session import KvprofileSession, Settings, build_session
-
-SESSION_KEY = pytest.StashKey[KvprofileSession]()
-RECORD_KEY = "kvprofile"
+from pytest_kvprofile.plugin.recorder import Recorder
+from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession, Settings, build_session
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -99,7 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.is_registered(gpu_hooks):
         config.pluginmanager.register(gpu_hooks, "kvprofile-gpu")
     if _is_controller(config):
-        config.pluginmanager.register(_Recorder(session), "kvprofile-recorder")
+        config.pluginmanager.register(Recorder(session), "kvprofile-recorder")
 
 
 def _session(config: pytest.Config) -> KvprofileSession | None:
@@ -208,36 +209,6 @@ def kvprofile_impossible_case(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
-class _Recorder:
-    """Collects each check's outcome on the controller (xdist forwards user_properties there)."""
-
-    def __init__(self, state: KvprofileSession):
-        self.state = state
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        data = dict(report.user_properties).get(RECORD_KEY)
-        if data is None:
-            return
-        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            outcome = report.outcome
-            if hasattr(report, "wasxfail"):
-                outcome = "xfailed" if report.outcome == "skipped" else "xpassed"
-            record = dict(data, nodeid=report.nodeid, outcome=outcome)
-            if report.outcome == "failed":
-                record["message"] = _short_message(report)
-            self.state.records.append(record)
-
-
-_XDIST_HEADER = re.compile(r"^\[gw\d+\] \S+ -- Python ")
-
-
-def _short_message(report: pytest.TestReport) -> str:
-    text = getattr(report, "longreprtext", "") or str(report.longrepr)
-    lines = [ln for ln in text.splitlines() if ln.strip() and not _XDIST_HEADER.match(ln)]
-    kept = [ln[2:] if ln.startswith("E ") else ln for ln in lines if ln.startswith("E ") or not ln.startswith(" ")]
-    return "\n".join(kept or lines)[-4000:]
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
     """With a per-check time limit, compile the sizing oracle first so no check's clock includes it."""
     state = _session(session.config)
@@ -280,7 +251,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     state = _session(config)
     if state is None or not _is_controller(config) or not state.records:
         return
-    from pytest_kvprofile.report.documents import summarize, table_lines, verdict_document, verdict_lines
+    from pytest_kvprofile.report.documents import verdict_document
+    from pytest_kvprofile.report.summary import summarize, table_lines, verdict_lines
 
     terminalreporter.section("kvprofile summary")
     for line in table_lines(summarize(state.records)):

@@ -1,19 +1,25 @@
-"""pytest side of the GPU tier: worker pinning, the CUDA device factory, topology fixtures.
+"""pytest side of the GPU tier: worker pinning, case selection, the CUDA device factory, fixtures.
 
 Registered by the plugin on both tiers (so the fixtures exist and skip with a reason on the CPU
 tier). Registration happens inside the plugin's ``pytest_configure``; ``pytest_configure`` is a
 historic hook, so this module's runs as soon as it is registered, before any test imports torch.cuda.
+Nothing here creates a CUDA context: pinning and case selection read NVML.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 PIN_KEY = pytest.StashKey[Any]()
+SELECTION_KEY = pytest.StashKey[Any]()
+CUDA_ERROR_NOT_INITIALIZED = 3
 CPU_TIER_REASON = "GPU tier: pass --kvprofile-gpu on a machine with a CUDA device"
 
 
@@ -32,8 +38,30 @@ def gpu_tier(config: pytest.Config) -> bool:
 
 
 def _cuda_initialized() -> bool:
+    """Whether CUDA read CUDA_VISIBLE_DEVICES already: torch's lazy init ran, or anything (a conftest
+    calling ``torch.cuda.is_available()``, which runs ``cuInit`` without initializing torch) did."""
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    return driver_initialized()
+
+
+def driver_initialized(maps: str | None = None, cdll: Callable[..., Any] = ctypes.CDLL) -> bool:
+    """``cuInit`` has run in this process: libcuda is mapped, and ``cuDeviceGetCount`` answers
+    something other than CUDA_ERROR_NOT_INITIALIZED. Loads nothing that is not loaded already."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return False
+    if "/libcuda.so" not in maps:
+        return False
+    try:
+        lib = cdll("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return int(lib.cuDeviceGetCount(ctypes.byref(count))) != CUDA_ERROR_NOT_INITIALIZED
 
 
 def _device_count() -> int:
@@ -55,6 +83,23 @@ def pytest_configure(config: pytest.Config) -> None:
         except PinningError as exc:
             raise pytest.UsageError(str(exc)) from None
         config.stash[PIN_KEY] = pin
+    state = _state(config)
+    if state is not None:
+        selection = select_for_this_gpu(state.cases)
+        config.stash[SELECTION_KEY] = selection
+        state.cases = list(selection.run)
+
+
+def select_for_this_gpu(cases: list[Any], topology: Any = None) -> Any:
+    """The cases that fit the GPU this process will use (NVML and the catalog; no CUDA context)."""
+    from pytest_kvprofile.gpu.selection import device_facts, select_cases
+    from pytest_kvprofile.gpu.topology import TopologyError, detect_topology
+
+    try:
+        facts = device_facts(topology if topology is not None else detect_topology())
+    except TopologyError as exc:
+        raise pytest.UsageError(f"--kvprofile-gpu: cannot tell which cases fit this GPU: {exc}") from None
+    return select_cases(cases, facts)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -70,7 +115,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     state.device_factory = CudaDeviceFactory(0)
     if not hasattr(config, "workerinput"):
         state.hardware = controller_hardware()
-
+        selection = config.stash.get(SELECTION_KEY, None)
+        if selection is not None:
+            state.hardware["case_selection"] = selection.as_dict()
 
 
 def controller_hardware() -> dict[str, Any]:
@@ -98,9 +145,21 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     from pytest_kvprofile.gpu.topology import TopologyError, detect_topology
 
     try:
-        return f"kvprofile-gpu: {detect_topology().describe()}"
+        lines = [f"kvprofile-gpu: {detect_topology().describe()}"]
     except TopologyError as exc:
-        return f"kvprofile-gpu: topology unavailable ({exc})"
+        lines = [f"kvprofile-gpu: topology unavailable ({exc})"]
+    selection = config.stash.get(SELECTION_KEY, None)
+    return "\n".join(lines + (selection.summary() if selection is not None else []))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Repeat what the GPU tier skipped and why at the end, where a reader looks for it."""
+    selection = config.stash.get(SELECTION_KEY, None)
+    if selection is None or hasattr(config, "workerinput"):
+        return
+    terminalreporter.section("kvprofile-gpu case selection")
+    for line in selection.summary():
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""The controller's outputs: the summary table, the JSON report and the verdict document."""
+"""The controller's documents: the JSON report (``--kvprofile-json``) and the opt-in verdict (``--kvprofile-verdict``).
+
+Both are written by the controller only, after the ``pytest_kvprofile_update_json`` hook has had its say.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from collections import Counter, defaultdict
 from importlib import metadata
 from typing import Any
 
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.report.summary import summarize
 
 SCHEMA_VERSION = 1
 
@@ -27,48 +30,6 @@ def versions() -> dict[str, str | None]:
         "flashinfer-python": _version("flashinfer-python"),
         "python": platform.python_version(),
     }
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    """Per backend: cases, checks passed/failed/xfailed, the most failed check and the worst budget."""
-    by_backend: dict[str, list[dict]] = defaultdict(list)
-    for rec in records:
-        if rec.get("backend"):
-            by_backend[rec["backend"]].append(rec)
-    rows = []
-    for backend, recs in sorted(by_backend.items()):
-        outcomes = Counter(r["outcome"] for r in recs)
-        failed = Counter(r["check"] for r in recs if r["outcome"] == "failed")
-        worst_check = failed.most_common(1)[0] if failed else None
-        budgets = [r["budget"] for r in recs if r.get("budget")]
-        worst_budget = min(budgets, key=lambda b: (b["kv_tokens"], b["case"]), default=None)
-        rows.append({
-            "backend": backend,
-            "cases": len({r["case"] for r in recs}),
-            "passed": outcomes.get("passed", 0),
-            "failed": outcomes.get("failed", 0),
-            "xfailed": outcomes.get("xfailed", 0),
-            "skipped": outcomes.get("skipped", 0),
-            "worst_check": f"{worst_check[0]} ({worst_check[1]})" if worst_check else "-",
-            "worst_case": worst_budget["case"] if worst_budget else None,
-            "worst_case_kv_tokens": worst_budget["kv_tokens"] if worst_budget else None,
-            "worst_case_reservation_tokens": worst_budget["reservation_kv_tokens"] if worst_budget else None,
-        })
-    return rows
-
-
-def table_lines(rows: list[dict]) -> list[str]:
-    header = ("backend", "cases", "passed", "failed", "xfailed", "worst check", "fewest KV tokens (case)")
-    body = []
-    for r in rows:
-        worst = "-"
-        if r["worst_case"]:
-            worst = f"{r['worst_case_kv_tokens']} ({r['worst_case']}; reservation costs {r['worst_case_reservation_tokens']})"
-        body.append((r["backend"], str(r["cases"]), str(r["passed"]), str(r["failed"]), str(r["xfailed"]),
-                     r["worst_check"], worst))
-    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in body]
 
 
 def json_document(session: Any) -> dict:
@@ -123,7 +84,7 @@ def verdict_document(session: Any) -> dict:
             reasons.append(f"{len(failed)} check results failed: {', '.join(checks)}")
         if xfailed:
             reasons.append(f"{len(xfailed)} expected failures declared: {', '.join(sorted({r['check'] for r in xfailed}))}")
-        declared = _declared_support(session, backend)
+        declared = session.profiles[backend.name].declared_support
         if declared and not any(s in ("required", "neutral") for s in declared.values()):
             reasons.append("no builder declares REQUIRED or NEUTRAL: the backend stays on the legacy path")
         elif declared and "unsupported" in declared.values():
@@ -143,43 +104,3 @@ def verdict_document(session: Any) -> dict:
             "reasons": reasons,
         })
     return doc
-
-
-def _declared_support(session: Any, backend: Any) -> dict[str, str]:
-    from pytest_kvprofile.contract.support import builder_name, declared_support
-
-    case = next(iter(session.runnable_cases), None)
-    if case is None:
-        return {}
-    from pytest_kvprofile.contract.resources import model_parts
-
-    try:
-        builders = model_parts(backend, case)
-    except Exception as exc:  # noqa: BLE001
-        return {"<factory>": f"error: {type(exc).__name__}: {exc}"}
-    out = {}
-    for b in builders:
-        try:
-            out[builder_name(b)] = declared_support(b).value
-        except Exception as exc:  # noqa: BLE001
-            out[builder_name(b)] = f"invalid: {type(exc).__name__}: {exc}"
-    return out
-
-
-def verdict_lines(doc: dict) -> list[str]:
-    lines = []
-    for b in doc["backends"]:
-        verdict = "may opt in" if b["may_opt_in"] else "may NOT opt in"
-        counts = ", ".join(f"{n} {k}" for k, n in sorted(b["counts"].items()))
-        lines.append(f"{b['name']}: {verdict} ({counts or 'nothing ran'})")
-        for reason in b["reasons"]:
-            lines.append(f"    - {reason}")
-    return lines
-
-
-def budget_record(budget: Any, case_id: str) -> dict:
-    d = budget.as_dict()
-    d["case"] = case_id
-    d["limit"] = budget.limit
-    d["available_kv_mib"] = round(budget.available_kv / MiB, 2)
-    return d

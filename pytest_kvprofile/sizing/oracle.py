@@ -1,297 +1,63 @@
-"""The host oracle: FlashInfer's own planners compiled for the CPU and called through ctypes.
+"""The host oracle: FlashInfer's own planners, compiled for the CPU, called through ctypes.
 
-Why: the only authority on how many bytes a FlashInfer ``plan()`` carves is the installed
-FlashInfer. Its planners are host code; compiled with ``nvcc`` against the wheel's headers and
-linked with a stub CUDA runtime (``csrc/cuda_stubs.cpp``) they run on a CPU for any SM count.
+Why: ``plan()`` on the installed FlashInfer is the authority on the bytes a workspace needs; this
+module asks the library ``oracle_build.py`` compiles from its planner headers, for any SM count.
+The library is loaded privately (``RTLD_LOCAL``) and its stub CUDA runtime is hidden and bound
+inside it, so a real ``libcudart`` loaded globally first (a CUDA torch) cannot answer for it.
 
-The library is built once per (FlashInfer version, digest of the headers the planners live in,
-compiler version, our sources) and cached under ``$KVPROFILE_CACHE_DIR`` or
-``${XDG_CACHE_HOME:-~/.cache}/pytest-kvprofile/oracle/<key>/``. Builds run in a temp dir and are
-renamed into place under an ``fcntl`` lock, so concurrent xdist workers build once. The library's
-sha256 is kept in a sidecar and checked before every load; a library owned by someone else or
-writable by group/others is refused.
+The build/cache names (``ensure_built``, ``cache_root``, ``flashinfer_install``, the errors) are
+re-exported here so callers keep one import.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
-import importlib.metadata
-import importlib.util
-import json
 import os
-import shutil
-import stat
-import subprocess
-import tempfile
 import threading
-import time
 from array import array
-from dataclasses import dataclass
-from functools import lru_cache
 from itertools import accumulate
 from pathlib import Path
 from typing import Sequence
 
-from pytest_kvprofile.sizing.planner import FAMILY_07, FAMILY_06_MATERIALIZE, family_of
-
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("oracle.cu", "cuda_stubs.cpp")
-LIB_NAME = "libkvporacle.so"
-DIGEST_NAME = LIB_NAME + ".sha256"
-META_NAME = "build.json"
-# The headers whose text decides the planners' arithmetic; their digest is part of the cache key.
-KEY_HEADERS = (
-    "flashinfer/attention/scheduler.cuh",
-    "flashinfer/allocator.h",
-    "flashinfer/utils.cuh",
-    "flashinfer/exception.h",
-    "flashinfer/attention/heap.h",
+from pytest_kvprofile.sizing.oracle_build import (
+    DIGEST_NAME,
+    INSTALL_HINT,
+    LIB_NAME,
+    FlashInferInstall,
+    OracleBuildError,
+    OracleError,
+    OracleSecurityError,
+    OracleUnavailable,
+    build_info,
+    cache_root,
+    check_owner_mode,
+    ensure_built,
+    find_nvcc,
+    flashinfer_install,
+    sha256,
 )
-INSTALL_HINT = (
-    "install a CUDA compiler: `pip install pytest-kvprofile[nvcc]` (the nvidia-cuda-nvcc wheel), "
-    "or put nvcc on PATH, or set CUDA_HOME to a CUDA toolkit"
-)
+from pytest_kvprofile.sizing.planner import FAMILY_06_MATERIALIZE
 
+__all__ = [
+    "DIGEST_NAME",
+    "LIB_NAME",
+    "FlashInferInstall",
+    "Oracle",
+    "OracleBuildError",
+    "OracleError",
+    "OracleSecurityError",
+    "OracleUnavailable",
+    "build_info",
+    "cache_root",
+    "ensure_built",
+    "flashinfer_install",
+    "get_oracle",
+    "indptrs",
+    "oracle_available",
+]
 
-class OracleError(RuntimeError):
-    """The oracle could not be built, loaded or queried."""
-
-
-class OracleUnavailable(OracleError):
-    """No CUDA compiler (or no FlashInfer headers): the oracle cannot be built on this machine."""
-
-
-class OracleBuildError(OracleError):
-    """The compiler ran and failed; the message carries the command and its stderr."""
-
-
-class OracleSecurityError(OracleError):
-    """A cached library is not owned by this user or is writable by group/others."""
-
-
-@dataclass(frozen=True)
-class FlashInferInstall:
-    version: str
-    package_dir: Path
-    include_dir: Path
-    cccl_dir: Path | None
-
-    @property
-    def family(self) -> str:
-        return family_of(self.version)
-
-
-@lru_cache(maxsize=1)
-def flashinfer_install() -> FlashInferInstall:
-    """Locate the installed FlashInfer package and its headers without importing it."""
-    spec = importlib.util.find_spec("flashinfer")
-    if spec is None or not spec.submodule_search_locations:
-        raise OracleUnavailable("flashinfer-python is not installed: `pip install flashinfer-python`")
-    pkg = Path(next(iter(spec.submodule_search_locations)))
-    try:
-        version = importlib.metadata.version("flashinfer-python")
-    except importlib.metadata.PackageNotFoundError:
-        version = _version_from_file(pkg)
-    include = pkg / "data" / "include"
-    if not (include / KEY_HEADERS[0]).is_file():
-        raise OracleUnavailable(f"FlashInfer at {pkg} ships no {KEY_HEADERS[0]} under {include}")
-    cccl = pkg / "data" / "cccl"
-    return FlashInferInstall(version, pkg, include, cccl if cccl.is_dir() else None)
-
-
-def _version_from_file(pkg: Path) -> str:
-    for name in ("_build_meta.py", "version.py"):
-        path = pkg / name
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                if "version" in line and "=" in line:
-                    return line.split("=", 1)[1].strip().strip("\"'")
-    return "0.0.0"
-
-
-def find_nvcc() -> Path | None:
-    """``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on PATH, then the nvidia-cuda-nvcc wheel."""
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home:
-        cand = Path(cuda_home) / "bin" / "nvcc"
-        if os.access(cand, os.X_OK):
-            return cand
-    found = shutil.which("nvcc")
-    if found:
-        return Path(found)
-    spec = importlib.util.find_spec("nvidia")
-    if spec is not None and spec.submodule_search_locations:
-        for base in spec.submodule_search_locations:
-            cand = Path(base) / "cuda_nvcc" / "bin" / "nvcc"
-            if os.access(cand, os.X_OK):
-                return cand
-    return None
-
-
-@lru_cache(maxsize=8)
-def _compiler_version(nvcc: str) -> str:
-    try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise OracleUnavailable(f"{nvcc} --version failed ({exc}); {INSTALL_HINT}") from None
-    if out.returncode != 0:
-        raise OracleUnavailable(f"{nvcc} --version failed: {out.stderr.strip()}; {INSTALL_HINT}")
-    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "unknown"
-
-
-def cache_root() -> Path:
-    """``$KVPROFILE_CACHE_DIR``, else ``${XDG_CACHE_HOME:-~/.cache}/pytest-kvprofile``."""
-    override = os.environ.get("KVPROFILE_CACHE_DIR")
-    if override:
-        return Path(override)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "pytest-kvprofile"
-
-
-def _abi_flags(install: FlashInferInstall) -> list[str]:
-    fam = install.family
-    count_only = 0 if fam == FAMILY_06_MATERIALIZE else 1
-    uniform = 1 if fam == FAMILY_07 else 0
-    return [f"-DKVP_HAS_COUNT_ONLY={count_only}", f"-DKVP_HAS_UNIFORM_Q={uniform}"]
-
-
-def build_key(install: FlashInferInstall, nvcc: Path) -> str:
-    """Digest of everything that decides the library's behaviour."""
-    h = hashlib.sha256()
-    h.update(install.version.encode())
-    for rel in KEY_HEADERS:
-        path = install.include_dir / rel
-        if path.is_file():
-            h.update(rel.encode())
-            h.update(path.read_bytes())
-    h.update(_compiler_version(str(nvcc)).encode())
-    for name in SOURCES:
-        h.update((CSRC / name).read_bytes())
-    h.update(" ".join(_abi_flags(install)).encode())
-    return f"fi{install.version}-{h.hexdigest()[:16]}"
-
-
-def _mkdir_private(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise OracleSecurityError(
-            f"refusing to use {path}: owned by uid {st.st_uid}, not by this user ({os.getuid()})")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _check_owner_mode(path: Path) -> None:
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise OracleSecurityError(
-            f"refusing to load {path}: owned by uid {st.st_uid}, not by this user ({os.getuid()})")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise OracleSecurityError(
-            f"refusing to load {path}: writable by group/others (mode {stat.filemode(st.st_mode)}); "
-            f"remove it or `chmod go-w` it")
-
-
-def _valid_build(keydir: Path) -> bool:
-    lib, digest = keydir / LIB_NAME, keydir / DIGEST_NAME
-    if not lib.is_file() or not digest.is_file():
-        return False
-    _check_owner_mode(keydir)
-    _check_owner_mode(lib)
-    return digest.read_text().strip() == _sha256(lib)
-
-
-def _compile(install: FlashInferInstall, nvcc: Path, workdir: Path) -> tuple[Path, list[str]]:
-    includes = []
-    if install.cccl_dir is not None:
-        for sub in ("libcudacxx/include", "cub", "thrust"):
-            if (install.cccl_dir / sub).is_dir():
-                includes.append(f"-I{install.cccl_dir / sub}")
-    includes.append(f"-I{install.include_dir}")
-    common = ["-std=c++17", "-O2", "-Xcompiler", "-fPIC", *_abi_flags(install)]
-    steps = [
-        [str(nvcc), *common, "-cudart", "none", *includes, "-c", str(CSRC / "oracle.cu"),
-         "-o", str(workdir / "oracle.o")],
-        [str(nvcc), *common, "-c", str(CSRC / "cuda_stubs.cpp"), "-o", str(workdir / "stubs.o")],
-        [str(nvcc), "-shared", "-cudart", "none", str(workdir / "oracle.o"),
-         str(workdir / "stubs.o"), "-Xlinker", "--no-undefined", "-o", str(workdir / LIB_NAME)],
-    ]
-    for cmd in steps:
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=900)
-        except OSError as exc:
-            raise OracleUnavailable(f"cannot run {cmd[0]} ({exc}); {INSTALL_HINT}") from None
-        if res.returncode != 0:
-            raise OracleBuildError(
-                f"building the FlashInfer host oracle failed (exit {res.returncode}).\n"
-                f"command: {' '.join(cmd)}\nstderr:\n{res.stderr.strip()}")
-    return workdir / LIB_NAME, steps[0]
-
-
-def _build_into(root: Path, keydir: Path, install: FlashInferInstall, nvcc: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    try:
-        os.chmod(tmp, 0o700)
-        t0 = time.perf_counter()
-        lib, cmd = _compile(install, nvcc, tmp)
-        elapsed = time.perf_counter() - t0
-        os.chmod(lib, 0o600)
-        (tmp / DIGEST_NAME).write_text(_sha256(lib) + "\n")
-        (tmp / META_NAME).write_text(json.dumps({
-            "flashinfer_version": install.version,
-            "compiler": str(nvcc),
-            "compiler_version": _compiler_version(str(nvcc)),
-            "command": cmd,
-            "build_seconds": round(elapsed, 3),
-            "built_at": time.time(),
-            "pid": os.getpid(),
-        }, indent=1))
-        for name in ("oracle.o", "stubs.o"):
-            (tmp / name).unlink(missing_ok=True)
-        if keydir.exists():
-            shutil.rmtree(keydir)
-        os.rename(tmp, keydir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def ensure_built(force: bool = False) -> Path:
-    """Path of a verified oracle library, building it (once, under a lock) if needed."""
-    install = flashinfer_install()
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise OracleUnavailable(f"no CUDA compiler found for the FlashInfer host oracle; {INSTALL_HINT}")
-    root = cache_root() / "oracle"
-    _mkdir_private(root)
-    keydir = root / build_key(install, nvcc)
-    if not force and _valid_build(keydir):
-        return keydir / LIB_NAME
-    with open(root / (keydir.name + ".lock"), "a+") as lockf:
-        os.chmod(lockf.name, 0o600)
-        fcntl.flock(lockf, fcntl.LOCK_EX)
-        try:
-            if force or not _valid_build(keydir):
-                _build_into(root, keydir, install, nvcc)
-        finally:
-            fcntl.flock(lockf, fcntl.LOCK_UN)
-    if not _valid_build(keydir):
-        raise OracleError(f"oracle library in {keydir} failed verification right after its build")
-    return keydir / LIB_NAME
-
-
-def build_info(lib_path: Path) -> dict:
-    """The build sidecar (compiler, command, build time) of a built library."""
-    meta = lib_path.parent / META_NAME
-    return json.loads(meta.read_text()) if meta.is_file() else {}
-
+# Private load: the library's symbols never join the global scope other libraries resolve against.
+LOAD_MODE = os.RTLD_LOCAL | os.RTLD_NOW
 
 _u64 = ctypes.c_uint64
 _vp = ctypes.c_void_p
@@ -306,10 +72,10 @@ class Oracle:
         self.version = install.version
         self.family = install.family
         digest = (lib_path.parent / DIGEST_NAME).read_text().strip()
-        _check_owner_mode(lib_path)
-        if _sha256(lib_path) != digest:
+        check_owner_mode(lib_path)
+        if sha256(lib_path) != digest:
             raise OracleError(f"{lib_path} changed after verification; refusing to load it")
-        lib = ctypes.CDLL(str(lib_path))
+        lib = ctypes.CDLL(str(lib_path), mode=LOAD_MODE)
         lib.kvp_set_device.argtypes = [ctypes.c_int] * 4
         lib.kvp_set_device.restype = None
         lib.kvp_last_error.restype = ctypes.c_char_p

@@ -11,15 +11,16 @@ from typing import Any
 import pytest
 
 from pytest_kvprofile.checks.catalog import CHECKS
-from pytest_kvprofile.report.documents import budget_record
+from pytest_kvprofile.plugin.recorder import RECORD_KEY
 from pytest_kvprofile.plugin.timeouts import call_with_timeout
+from pytest_kvprofile.report.summary import budget_record
 
 
 def _make_test(check: Any) -> Any:
     def test(kvprofile_pair: Any, kvprofile_session: Any, request: pytest.FixtureRequest) -> None:
         backend, case = kvprofile_pair
         record: dict[str, Any] = {"check": check.name, "backend": backend.name, "case": case.id}
-        request.node.user_properties.append(("kvprofile", record))
+        request.node.user_properties.append((RECORD_KEY, record))
         result, violations = call_with_timeout(
             kvprofile_session.settings.timeout, f"{backend.name} / {check.name} / {case.id}",
             _run, kvprofile_session, backend, case, check,
@@ -39,7 +40,7 @@ def _make_test(check: Any) -> Any:
 
 def _run(session: Any, backend: Any, case: Any, check: Any) -> tuple[Any, list[str]]:
     result = session.result_for(backend, case)
-    return result, check.run(result)
+    return result, check.run(result, session.settings.check_options)
 
 
 for _check in CHECKS:

@@ -2,10 +2,9 @@
 
 import pytest
 
-from pytest_kvprofile import Lease, LeaseReleasedError, WorkspaceLockedError, WorkspaceManager
+from pytest_kvprofile import ArenaView, Lease, LeaseReleasedError, WorkspaceLockedError, WorkspaceManager
 from pytest_kvprofile.memory.device import SimDevice
 from pytest_kvprofile.units import MiB
-
 
 
 def test_release_is_idempotent_and_runs_the_callback_once():
@@ -40,15 +39,15 @@ def test_arena_grows_until_locked_then_growth_names_requester_and_sizes(device):
         mgr.get_workspace("late-builder", 30 * MiB)
     msg = str(info.value)
     assert "'late-builder'" in msg and str(30 * MiB) in msg and str(20 * MiB) in msg and "Workspace is locked" in msg
-    assert mgr.snapshot() == ((0, grown.ptr, 20 * MiB),)
+    assert mgr.snapshot() == (ArenaView(0, grown.ptr, 20 * MiB, 20 * MiB),)
 
 
 def test_ubatch_arenas_are_disjoint_and_separately_sized(device):
     mgr = WorkspaceManager(device, num_ubatches=2)
     views = mgr.reserve("engine", 16 * MiB)
-    (u0, p0, s0), (u1, p1, s1) = mgr.snapshot()
-    assert (u0, u1) == (0, 1) and s0 == s1 == 16 * MiB
-    assert p0 + s0 <= p1 or p1 + s1 <= p0
+    a0, a1 = mgr.snapshot()
+    assert (a0.ubatch, a1.ubatch) == (0, 1) and a0.nbytes == a1.nbytes == 16 * MiB
+    assert a0.end <= a1.ptr or a1.end <= a0.ptr
     assert [v.ubatch for v in views] == [0, 1]
 
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-import pytest_kvprofile.lifecycle.driver as lc
+import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
@@ -17,7 +18,7 @@ def case():
 
 
 def test_profiling_path_runs_the_phases_in_design_order(case):
-    r = lc.run_lifecycle(STUBS["stub-flashinfer"], case)
+    r = run_lifecycle(STUBS["stub-flashinfer"], case)
     assert r.path == "profiling" and not r.errors
     assert [p.name for p in r.phases] == [
         lc.SETUP, lc.BASELINE, lc.RESERVATION, lc.PROFILE_RUN, lc.PROFILE_WARMUP, lc.PROFILE_REPLAY, lc.CLOSING,
@@ -27,7 +28,7 @@ def test_profiling_path_runs_the_phases_in_design_order(case):
 
 
 def test_legacy_path_skips_reservation_warmup_replay_and_release(case):
-    r = lc.run_lifecycle(STUBS["stub-mm-prefix"], case)
+    r = run_lifecycle(STUBS["stub-mm-prefix"], case)
     names = [p.name for p in r.phases]
     assert r.path == "legacy"
     for phase in (lc.RESERVATION, lc.PROFILE_WARMUP, lc.PROFILE_REPLAY, lc.LEASE_RELEASE):
@@ -36,7 +37,7 @@ def test_legacy_path_skips_reservation_warmup_replay_and_release(case):
 
 
 def test_budget_follows_the_engine_arithmetic(case):
-    r = lc.run_lifecycle(STUBS["stub-flashinfer"], case)
+    r = run_lifecycle(STUBS["stub-flashinfer"], case)
     b, w = r.budget, r.window
     assert w.non_kv == w.baseline_reserved + w.consumed + w.transient_headroom + w.nontorch
     assert b.available_kv == (int(b.total * b.gmu) - b.non_kv - b.graph_pool_estimate) // (2 << 20) * (2 << 20)
@@ -47,7 +48,7 @@ def test_budget_follows_the_engine_arithmetic(case):
 
 
 def test_the_lease_holds_the_int_workspaces_until_release(case):
-    r = lc.run_lifecycle(STUBS["stub-flashinfer"], case)
+    r = run_lifecycle(STUBS["stub-flashinfer"], case)
     (lease,) = r.leases
     held = [a for a in r.allocations if a.id in lease.allocation_ids]
     device_ints = [a for a in held if a.kind == "device" and "int workspace" in a.tag]
@@ -59,7 +60,7 @@ def test_the_lease_holds_the_int_workspaces_until_release(case):
 
 def test_every_correct_stub_passes_every_check(case):
     for backend in STUB_BACKENDS:
-        assert failing_checks(lc.run_lifecycle(backend, case)) == {}, backend.name
+        assert failing_checks(run_lifecycle(backend, case)) == {}, backend.name
 
 
 def test_a_factory_that_raises_is_recorded_not_raised(case):
@@ -70,7 +71,7 @@ def test_a_factory_that_raises_is_recorded_not_raised(case):
         def make_builders(self, case):
             raise RuntimeError("no such GPU")
 
-    r = lc.run_lifecycle(Broken(), case)
+    r = run_lifecycle(Broken(), case)
     assert r.aborted_in == lc.SETUP
     assert "no such GPU" in r.errors[0].describe() and "broken" in r.errors[0].who
     assert "no such GPU" in failing_checks(r)["support_declaration"][0]
@@ -81,14 +82,14 @@ def test_lazy_workspace_on_l40s_at_098_fails_with_an_overrun_report_naming_the_i
 
     cases = {c.id: c for c in load_matrix(packaged_matrix("default")).cases}
     case = cases["gemma-2-9b-hd256-tp8-dcp1-mtp0-l40s-gmu0.98"]
-    lazy = lc.run_lifecycle(MUTANT_BACKENDS[0], case)
+    lazy = run_lifecycle(MUTANT_BACKENDS[0], case)
     report = failing_checks(lazy)["no_post_kv_overrun"][0]
     assert "over total x gmu" in report
     assert "flashinfer: 'prefill int workspace [ubatch 0]' 8.00 MiB (8388608 bytes) in phase 'rebind'" in report
     assert "would have to give up" in report and "KV tokens" in report
     mirrors = [a for a in lazy.allocations if a.kind == "pinned_host" and a.phase == "rebind"]
     assert len(mirrors) == 4 and {a.nbytes for a in mirrors} == {8 << 20}, "pinned mirrors are in the ledger"
-    correct = lc.run_lifecycle(STUBS["stub-flashinfer"], case)
+    correct = run_lifecycle(STUBS["stub-flashinfer"], case)
     assert failing_checks(correct) == {}
     assert correct.budget.reservation_kv_tokens > 0
     assert f"the reservation costs {correct.budget.reservation_kv_tokens} tokens" in " ".join(correct.budget.lines())

@@ -195,13 +195,15 @@ class FakeNvml:
 
     def __init__(self, devices: list[tuple[str, str, int]], *, driver: str = "580.159.04",
                  links: dict[tuple[int, int], str] | None = None, nvlinks: dict[int, int] | None = None,
-                 fail_init: bool = False, p2p_unsupported: bool = False) -> None:
+                 fail_init: bool = False, p2p_unsupported: bool = False,
+                 missing_links: frozenset[int] = frozenset()) -> None:
         self.devices = devices
         self.driver = driver
         self.links = links or {}
         self.nvlinks = nvlinks or {}
         self.fail_init = fail_init
         self.p2p_unsupported = p2p_unsupported
+        self.missing_links = missing_links  # link indices NVML answers "not supported" for
         self.inits = 0
         self.shutdowns = 0
 
@@ -234,7 +236,7 @@ class FakeNvml:
 
     def nvmlDeviceGetNvLinkState(self, h: int, link: int) -> int:
         n = self.nvlinks.get(h, 0)
-        if link >= max(n, 1):
+        if link in self.missing_links or link >= max(n, 1):
             raise self.NVMLError("Not Supported")
         return 1 if link < n else 0
 
@@ -310,7 +312,7 @@ class FakeFlashInfer:
                 self.float_buf, self.int_buf = float_buf, int_buf
 
             def _layout(self, args: tuple, kw: dict) -> Any:
-                from pytest_kvprofile.gpu.flashinfer_builders import paged_layout
+                from pytest_kvprofile.gpu.reference import paged_layout
 
                 if self.route == "prefill":
                     qo, kv_indptr, indices, last = (a.tolist() for a in args[:4])
@@ -342,7 +344,7 @@ class FakeFlashInfer:
                 self.layout = lay
 
             def run(self, q: Any, kv: Any, out: Any = None) -> Any:
-                from pytest_kvprofile.gpu.flashinfer_builders import reference_attention
+                from pytest_kvprofile.gpu.reference import reference_attention
 
                 assert self.layout is not None, "run() before plan()"
                 k, v = kv

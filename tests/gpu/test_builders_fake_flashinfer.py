@@ -33,12 +33,9 @@ def _factory(case):
 
 
 def _failures(result):
-    """Every applicable check; warmup_retryable only where the run recorded its device factory (its
-    probe re-runs warmups on fresh devices, and this builder refuses simulated ones)."""
+    """Every applicable check (the warmup-retry probe re-runs on the run's own device factory)."""
     out = {}
     for check in checks_for(result.path):
-        if check.name == "warmup_retryable" and "device_factory" not in result.extra:
-            continue
         if check.relevant(result.case, result.builders):
             violations = check.run(result)
             if violations:

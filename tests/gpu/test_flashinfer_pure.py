@@ -10,16 +10,18 @@ import torch
 from pytest_kvprofile.gpu.flashinfer_builders import (
     FlashInferCudaBuilder,
     LazyFlashInferCudaBuilder,
-    attention_error,
     gpu_backends,
     gpu_mutant_backends,
+)
+from pytest_kvprofile.gpu.reference import (
+    attention_error,
     paged_layout,
-    plan_args,
     random_inputs,
     reference_attention,
     scratch_bytes,
     synthetic_lens,
 )
+from pytest_kvprofile.gpu.wrappers import plan_args
 from pytest_kvprofile.matrix.schema import load_matrix_text
 from pytest_kvprofile.contract.protocol import Batch
 from pytest_kvprofile.contract.support import ProfilingSupport

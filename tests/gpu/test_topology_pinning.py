@@ -138,3 +138,8 @@ def test_one_gpu_matrix_keeps_layouts_and_replaces_gpus():
     doc = one_gpu_matrix(base, "H200")
     assert doc["gpus"] == ["H200"] and doc["tp"] == [1, 4] and doc["name"] == "ci-on-h200"
     assert doc["exclude"] == [{"tp": 1, "dcp": 2}]
+
+
+def test_nvlink_count_continues_past_a_missing_link():
+    nvml = FakeNvml([("NVIDIA H200", "GPU-a", 143771 * MiB)], nvlinks={0: 18}, missing_links=frozenset({0, 5}))
+    assert detect_topology(nvml, env={}).devices[0].nvlink_active == 16

@@ -63,7 +63,7 @@ def test_impossible_tp_is_skipped_with_its_reason_in_the_id_list(pytester):
          "    def get_persistent_workspace_memory_profiling_support(self):\n"
          "        return ProfilingSupport.REQUIRED\n\n"
          "def factory():\n    return {'name': 'req-backend', 'make_builders': lambda c: [B()]}\n",
-         "builder 'req' declares REQUIRED but lacks reserve_persistent_workspace, declared_workspace()"),
+         "builder 'req' declares REQUIRED but lacks reserve_persistent_workspace(), declared_workspace()"),
     ],
 )
 def test_bad_backend_factory_is_a_one_line_usage_error(pytester, body, message):

@@ -1,33 +1,24 @@
-"""Share one host-oracle build between the reliability tests and their pytester runs.
-
-pytester gives every run a fresh HOME, so without this each run would rebuild the oracle (seconds
-of nvcc) inside the first check, where a short ``--kvprofile-timeout`` would turn it into a hang.
-"""
+"""The reliability tests run pytester sessions with short ``--kvprofile-timeout``s: build the
+oracle (the root conftest's ``oracle_cache``) before any of them starts, so no check's clock
+includes seconds of nvcc, where a short limit would turn the build into a reported hang."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pytest_kvprofile.sizing import oracle as oracle_mod
-
-
-@pytest.fixture(scope="session")
-def shared_oracle_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    root = base / "kvp-oracle-cache"
-    root.mkdir(mode=0o700, exist_ok=True)
-    return root
+from pytest_kvprofile.sizing.oracle import oracle_available
 
 
 @pytest.fixture(autouse=True)
-def _oracle_cache_env(shared_oracle_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("KVPROFILE_CACHE_DIR", str(shared_oracle_cache))
-    if oracle_mod.oracle_available()[0]:
-        oracle_mod.ensure_built()
-    yield
+def _oracle_built_first(request: pytest.FixtureRequest) -> None:
+    if oracle_available()[0]:
+        request.getfixturevalue("oracle_cache")
+
+
+@pytest.fixture(scope="session")
+def shared_oracle_cache(oracle_cache: Any) -> Path:
+    """The shared cache's directory, for subprocess runs that pass KVPROFILE_CACHE_DIR explicitly."""
+    return oracle_cache.root

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-import pytest_kvprofile.lifecycle.driver as lc
+import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.catalog import CHECKS
 
 TINY_MATRIX = """\

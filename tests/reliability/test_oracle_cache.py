@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from pytest_kvprofile.sizing import oracle as oracle_mod
+from pytest_kvprofile.sizing import oracle_build
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def fake_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         lib.write_bytes(b"\x7fELF fake oracle " + os.urandom(64))
         return lib, [str(nvcc), "fake"]
 
-    monkeypatch.setattr(oracle_mod, "_compile", compile_)
+    monkeypatch.setattr(oracle_build, "_compile", compile_)
     return builds
 
 
@@ -69,7 +70,7 @@ def test_a_damaged_entry_is_rebuilt(fake_build: Path, damage: str) -> None:
         digest.write_text("0" * 64 + "\n")
     again = oracle_mod.ensure_built()
     assert len(list(fake_build.iterdir())) == 2
-    assert again == lib and oracle_mod._valid_build(lib.parent)
+    assert again == lib and oracle_build._valid_build(lib.parent)
 
 
 def test_a_library_swapped_after_verification_never_reaches_ctypes(fake_build: Path,
@@ -133,5 +134,5 @@ def test_processes_racing_to_repair_a_corrupted_cache_rebuild_once(fake_build: P
         p.join(timeout=30)
     assert results == [str(lib)] * 4, results
     assert len(list(fake_build.iterdir())) == 2  # the first build and exactly one repair
-    assert oracle_mod._valid_build(lib.parent)
+    assert oracle_build._valid_build(lib.parent)
     assert not list(lib.parent.parent.glob(".build-*"))

@@ -45,7 +45,7 @@ def test_acceptance_command_json(oracle, capsys):
 
 def test_gpu_tp_dcp_and_table(capsys):
     rc = main(["size", "--heads-q", "64", "--heads-kv", "8", "--head-dim", "128", "--gpu", "B200",
-               "--tp", "4", "--dcp", "2", "--cuda-graph", "--no-oracle", "--json"])
+               "--tp", "4", "--dcp", "2", "--no-oracle", "--json"])
     assert rc == 0
     data = _json(capsys)
     assert (data["num_sm"], data["heads_q"], data["heads_kv"], data["heads_q_decode"]) == (

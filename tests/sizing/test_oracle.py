@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import random
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from pytest_kvprofile.sizing import oracle as oracle_mod
+from pytest_kvprofile.sizing import oracle_build
 from pytest_kvprofile.sizing.planner import PlannerDevice, ceil_div, decode_plan, prefill_plan
 
 
@@ -119,17 +123,17 @@ def test_corrupted_library_is_rebuilt(oracle_cache, tmp_path, monkeypatch):
     data = clib.read_bytes()
     clib.write_bytes(data[: len(data) // 2])
     calls = []
-    real = oracle_mod._compile
+    real = oracle_build._compile
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(oracle_mod, "_compile", counting)
+    monkeypatch.setattr(oracle_build, "_compile", counting)
     rebuilt = oracle_mod.ensure_built()
     assert calls == [1]
     assert rebuilt.read_bytes() != data[: len(data) // 2]
-    assert oracle_mod._valid_build(rebuilt.parent)
+    assert oracle_build._valid_build(rebuilt.parent)
 
 
 def test_group_writable_library_is_refused(oracle_cache, tmp_path, monkeypatch):
@@ -145,17 +149,17 @@ def test_group_writable_library_is_refused(oracle_cache, tmp_path, monkeypatch):
 
 def _build_in_child(cache: str, queue) -> None:
     os.environ["KVPROFILE_CACHE_DIR"] = cache
-    from pytest_kvprofile.sizing import oracle as om
+    from pytest_kvprofile.sizing import oracle_build as ob
 
     calls = []
-    real = om._compile
+    real = ob._compile
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    om._compile = counting
-    path = om.ensure_built()
+    ob._compile = counting
+    path = ob.ensure_built()
     queue.put((str(path), len(calls)))
 
 
@@ -183,7 +187,7 @@ def test_no_compiler_raises_with_install_hint(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setenv("PATH", str(empty))
     monkeypatch.setenv("KVPROFILE_CACHE_DIR", str(tmp_path / "c"))
-    monkeypatch.setattr(oracle_mod.importlib.util, "find_spec",
+    monkeypatch.setattr(oracle_build.importlib.util, "find_spec",
                         lambda name, *a: None if name == "nvidia" else _real_find_spec(name))
     ok, why = oracle_mod.oracle_available()
     assert not ok and "pip install pytest-kvprofile[nvcc]" in why
@@ -191,7 +195,7 @@ def test_no_compiler_raises_with_install_hint(tmp_path, monkeypatch):
         oracle_mod.ensure_built()
 
 
-_real_find_spec = oracle_mod.importlib.util.find_spec
+_real_find_spec = oracle_build.importlib.util.find_spec
 
 
 def test_compiler_failure_reports_command_and_stderr(tmp_path, monkeypatch):
@@ -207,3 +211,51 @@ def test_compiler_failure_reports_command_and_stderr(tmp_path, monkeypatch):
         oracle_mod.ensure_built()
     msg = str(info.value)
     assert "simulated failure" in msg and str(nvcc) in msg and "oracle.cu" in msg
+
+
+FAKE_CUDART = r"""
+int cudaGetDevice(int* d) { *d = 0; return 0; }
+int cudaDeviceGetAttribute(int* v, int attr, int dev) { *v = attr == 16 ? 999 : 9; return 0; }
+int cudaMemcpyAsync(void* d, const void* s, unsigned long n, int k, void* st) { return 0; }
+const char* cudaGetErrorString(int e) { return "fake cudart"; }
+"""
+
+ISOLATION_CHILD = r"""
+import ctypes, json, os, sys
+ctypes.CDLL(sys.argv[1], mode=os.RTLD_GLOBAL)  # what a CUDA torch does with libcudart before we load
+from pytest_kvprofile.sizing.oracle import get_oracle
+o = get_oracle()
+out = {}
+for sm in (8, 132):
+    o.set_device(sm, 9, 0)
+    out[sm] = o.prefill([100], [4480], heads_q=32, heads_kv=8, head_dim=128, page_size=16, cuda_graph=False)[0]
+print(json.dumps(out))
+"""
+
+
+def test_stub_runtime_is_hidden_and_bound_inside(oracle_cache):
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(oracle_cache.lib)], capture_output=True,
+                              text=True).stdout
+    leaked = [ln.split()[-1] for ln in exported.splitlines() if re.match(r"_*cuda[A-Z]", ln.split()[-1])]
+    assert leaked == [], f"the stub CUDA runtime is exported: {leaked}"
+
+
+def test_a_global_fake_cudart_does_not_answer_for_the_oracle(oracle_cache, tmp_path):
+    """A libcudart loaded RTLD_GLOBAL first (999 SMs) must not replace the SM count the oracle was given."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcudart")
+    src = tmp_path / "fake_cudart.c"
+    src.write_text(FAKE_CUDART)
+    lib = tmp_path / "libcudart.so.13"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    env = dict(os.environ, KVPROFILE_CACHE_DIR=str(oracle_cache.root))
+    proc = subprocess.run([sys.executable, "-c", ISOLATION_CHILD, str(lib)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = {int(k): v for k, v in json.loads(proc.stdout).items()}
+    want = {sm: prefill_plan("0.7", [100], [280], heads_q=32, heads_kv=8, head_dim_qk=128, head_dim_vo=128,
+                             page_size=16, dev=PlannerDevice(sm, 9, 0), cuda_graph=False).float_bytes
+            for sm in (8, 132, 999)}
+    assert want[8] != want[999] and want[132] != want[999]
+    assert got == {8: want[8], 132: want[132]}

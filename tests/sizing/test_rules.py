@@ -6,7 +6,7 @@ import pytest
 
 from pytest_kvprofile.matrix.models import ModelSpec, rank_heads
 from pytest_kvprofile.sizing import PlanEnvelope, required_workspace
-from pytest_kvprofile.sizing.comparison import REPORT_ENVELOPE, report_headline, sizing_report
+from pytest_kvprofile.sizing.comparison import REPORT_ENVELOPE, VLLM_CAPTURE_SIZES, report_headline, sizing_report
 from pytest_kvprofile.sizing.rules import (
     FIXED_SIZES,
     decode_shaped_heuristic,
@@ -34,6 +34,11 @@ def test_fixed_sizes():
                            "sglang": 384 * MiB, "tensorrt-llm": 320 * MiB}
 
 
+# Raw plans over vLLM's capture sizes as full steps (a what-if, not a matrix case).
+VLLM_GRAPHS = PlanEnvelope(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32768, page_size=16,
+                           cuda_graph=True, cuda_graph_sizes=VLLM_CAPTURE_SIZES)
+
+
 def test_seed004_cases_through_the_oracle(oracle, capsys):
     """What the four rows really need on the installed FlashInfer (no graphs / vLLM graphs)."""
     lines = []
@@ -41,7 +46,7 @@ def test_seed004_cases_through_the_oracle(oracle, capsys):
         plain = required_workspace(heads_q=hq, heads_kv=hkv, head_dim=d, num_sm=sm,
                                    envelope=PlanEnvelope())
         graph = required_workspace(heads_q=hq, heads_kv=hkv, head_dim=d, num_sm=sm,
-                                   envelope=REPORT_ENVELOPE)
+                                   envelope=VLLM_GRAPHS)
         assert plain.method == graph.method == "oracle" and plain.exact and graph.exact
         # On 0.7.x the rule over-reserves without graphs (rows shrink by the GQA group) ...
         assert plain.float_bytes < mib * MiB
@@ -51,7 +56,7 @@ def test_seed004_cases_through_the_oracle(oracle, capsys):
         print("\n" + "\n".join(lines))
     # ... and under CUDA graphs Qwen3-8B needs more than the rule's 96 MiB.
     qwen = required_workspace(heads_q=32, heads_kv=8, head_dim=128, num_sm=142,
-                              envelope=REPORT_ENVELOPE)
+                              envelope=VLLM_GRAPHS)
     assert qwen.float_bytes > 96 * MiB
 
 

@@ -1,8 +1,14 @@
 // Host-only stand-ins for the CUDA runtime symbols the planners and nvcc's generated host code
 // reference. Compiled as plain C++ so the oracle library never needs libcudart or a GPU.
+//
+// Every symbol here is hidden: the library's own references bind to these definitions at link
+// time (with -Bsymbolic as a second guard), so a real libcudart loaded RTLD_GLOBAL before the
+// oracle (a CUDA build of torch) neither answers cudaDeviceGetAttribute for it nor sees these.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+
+#pragma GCC visibility push(hidden)
 
 namespace {
 int g_num_sm = 132;
@@ -70,3 +76,5 @@ int cudaLaunchKernel(const void*, uint64_t, uint32_t, uint64_t, uint32_t, void**
 }
 
 }  // extern "C"
+
+#pragma GCC visibility pop

@@ -1,0 +1,210 @@
+"""The backend registry: where backends come from, and what the harness learns of them at configure.
+
+Backends are named on the command line or in the ini (``--kvprofile-backend``), returned by the
+``pytest_kvprofile_backends`` hook, installed under the ``pytest_kvprofile.backends`` entry-point
+group, or built in (the correct stubs and the mutant catalog).
+
+When builders are constructed, and why:
+
+- :func:`inspect_backend`, once per backend at configure, on the first runnable case: the protocol
+  check, the declared support the verdict reports, and the NEUTRAL-alone derivation;
+- :meth:`KvprofileSession.classify <pytest_kvprofile.plugin.session.KvprofileSession.classify>`,
+  once per (backend, case) at collection: which lifecycle path the pair takes, hence which checks
+  apply (the builders are dropped right after);
+- the lifecycle, once per (backend, case): the builders it drives; the warmup-retry probe builds
+  fresh ones for every fault it injects, on a fresh device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from pytest_kvprofile.contract.backends import Backend, BackendError, coerce_backend, validate_builders
+from pytest_kvprofile.contract.resources import ResourceAdapter
+from pytest_kvprofile.contract.support import ProfilingSupport, builder_name, declared_support
+
+ENTRY_POINT_GROUP = "pytest_kvprofile.backends"
+REQUIRED_METHODS = ("reserve_persistent_workspace", "declared_workspace")
+
+
+def load_factory(spec: str) -> list[Backend]:
+    """Import ``package.module:factory`` and call it; it returns one backend or several."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise BackendError(f"--kvprofile-backend {spec!r}: expected 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the backend's, reported as such
+        raise BackendError(f"backend {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise BackendError(f"backend {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    return call_factory(factory, spec)
+
+
+def call_factory(factory: Any, origin: str) -> list[Backend]:
+    if not callable(factory):
+        raise BackendError(f"backend {origin!r}: {factory!r} is not callable")
+    try:
+        produced = factory()
+    except Exception as exc:  # noqa: BLE001
+        raise BackendError(f"backend {origin!r}: the factory raised {type(exc).__name__}: {exc}") from None
+    items = produced if isinstance(produced, (list, tuple)) else [produced]
+    if not items:
+        raise BackendError(f"backend {origin!r}: the factory returned an empty list")
+    return [coerce_backend(item, origin) for item in items]
+
+
+def entry_point_backends() -> list[Backend]:
+    from importlib.metadata import entry_points
+
+    out: list[Backend] = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            factory = ep.load()
+        except Exception as exc:  # noqa: BLE001
+            raise BackendError(
+                f"backend entry point {ep.name!r} ({ep.value}): cannot load: {type(exc).__name__}: {exc}"
+            ) from None
+        out.extend(call_factory(factory, f"entry point {ep.name!r}"))
+    return out
+
+
+def builtin_backends() -> dict[str, Backend]:
+    """The correct stubs and the mutant catalog, by name."""
+    from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+
+    return {b.name: b for b in (*STUB_BACKENDS, *MUTANT_BACKENDS)}
+
+
+def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True) -> list[Backend]:
+    """Backends from the command line/ini and the hook; entry points only when none are named; stubs if none.
+
+    Naming backends explicitly narrows the run to them, so an installed entry-point backend does not
+    join every session.
+    """
+    from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+
+    specs = list(specs)
+    catalog = builtin_backends()
+    out: list[Backend] = []
+    for spec in specs:
+        spec = spec.strip()
+        if spec == "stubs":
+            out.extend(STUB_BACKENDS)
+        elif spec == "mutants":
+            out.extend(MUTANT_BACKENDS)
+        elif spec in catalog:
+            out.append(catalog[spec])
+        elif ":" in spec:
+            out.extend(load_factory(spec))
+        else:
+            raise BackendError(
+                f"--kvprofile-backend {spec!r}: not 'package.module:factory' and not a built-in backend "
+                f"(stubs, mutants, or one of: {', '.join(catalog)})"
+            )
+    for item in hooked:
+        if item is None:
+            continue
+        items = item if isinstance(item, (list, tuple)) else [item]
+        out.extend(coerce_backend(i, "the pytest_kvprofile_backends hook") for i in items)
+    if entry_points and not specs:
+        out.extend(entry_point_backends())
+    if not out:
+        out = list(STUB_BACKENDS)
+    seen: dict[str, Backend] = {}
+    for b in out:
+        if b.name in seen and seen[b.name] is not b:
+            raise BackendError(f"two backends are named {b.name!r} ({seen[b.name].origin} and {b.origin})")
+        seen[b.name] = b
+    return list(seen.values())
+
+
+def model_parts(backend: Any, case: Any) -> list[Any]:
+    """Everything the engine drives for one model: the backend's builders, then its resources.
+
+    A backend may bring its own resources (``make_resources``); otherwise the case's are used.
+    """
+    from pytest_kvprofile.builtin.resources import case_resources
+
+    builders = list(backend.make_builders(case))
+    make_resources = getattr(backend, "make_resources", None)
+    resources = list(make_resources(case)) if make_resources is not None else case_resources(case)
+    return builders + [ResourceAdapter(r) for r in resources]
+
+
+@dataclass(frozen=True)
+class BackendProfile:
+    """What one construction of a backend's builders showed at configure.
+
+    ``declared_support`` maps each part to its answer (``required``/``neutral``/``unsupported``, or
+    ``invalid: ...``/``error: ...`` when the declaration or the factory raised); ``neutral_alone``
+    is the derived backend of its NEUTRAL builders alone, when it mixes them with REQUIRED ones.
+    """
+
+    backend: Backend
+    declared_support: dict[str, str]
+    neutral_alone: Backend | None
+
+
+def inspect_backend(backend: Backend, case: Any) -> BackendProfile:
+    """Construct the builders once on ``case`` and check what the suite will call on them.
+
+    Raises BackendError for a builder set the protocol cannot drive at all (no builders, unnamed or
+    duplicate builders, a REQUIRED builder without the methods the reservation path calls). A
+    factory that raises is not an error here: every check of the backend reports it per case.
+    """
+    try:
+        parts = model_parts(backend, case)
+    except Exception as exc:  # noqa: BLE001 - reported per case by every check
+        return BackendProfile(backend, {"<factory>": f"error: {type(exc).__name__}: {exc}"}, None)
+    validate_builders(backend, [p for p in parts if not isinstance(p, ResourceAdapter)])
+    supports: dict[str, str] = {}
+    neutral: list[str] = []
+    has_required = False
+    for part in parts:
+        name = builder_name(part)
+        try:
+            support = declared_support(part)
+        except Exception as exc:  # noqa: BLE001 - the support_declaration check reports it
+            supports[name] = f"invalid: {type(exc).__name__}: {exc}"
+            continue
+        supports[name] = support.value
+        if support is ProfilingSupport.REQUIRED:
+            has_required = True
+            missing = [m for m in REQUIRED_METHODS if not callable(getattr(part, m, None))]
+            if missing:
+                raise BackendError(
+                    f"backend {backend.name!r}: builder {name!r} declares REQUIRED but lacks "
+                    f"{', '.join(m + '()' for m in missing)}"
+                )
+        elif support is ProfilingSupport.NEUTRAL and not isinstance(part, ResourceAdapter):
+            neutral.append(name)
+    derived = None
+    if neutral and has_required and backend.origin not in ("builtin", "mutant"):
+        derived = _neutral_alone(backend, frozenset(neutral))
+    return BackendProfile(backend, supports, derived)
+
+
+def _neutral_alone(backend: Backend, neutral: frozenset[str]) -> Backend:
+    """A third-party set mixing REQUIRED and NEUTRAL builders also runs with its NEUTRAL ones alone.
+
+    NEUTRAL must be safe both carried under a REQUIRED builder's lease and on its own (where the
+    model stays on the legacy path), so both are checked.
+    """
+    make = backend.make_builders
+
+    def make_neutral(case: Any) -> list[Any]:
+        return [b for b in make(case) if builder_name(b) in neutral]
+
+    return Backend(
+        name=f"{backend.name}-neutral-alone", make_builders=make_neutral, policy=backend.policy,
+        version=backend.version, description=f"the NEUTRAL builders of {backend.name} without the rest",
+        origin=backend.origin, torch_mode=backend.torch_mode, make_resources=backend.make_resources,
+    )

@@ -1,0 +1,124 @@
+"""What one lifecycle run records: a closed, typed record that the checks read and never write.
+
+Everything a check needs is a field here, including what a probe must re-run (``probe``: the
+backend, case and device factory that produced the record); nothing travels in untyped side
+channels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+from pytest_kvprofile.contract.backends import EnginePolicy
+from pytest_kvprofile.contract.lease import Lease
+from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclaration
+from pytest_kvprofile.contract.support import SupportResolution, builder_name
+from pytest_kvprofile.contract.workspace import ArenaView
+from pytest_kvprofile.matrix.cases import Case
+from pytest_kvprofile.memory.budget import Budget, ProfileWindow
+from pytest_kvprofile.memory.device import Allocation, Device
+
+PROFILING = "profiling"
+LEGACY = "legacy"
+
+
+@dataclass(frozen=True)
+class BoundRecord:
+    """A float range one builder reported its wrappers point at, at a phase boundary."""
+
+    owner: str
+    workspace: BoundWorkspace
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """The device and the arena at the end of one phase."""
+
+    name: str
+    allocated: int
+    reserved: int
+    arena: tuple[ArenaView, ...]
+    bound: tuple[BoundRecord, ...]
+    locked: bool
+
+
+@dataclass(frozen=True)
+class PhaseError:
+    """A builder's (or the engine's) exception, with the phase it stopped."""
+
+    phase: str
+    who: str
+    exc_type: str
+    message: str
+    traceback: str
+    injected: bool = False
+
+    def describe(self) -> str:
+        return f"{self.who} raised {self.exc_type} in phase {self.phase!r}: {self.message}"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """A lease a REQUIRED builder returned, and the allocations it made while reserving."""
+
+    owner: str
+    lease: Lease
+    allocation_ids: tuple[int, ...]
+
+
+class CallRecord(NamedTuple):
+    """One call the engine made into a builder."""
+
+    phase: str
+    builder: str
+    method: str
+
+
+@dataclass(frozen=True)
+class ProbeTarget:
+    """What a probe needs to build the same builders again on a fresh device."""
+
+    backend: Any
+    case: Case
+    device_factory: Callable[[Case], Device]
+
+
+@dataclass
+class LifecycleResult:
+    """Everything one run recorded; checks read it, nothing here is a verdict."""
+
+    backend: str
+    case: Case
+    probe: ProbeTarget
+    policy: EnginePolicy
+    builders: list[Any] = field(default_factory=list)
+    resolution: SupportResolution | None = None
+    declaration_error: str | None = None
+    path: str = LEGACY
+    declared: dict[str, WorkspaceDeclaration] = field(default_factory=dict)
+    allocations: list[Allocation] = field(default_factory=list)
+    alloc_origin: dict[int, str] = field(default_factory=dict)  # allocation id -> builder method
+    phases: list[PhaseRecord] = field(default_factory=list)
+    errors: list[PhaseError] = field(default_factory=list)
+    leases: list[LeaseRecord] = field(default_factory=list)
+    released_before_closing: tuple[str, ...] = ()
+    calls: list[CallRecord] = field(default_factory=list)
+    window: ProfileWindow | None = None
+    budget: Budget | None = None
+    graph_pool_high_water: int = 0
+    graph_pool_retained: int = 0
+    kv_allocation: Allocation | None = None
+    post_kv_peak_used: int = 0
+    post_kv_peak_live: list[Allocation] = field(default_factory=list)
+    lock_probe_error: str | None = None
+    aborted_in: str | None = None
+
+    def phase(self, name: str) -> PhaseRecord | None:
+        for rec in self.phases:
+            if rec.name == name:
+                return rec
+        return None
+
+    def builder_names(self) -> list[str]:
+        return [builder_name(b) for b in self.builders]

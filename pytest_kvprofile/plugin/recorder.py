@@ -1,0 +1,48 @@
+"""The controller's recorder: each check's outcome, from the reports xdist forwards to the controller.
+
+The suite's tests put their record in ``user_properties`` (the channel xdist carries from workers);
+the recorder adds the outcome and the failure message, and the session writes the JSON, the verdict
+and the summary from these records.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pytest_kvprofile.plugin.session import KvprofileSession
+
+RECORD_KEY = "kvprofile"
+
+
+class Recorder:
+    """Collects each check's outcome on the controller (xdist forwards user_properties there)."""
+
+    def __init__(self, state: KvprofileSession):
+        self.state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        data = dict(report.user_properties).get(RECORD_KEY)
+        if data is None:
+            return
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            outcome = report.outcome
+            if hasattr(report, "wasxfail"):
+                outcome = "xfailed" if report.outcome == "skipped" else "xpassed"
+            record = dict(data, nodeid=report.nodeid, outcome=outcome)
+            if report.outcome == "failed":
+                record["message"] = _short_message(report)
+            self.state.records.append(record)
+
+
+_XDIST_HEADER = re.compile(r"^\[gw\d+\] \S+ -- Python ")
+
+
+def _short_message(report: pytest.TestReport) -> str:
+    text = getattr(report, "longreprtext", "") or str(report.longrepr)
+    lines = [ln for ln in text.splitlines() if ln.strip() and not _XDIST_HEADER.match(ln)]
+    kept = [ln[2:] if ln.startswith("E ") else ln for ln in lines if ln.startswith("E ") or not ln.startswith(" ")]
+    return "\n".join(kept or lines)[-4000:]
+
+

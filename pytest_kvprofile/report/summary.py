@@ -1,0 +1,69 @@
+"""The controller's terminal output: the per-backend summary table and the verdict lines."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+from pytest_kvprofile.units import MiB
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per backend: cases, checks passed/failed/xfailed, the most failed check and the worst budget."""
+    by_backend: dict[str, list[dict]] = defaultdict(list)
+    for rec in records:
+        if rec.get("backend"):
+            by_backend[rec["backend"]].append(rec)
+    rows = []
+    for backend, recs in sorted(by_backend.items()):
+        outcomes = Counter(r["outcome"] for r in recs)
+        failed = Counter(r["check"] for r in recs if r["outcome"] == "failed")
+        worst_check = failed.most_common(1)[0] if failed else None
+        budgets = [r["budget"] for r in recs if r.get("budget")]
+        worst_budget = min(budgets, key=lambda b: (b["kv_tokens"], b["case"]), default=None)
+        rows.append({
+            "backend": backend,
+            "cases": len({r["case"] for r in recs}),
+            "passed": outcomes.get("passed", 0),
+            "failed": outcomes.get("failed", 0),
+            "xfailed": outcomes.get("xfailed", 0),
+            "skipped": outcomes.get("skipped", 0),
+            "worst_check": f"{worst_check[0]} ({worst_check[1]})" if worst_check else "-",
+            "worst_case": worst_budget["case"] if worst_budget else None,
+            "worst_case_kv_tokens": worst_budget["kv_tokens"] if worst_budget else None,
+            "worst_case_reservation_tokens": worst_budget["reservation_kv_tokens"] if worst_budget else None,
+        })
+    return rows
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    header = ("backend", "cases", "passed", "failed", "xfailed", "worst check", "fewest KV tokens (case)")
+    body = []
+    for r in rows:
+        worst = "-"
+        if r["worst_case"]:
+            worst = f"{r['worst_case_kv_tokens']} ({r['worst_case']}; reservation costs {r['worst_case_reservation_tokens']})"
+        body.append((r["backend"], str(r["cases"]), str(r["passed"]), str(r["failed"]), str(r["xfailed"]),
+                     r["worst_check"], worst))
+    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in body]
+
+
+def verdict_lines(doc: dict) -> list[str]:
+    lines = []
+    for b in doc["backends"]:
+        verdict = "may opt in" if b["may_opt_in"] else "may NOT opt in"
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(b["counts"].items()))
+        lines.append(f"{b['name']}: {verdict} ({counts or 'nothing ran'})")
+        for reason in b["reasons"]:
+            lines.append(f"    - {reason}")
+    return lines
+
+
+def budget_record(budget: Any, case_id: str) -> dict:
+    d = budget.as_dict()
+    d["case"] = case_id
+    d["limit"] = budget.limit
+    d["available_kv_mib"] = round(budget.available_kv / MiB, 2)
+    return d
