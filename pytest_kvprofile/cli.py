@@ -7,6 +7,7 @@ workspace does this layout need on this GPU, and for which batch" on a CPU machi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -106,6 +107,14 @@ def _envelope(args: argparse.Namespace, base: Any) -> Any:
     return dataclasses.replace(env, num_ubatches=base.num_ubatches, nontorch_mib=base.nontorch_mib)
 
 
+@functools.lru_cache(maxsize=8)
+def _load_matrix(path: str, mtime_ns: int, size: int) -> Any:
+    """A matrix loaded once per file version (callers that size many cases in one process)."""
+    from pytest_kvprofile.matrix.schema import load_matrix
+
+    return load_matrix(path)
+
+
 def _case(args: argparse.Namespace) -> Any:
     """The case the check would size: model, GPU and layout from the arguments, envelope from the matrix."""
     import dataclasses
@@ -113,11 +122,14 @@ def _case(args: argparse.Namespace) -> Any:
     from pytest_kvprofile.matrix.cases import layout_case
     from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
     from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout
-    from pytest_kvprofile.matrix.schema import MatrixError, load_matrix
+    from pytest_kvprofile.matrix.schema import MatrixError
 
     path = args.matrix or _default_matrix()
     try:
-        matrix = load_matrix(path)
+        stat = Path(path).stat()
+        matrix = _load_matrix(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+    except OSError as exc:
+        _fail(f"{path}: cannot read: {exc.strerror or exc}")
     except MatrixError as exc:
         _fail(str(exc))
     base = matrix.cases[0].envelope if matrix.cases else None

@@ -1,4 +1,4 @@
-"""The mutant catalog: each builder differs from a correct stub by exactly one bug of DESIGN.md section 3.
+"""The mutant catalog: each builder differs from a correct stub by exactly one bug class of docs/contract.md ("Bug classes").
 
 Every check the suite ships must be shown to fail on the mutant that carries the bug it targets;
 ``tests/test_mutants.py`` runs the suite over this catalog and prints the catch table.

@@ -1,6 +1,6 @@
 """The builder protocol the harness drives, and the context it hands to builders.
 
-A third-party attention backend implements a small, duck-typed surface (named as vLLM's seeds name
+A third-party attention backend implements a small, duck-typed surface (named as vLLM's open pull request names
 it). Only ``name`` is mandatory; every other method is optional and its absence has a defined,
 conservative meaning:
 

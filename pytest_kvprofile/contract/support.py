@@ -1,4 +1,4 @@
-"""The fail-closed support declaration and how a model's builders compose it (DESIGN.md section 2)."""
+"""The fail-closed support declaration and how a model's builders compose it (docs/contract.md, "Support declaration")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The GPU catalog: SM count, memory and interconnect of the GPUs the matrices name.
 
-Figures are the vendor's (DESIGN.md section 5). B300 and GB200 are left out because their figures
+Figures are the vendor's (docs/contract.md, "GPUs"). B300 and GB200 are left out because their figures
 are unverified. A matrix may also describe a GPU inline; this catalog only resolves names.
 """
 

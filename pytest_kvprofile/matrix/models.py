@@ -1,4 +1,4 @@
-"""Model head layouts, and the per-rank view of them under TP/DCP/MTP (DESIGN.md section 5)."""
+"""Model head layouts, and the per-rank view of them under TP/DCP/MTP (docs/contract.md, "Parallel layouts")."""
 
 from __future__ import annotations
 

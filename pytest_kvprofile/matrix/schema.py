@@ -1,7 +1,7 @@
 """Matrix files: YAML that names models, GPUs and parallel layouts, expanded into cases.
 
 Expansion is deterministic (file order, then models x gpus x tp x dcp x mtp x gmu), derives the
-per-rank heads as DESIGN.md section 5 says, and keeps impossible combinations as cases that carry
+per-rank heads as docs/contract.md ("Parallel layouts") says, and keeps impossible combinations as cases that carry
 a skip reason, so they show up in the id list instead of vanishing. Validation happens once, at
 load; a bad file raises MatrixError naming the file and the key.
 """

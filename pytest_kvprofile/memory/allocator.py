@@ -42,11 +42,6 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-def is_small(size: int) -> bool:
-    """Whether a rounded block size is served from the small pool."""
-    return size <= SMALL_SIZE
-
-
 class Segment:
     """One simulated ``cudaMalloc``: a contiguous range owned by one pool, split into blocks."""
 

@@ -1,4 +1,4 @@
-"""The engine's KV-cache arithmetic (DESIGN.md section 2), as pure functions over measured figures."""
+"""The engine's KV-cache arithmetic (docs/contract.md, "The order"), as pure functions over measured figures."""
 
 from __future__ import annotations
 

@@ -29,10 +29,10 @@ def _cta_tile_q_06(head_dim: int) -> int:
 
 def seed004_rule(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
                  base: int = 80 * MiB, head_dim_vo: int | None = None) -> int:
-    """Seed 004's published rule: ceil split bound, 16 MiB slack, 16 MiB alignment, base floor.
+    """The published rule of docs/contract.md ("Sizing rules in use"): ceil split bound, 16 MiB slack, 16 MiB alignment, base floor.
 
     ``padded = ceil(2 * num_sm / heads_kv)`` (FlashInfer rounds down), ``cta_tile_q`` 128 (64 for
-    head_dim >= 256), the 0.6.x ``tmp_v + tmp_s``; 96/96/304/176 MiB for the seed's four rows.
+    head_dim >= 256), the 0.6.x ``tmp_v + tmp_s``; 96/96/304/176 MiB for its four example rows.
     """
     dvo = head_dim_vo or head_dim
     padded = ceil_div(2 * num_sm, heads_kv)
@@ -44,7 +44,7 @@ def seed004_rule(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
 def decode_shaped_heuristic(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
                             max_requests: int = 256, *, tp: int = 1,
                             base: int = 80 * MiB, head_dim_vo: int | None = None) -> int:
-    """The rule seed 004 replaced (bug class 11): sized as if every plan were a decode.
+    """The rule that published rule replaced (bug class 11): sized as if every plan were a decode.
 
     ``cta_tile_q = 16`` and the padded batch keyed on ``max_requests``, ignoring the SM count; it
     returns ``base`` outright for TP > 1 and for GQA ratios outside the decode fast path. It
