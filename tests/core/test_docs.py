@@ -20,3 +20,38 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = next(ln.strip() for ln in readme.splitlines() if 'pip install torch==2.13.0 -e ".[test]"' in ln)
     assert test_command in ci
+
+
+def test_architecture_names_every_module():
+    """docs/architecture.md visits every module of the package (a new module needs its paragraph)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    package = ROOT / "pytest_kvprofile"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.name == "__init__.py" and rel.parent.name not in ("plugin",):
+            continue
+        if f"`{rel.name}`" not in doc and f"{rel.as_posix()}" not in doc:
+            missing.append(rel.as_posix())
+    assert not missing, f"docs/architecture.md does not mention {missing}"
+
+
+def test_the_gpu_table_in_docs_matches_the_catalog():
+    from pytest_kvprofile.matrix.gpus import GPU_CATALOG
+
+    doc = (ROOT / "docs" / "contract.md").read_text()
+    for gpu in GPU_CATALOG.values():
+        cc = ".".join(map(str, gpu.compute_capability))
+        row = next((ln for ln in doc.splitlines() if ln.startswith(f"| {gpu.name} ") or ln.startswith(f"| {gpu.name} (")), None)
+        assert row is not None, gpu.name
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == str(gpu.num_sm) and cells[2] == f"{gpu.memory_bytes // 10**9} GB" and cells[4] == cc, row
+
+
+def test_readme_lists_the_public_api():
+    import pytest_kvprofile
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Public API"):readme.index("## More")]
+    missing = [name for name in pytest_kvprofile.__all__ if name != "__version__" and f"`{name}`" not in table]
+    assert not missing, f"README's public API table lacks {missing}"
