@@ -1,0 +1,61 @@
+"""When the harness constructs a backend's builders, and how often (contract/registry.py says why).
+
+Per (backend, case): once at collection to classify the pair and once for the lifecycle; once at
+configure, on the first runnable case, to inspect the backend; and once per distinct layout for the
+warmup-retry probe's clean warmup (the probe ignores gmu, so it runs on the case with its id and gmu
+blanked; a warmup that allocates nothing needs no fault points).
+"""
+
+import json
+
+COUNTING_BACKEND = """
+import collections
+from pytest_kvprofile import Backend, Lease, ProfilingSupport, WorkspaceDeclaration
+
+MADE = collections.Counter()
+
+
+class Counted:
+    name = "counted"
+
+    def __init__(self, case):
+        MADE[case.id] += 1
+
+    def get_persistent_workspace_memory_profiling_support(self):
+        return ProfilingSupport.REQUIRED
+
+    def declared_workspace(self, case):
+        from pytest_kvprofile.sizing import for_case
+        need = for_case(case)
+        return WorkspaceDeclaration(need.float_bytes, need.int_bytes)
+
+    def reserve_persistent_workspace(self, ctx):
+        return ctx.lease(())
+
+
+def factory():
+    return Backend(name="counted", make_builders=lambda case: [Counted(case)])
+"""
+
+CONFTEST = """
+import json
+
+def pytest_sessionfinish(session):
+    import countedbk
+    with open("made.json", "w") as f:
+        json.dump(dict(countedbk.MADE), f)
+"""
+
+
+def test_builders_are_made_once_per_pair_for_the_lifecycle(pytester, suite_args):
+    pytester.makepyfile(countedbk=COUNTING_BACKEND)
+    pytester.makeconftest(CONFTEST)
+    pytester.syspathinsert()
+    result = pytester.runpytest(*suite_args, "-p", "no:xdist", "--kvprofile-backend", "countedbk:factory")
+    assert result.ret == 0 and result.parseoutcomes()["passed"] > 30
+    made = json.loads((pytester.path / "made.json").read_text())
+    probe = made.pop("")
+    first, *rest = made
+    assert made[first] == 3, made  # inspect + classify + lifecycle
+    assert rest and all(made[c] == 2 for c in rest), made  # classify + lifecycle
+    assert probe == len(made), made  # one clean warmup per layout (every case here has its own layout)
