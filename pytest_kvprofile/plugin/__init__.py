@@ -15,6 +15,7 @@ import pytest
 
 from pytest_kvprofile.contract.backends import BackendError
 from pytest_kvprofile.matrix.schema import MatrixError
+from pytest_kvprofile.plugin.fixtures import CASE_ARG, case_params
 from pytest_kvprofile.plugin.recorder import Recorder
 from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession, Settings, build_session
 
@@ -25,8 +26,32 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
 
 
+SUITES = ("pytest_kvprofile.suite", "pytest_kvprofile.gpu_suite")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """``--kvprofile`` (and ``--kvprofile-gpu``) add the packaged suite to what is collected, from any directory.
+
+    Paths on the command line are collected too; with none, only the suite runs. The suite is named
+    as a module (``--pyargs``, which leaves path arguments paths), and not twice if already named.
+    """
+    ns = early_config.known_args_namespace
+    gpu = ns.kvprofile_gpu if ns.kvprofile_gpu is not None else early_config.getini("kvprofile_gpu")
+    wanted = ns.kvprofile if ns.kvprofile is not None else early_config.getini("kvprofile")
+    if not (wanted or gpu):
+        return
+    named = {a.split("::")[0] for a in args if not a.startswith("-")}
+    added = [m for m in (SUITES if gpu else SUITES[:1]) if not any(n == m or n.startswith(m + ".") for n in named)]
+    if added:
+        args.extend(["--pyargs", *added])
+        ns.pyargs = True
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvprofile", "KV-cache profiling conformance (pytest-kvprofile)")
+    group.addoption("--kvprofile", action="store_true", default=None,
+                    help="add the packaged conformance suite to the collection (from any directory)")
     group.addoption("--kvprofile-gpu", action="store_true", default=None,
                     help="run the GPU tier on real CUDA devices (a usage error without one)")
     group.addoption("--kvprofile-matrix", action="append", default=None, metavar="PATH",
@@ -39,6 +64,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write the opt-in verdict document here")
     group.addoption("--kvprofile-timeout", default=None, type=float, metavar="SECONDS",
                     help="per-check time limit; a hang becomes a failure with the hanging thread's stack")
+    parser.addini("kvprofile", "add the packaged conformance suite to the collection (like --kvprofile)",
+                  type="bool", default=False)
     parser.addini("kvprofile_gpu", "run the GPU tier (like --kvprofile-gpu)", type="bool", default=False)
     parser.addini("kvprofile_matrix", "matrix YAML files (like --kvprofile-matrix)", type="paths", default=[])
     parser.addini("kvprofile_json", "JSON report path (like --kvprofile-json)", default="")
@@ -95,6 +122,10 @@ def pytest_configure(config: pytest.Config) -> None:
     except (MatrixError, BackendError) as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
+    import pytest_kvprofile.plugin.fixtures as fixtures
+
+    if not config.pluginmanager.is_registered(fixtures):
+        config.pluginmanager.register(fixtures, "kvprofile-fixtures")
     import pytest_kvprofile.plugin.gpu as gpu_hooks
 
     if not config.pluginmanager.is_registered(gpu_hooks):
@@ -138,6 +169,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 marks.append(pytest.mark.xfail(strict=True, reason=f"{backend.name} expects to fail: {reason}"))
             params.append(pytest.param((backend, case), id=f"{backend.name}-{case.id}", marks=marks))
         metafunc.parametrize("kvprofile_pair", params)
+    elif CASE_ARG in metafunc.fixturenames:
+        metafunc.parametrize(CASE_ARG, case_params(session))
     elif "kvprofile_impossible_case" in metafunc.fixturenames:
         params = [
             pytest.param(case, id=case.id, marks=pytest.mark.skip(reason=f"impossible layout: {case.skip_reason}"))
