@@ -15,7 +15,13 @@ from typing import NamedTuple
 
 import pytest
 
-from pytest_kvprofile.sizing.oracle import Oracle, cache_root, ensure_built, get_oracle, oracle_available
+from pytest_kvprofile.sizing.oracle import (
+    Oracle,
+    cache_root,
+    ensure_built,
+    get_oracle,
+    oracle_available,
+)
 
 os.environ.setdefault("KVPROFILE_CACHE_DIR", str(cache_root()))
 

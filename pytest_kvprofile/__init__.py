@@ -11,7 +11,12 @@ from __future__ import annotations
 from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, failing_checks
 from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy
 from pytest_kvprofile.contract.lease import Lease, LeaseReleasedError
-from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.protocol import (
+    Batch,
+    BoundWorkspace,
+    BuilderContext,
+    WorkspaceDeclaration,
+)
 from pytest_kvprofile.contract.support import (
     DeclarationError,
     ProfilingSupport,
@@ -19,7 +24,11 @@ from pytest_kvprofile.contract.support import (
     declared_support,
     resolve_support,
 )
-from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceLockedError, WorkspaceManager
+from pytest_kvprofile.contract.workspace import (
+    ArenaView,
+    WorkspaceLockedError,
+    WorkspaceManager,
+)
 from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, DecodeCapture, Envelope

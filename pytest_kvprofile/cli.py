@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 from pytest_kvprofile.units import MiB
 
+
 def _default_matrix() -> Path:
     from pytest_kvprofile.matrix.schema import packaged_matrix
 
@@ -168,7 +169,12 @@ def _case(args: argparse.Namespace) -> Any:
 def _cmd_size(args: argparse.Namespace) -> int:
     if args.report is not None:
         return _cmd_report(args)
-    from pytest_kvprofile.sizing.case import compute_capability, decode_tensor_cores, for_case, plan_envelope
+    from pytest_kvprofile.sizing.case import (
+        compute_capability,
+        decode_tensor_cores,
+        for_case,
+        plan_envelope,
+    )
     from pytest_kvprofile.sizing.oracle import OracleError
 
     case = _case(args)
@@ -222,7 +228,11 @@ def _cmd_size(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from pytest_kvprofile.sizing import OracleError
-    from pytest_kvprofile.sizing.comparison import format_report, report_for_matrix, report_headline
+    from pytest_kvprofile.sizing.comparison import (
+        format_report,
+        report_for_matrix,
+        report_headline,
+    )
 
     try:
         rows = report_for_matrix(str(args.report), use_oracle=False if args.no_oracle else None)

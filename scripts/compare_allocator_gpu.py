@@ -16,11 +16,11 @@ import argparse
 import os
 import sys
 from typing import Any, Callable
-from pytest_kvprofile.units import MiB
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice  # noqa: E402
+from pytest_kvprofile.units import MiB  # noqa: E402
 
 KiB = 1 << 10
 
@@ -156,7 +156,12 @@ def run_torch(sequence: list[tuple[Any, ...]]) -> list[dict[str, int]]:
             next(iter(live.values())).zero_()
             capture_ctx.__exit__(None, None, None)
         elif op == "release_graph":
-            graph = None
+            # The capture context keeps its own reference to the graph: reset() frees the graph's
+            # hold on its private pool now (its segments go at the next empty_cache, as the model
+            # says), and both references are dropped so nothing can replay or keep it alive.
+            assert graph is not None
+            graph.reset()
+            graph = capture_ctx = None
         elif op == "oom":
             try:
                 torch.empty(step[2], dtype=torch.uint8, device="cuda")

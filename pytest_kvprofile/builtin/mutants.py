@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.contract.backends import EnginePolicy
+from pytest_kvprofile.builtin.stubs import (
+    MODULE_GLOBAL_BYTES,
+    FlashInferLikeBuilder,
+    MMPrefixLikeBuilder,
+)
+from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import BuilderContext
-from pytest_kvprofile.builtin.stubs import MODULE_GLOBAL_BYTES, FlashInferLikeBuilder, MMPrefixLikeBuilder
 from pytest_kvprofile.units import MiB
-
 
 
 class LazyWorkspaceBuilder(FlashInferLikeBuilder):

@@ -10,9 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.sizing.case import for_case, routes
-from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.protocol import (
+    Batch,
+    BoundWorkspace,
+    BuilderContext,
+    WorkspaceDeclaration,
+)
 from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.sizing.case import for_case, routes
 from pytest_kvprofile.units import MiB
 
 INT_WORKSPACE_BYTES = 8 * MiB  # FlashInfer's default int workspace per wrapper, plus a pinned host mirror

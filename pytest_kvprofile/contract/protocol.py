@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from pytest_kvprofile.contract.lease import Lease
 
 if TYPE_CHECKING:
-    from pytest_kvprofile.matrix.schema import Case
     from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
+    from pytest_kvprofile.matrix.schema import Case
 
 
 @dataclass(frozen=True)

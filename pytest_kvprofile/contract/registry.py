@@ -21,9 +21,18 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from pytest_kvprofile.contract.backends import Backend, BackendError, coerce_backend, validate_builders
+from pytest_kvprofile.contract.backends import (
+    Backend,
+    BackendError,
+    coerce_backend,
+    validate_builders,
+)
 from pytest_kvprofile.contract.resources import ResourceAdapter
-from pytest_kvprofile.contract.support import ProfilingSupport, builder_name, declared_support
+from pytest_kvprofile.contract.support import (
+    ProfilingSupport,
+    builder_name,
+    declared_support,
+)
 
 ENTRY_POINT_GROUP = "pytest_kvprofile.backends"
 REQUIRED_METHODS = ("reserve_persistent_workspace", "declared_workspace")

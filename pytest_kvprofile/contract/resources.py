@@ -23,7 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.protocol import (
+    Batch,
+    BuilderContext,
+    WorkspaceDeclaration,
+)
 
 
 class ResourceAdapter:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
 from pytest_kvprofile.units import MiB
 
 OWNER = "workspace-manager"

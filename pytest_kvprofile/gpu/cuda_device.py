@@ -22,14 +22,22 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from pytest_kvprofile.memory.allocator import round_size, segment_size
-from pytest_kvprofile.memory.device import Allocation, DeviceEvent, DeviceOutOfMemory, EventSource
+from pytest_kvprofile.memory.device import (
+    Allocation,
+    DeviceEvent,
+    DeviceOutOfMemory,
+    EventSource,
+    host_block_size,
+)
 
-__all__ = ["CudaDevice", "CudaDeviceFactory", "CudaGraphPool"]
+__all__ = ["MEM_GET_INFO_TOLERANCE", "CudaDevice", "CudaDeviceFactory", "CudaGraphPool"]
 
-
-def _host_size(nbytes: int) -> int:
-    """Torch's CachingHostAllocator rounds pinned blocks up to a power of two."""
-    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+# How far the driver's free-memory delta (``mem_get_info``) may differ from the caching allocator's
+# reserved delta over the same steps. Not zero because the driver, not torch, owns ``free``: it maps
+# device memory in 2 MiB pages and may grow the context's own allocations (the first kernel launch
+# loads modules, cuBLAS/FlashInfer handles take memory) between two readings. Reserved and allocated
+# figures are compared exactly; only the driver's view gets this allowance.
+MEM_GET_INFO_TOLERANCE = 4 << 20
 
 
 @dataclass(eq=False)
@@ -105,7 +113,7 @@ class CudaDevice(EventSource):
         torch = self._torch
         if pinned_host:
             tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            size = _host_size(nbytes)
+            size = host_block_size(nbytes)
             kind, pool = "pinned_host", "default"
             self.host_allocated += size
             self.max_host_allocated = max(self.max_host_allocated, self.host_allocated)

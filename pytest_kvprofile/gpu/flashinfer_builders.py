@@ -17,9 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.protocol import (
+    Batch,
+    BoundWorkspace,
+    BuilderContext,
+    WorkspaceDeclaration,
+)
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.gpu.reference import PagedLayout, paged_layout, scratch_bytes, synthetic_lens
+from pytest_kvprofile.gpu.reference import (
+    PagedLayout,
+    paged_layout,
+    scratch_bytes,
+    synthetic_lens,
+)
 from pytest_kvprofile.gpu.wrappers import make_wrapper, plan_args, run_checked
 from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case, routes
 from pytest_kvprofile.units import MiB

@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pytest_kvprofile.matrix.gpus import ALIASES, GPU_CATALOG, GpuSpec, lookup_gpu, slugify
+from pytest_kvprofile.matrix.gpus import (
+    ALIASES,
+    GPU_CATALOG,
+    GpuSpec,
+    lookup_gpu,
+    slugify,
+)
 
 __all__ = [
     "GpuDevice",

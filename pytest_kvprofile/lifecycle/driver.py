@@ -15,8 +15,20 @@ from typing import Any, Callable
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
-from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext, WorkspaceDeclaration, call_optional
-from pytest_kvprofile.contract.support import DeclarationError, ProfilingSupport, builder_name, declared_support, resolve_support
+from pytest_kvprofile.contract.protocol import (
+    Batch,
+    BoundWorkspace,
+    BuilderContext,
+    WorkspaceDeclaration,
+    call_optional,
+)
+from pytest_kvprofile.contract.support import (
+    DeclarationError,
+    ProfilingSupport,
+    builder_name,
+    declared_support,
+    resolve_support,
+)
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError, WorkspaceManager
 from pytest_kvprofile.lifecycle.phases import (
     BASELINE,
@@ -50,8 +62,14 @@ from pytest_kvprofile.lifecycle.record import (
 )
 from pytest_kvprofile.matrix.cases import Case, DecodeCapture
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
-from pytest_kvprofile.memory.budget import Budget, ProfileWindow, available_kv_bytes, tokens_for
+from pytest_kvprofile.memory.budget import (
+    Budget,
+    ProfileWindow,
+    available_kv_bytes,
+    tokens_for,
+)
 from pytest_kvprofile.memory.device import Device
+
 
 class _Abort(Exception):
     """Stops a run after a builder's error has been recorded."""

@@ -15,7 +15,11 @@ from typing import Any, Iterator
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.contract.protocol import call_optional
-from pytest_kvprofile.contract.support import ProfilingSupport, builder_name, declared_support
+from pytest_kvprofile.contract.support import (
+    ProfilingSupport,
+    builder_name,
+    declared_support,
+)
 from pytest_kvprofile.lifecycle.driver import LifecycleRun, make_device
 from pytest_kvprofile.lifecycle.record import ProbeTarget
 from pytest_kvprofile.matrix.cases import Case

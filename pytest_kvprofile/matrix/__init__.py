@@ -10,10 +10,27 @@
 
 from __future__ import annotations
 
-from pytest_kvprofile.matrix.cases import Case, DecodeCapture, Envelope, Matrix, Resource
+from pytest_kvprofile.matrix.cases import (
+    Case,
+    DecodeCapture,
+    Envelope,
+    Matrix,
+    Resource,
+)
 from pytest_kvprofile.matrix.gpus import GPU_CATALOG, GpuSpec, lookup_gpu
-from pytest_kvprofile.matrix.models import ModelSpec, RankHeads, impossible_layout, kv_bytes_per_token, rank_heads
-from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, load_matrix, packaged_matrix
+from pytest_kvprofile.matrix.models import (
+    ModelSpec,
+    RankHeads,
+    impossible_layout,
+    kv_bytes_per_token,
+    rank_heads,
+)
+from pytest_kvprofile.matrix.schema import (
+    MatrixError,
+    load_matrices,
+    load_matrix,
+    packaged_matrix,
+)
 
 __all__ = [
     "GPU_CATALOG",

@@ -7,8 +7,8 @@ are unverified. A matrix may also describe a GPU inline; this catalog only resol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pytest_kvprofile.units import GB
 
+from pytest_kvprofile.units import GB
 
 
 @dataclass(frozen=True)

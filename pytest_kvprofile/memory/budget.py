@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
 from pytest_kvprofile.units import GiB, MiB
 
 KV_ALIGN = 2 * MiB  # the KV cache is carved in allocator-block multiples, so sizing never rounds up

@@ -13,9 +13,24 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Iterator,
+    NoReturn,
+    Protocol,
+    runtime_checkable,
+)
 
-from pytest_kvprofile.memory.allocator import CachingAllocator, GraphPool, MemPool, Segment, round_size, segment_size
+from pytest_kvprofile.memory.allocator import (
+    CachingAllocator,
+    GraphPool,
+    MemPool,
+    Segment,
+    round_size,
+    segment_size,
+)
 
 if TYPE_CHECKING:
     from pytest_kvprofile.matrix.gpus import GpuSpec

@@ -17,7 +17,12 @@ from pytest_kvprofile.contract.backends import BackendError
 from pytest_kvprofile.matrix.schema import MatrixError
 from pytest_kvprofile.plugin.fixtures import CASE_ARG, case_params
 from pytest_kvprofile.plugin.recorder import Recorder
-from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession, Settings, build_session
+from pytest_kvprofile.plugin.session import (
+    SESSION_KEY,
+    KvprofileSession,
+    Settings,
+    build_session,
+)
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:

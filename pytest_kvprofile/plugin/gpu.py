@@ -24,7 +24,7 @@ CPU_TIER_REASON = "GPU tier: pass --kvprofile-gpu on a machine with a CUDA devic
 
 
 def _state(config: pytest.Config) -> Any:
-    from pytest_kvprofile.plugin import SESSION_KEY
+    from pytest_kvprofile.plugin.session import SESSION_KEY
 
     return config.stash.get(SESSION_KEY, None)
 

@@ -17,7 +17,12 @@ import pytest
 
 from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.contract.registry import BackendProfile, inspect_backend, model_parts, resolve_backends
+from pytest_kvprofile.contract.registry import (
+    BackendProfile,
+    inspect_backend,
+    model_parts,
+    resolve_backends,
+)
 from pytest_kvprofile.contract.support import DeclarationError, resolve_support
 from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult

@@ -11,10 +11,28 @@
 
 from __future__ import annotations
 
-from pytest_kvprofile.sizing.analytic import DEFAULT_INT_WORKSPACE, PlanBatch, PlanEnvelope
-from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case, plan_envelope, routes
-from pytest_kvprofile.sizing.comparison import format_report, report_for_matrix, sizing_report
-from pytest_kvprofile.sizing.oracle import OracleError, OracleUnavailable, get_oracle, oracle_available
+from pytest_kvprofile.sizing.analytic import (
+    DEFAULT_INT_WORKSPACE,
+    PlanBatch,
+    PlanEnvelope,
+)
+from pytest_kvprofile.sizing.case import (
+    decode_tensor_cores,
+    for_case,
+    plan_envelope,
+    routes,
+)
+from pytest_kvprofile.sizing.comparison import (
+    format_report,
+    report_for_matrix,
+    sizing_report,
+)
+from pytest_kvprofile.sizing.oracle import (
+    OracleError,
+    OracleUnavailable,
+    get_oracle,
+    oracle_available,
+)
 from pytest_kvprofile.sizing.requirement import (
     RouteSizing,
     SizingResult,

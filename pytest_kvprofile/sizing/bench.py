@@ -29,8 +29,13 @@ def main() -> dict:
     from array import array
 
     from pytest_kvprofile.sizing.analytic import PlanEnvelope
+    from pytest_kvprofile.sizing.oracle import (
+        build_info,
+        ensure_built,
+        get_oracle,
+        indptrs,
+    )
     from pytest_kvprofile.sizing.requirement import route_results
-    from pytest_kvprofile.sizing.oracle import build_info, ensure_built, get_oracle, indptrs
     from pytest_kvprofile.sizing.search import adversarial_search, oracle_evaluator
 
     results: dict = {}

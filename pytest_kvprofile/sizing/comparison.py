@@ -11,7 +11,11 @@ from typing import Any, Iterable, Mapping
 
 from pytest_kvprofile.matrix.cases import Case, Envelope, layout_case
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
-from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout, kv_bytes_per_token
+from pytest_kvprofile.matrix.models import (
+    ModelSpec,
+    impossible_layout,
+    kv_bytes_per_token,
+)
 from pytest_kvprofile.sizing.case import for_case
 from pytest_kvprofile.sizing.rules import FIXED_SIZES, seed004_rule
 from pytest_kvprofile.units import MiB

@@ -18,8 +18,8 @@ from functools import lru_cache
 
 from pytest_kvprofile.sizing.analytic import (
     DEFAULT_INT_WORKSPACE,
-    PlanEnvelope,
     Layout,
+    PlanEnvelope,
     RouteResult,
     decode_cc,
     decode_tc,
@@ -29,7 +29,6 @@ from pytest_kvprofile.sizing.analytic import (
 )
 from pytest_kvprofile.sizing.oracle import OracleError, OracleUnavailable, get_oracle
 from pytest_kvprofile.sizing.planner import family_of
-
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pytest_kvprofile.sizing.planner import ceil_div
 from pytest_kvprofile.units import MiB
 
-
 FIXED_SIZES: dict[str, int] = {
     "flashinfer-default": 128 * MiB,
     "vllm-default": 394 * MiB,

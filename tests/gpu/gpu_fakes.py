@@ -166,6 +166,7 @@ class FakeTorch:
 
     def __init__(self, cuda: FakeCuda | None = None) -> None:
         self.cuda = cuda or FakeCuda()
+        self._backing = self.cuda  # what empty() allocates from, even when ``cuda`` is swapped for a checked view
         self._host = HOST_BASE
         self.pinned = 0
 
@@ -179,7 +180,7 @@ class FakeTorch:
             self.pinned += 1
             return FakeTensor(_Storage(ptr, nbytes), 0, nbytes, "cpu")
         assert device is not None and str(device).startswith("cuda")
-        return self.cuda.alloc(nbytes)
+        return self._backing.alloc(nbytes)
 
 
 class FakeNvml:
@@ -291,6 +292,7 @@ class FakeFlashInfer:
         self.__spec__ = importlib.util.find_spec("flashinfer")
         self.need = need or (lambda route, layout: 1 << 20)
         self.corrupt = corrupt
+        self.capturing: list[Any] | None = None  # a fake CUDA graph's ops while one is being captured
         self.made: list[Any] = []  # weak references to every wrapper constructed
         fake = self
 
@@ -354,6 +356,8 @@ class FakeFlashInfer:
                 res = torch.cat([ref[r] for r in range(self.layout.batch_size)]).to(q.dtype)
                 if fake.corrupt:
                     res = torch.zeros_like(res)
+                if fake.capturing is not None:  # replayed later against the plan current at replay time
+                    fake.capturing.append(lambda: self.run(q, kv, out=out))
                 if out is not None:
                     out.copy_(res)
                     return out

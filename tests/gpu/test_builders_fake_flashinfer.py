@@ -32,11 +32,11 @@ def _factory(case):
     return CudaDeviceFactory(torch_mod=HybridTorch(HybridCuda(total=case.gpu.memory_bytes, nontorch=case.nontorch_bytes)))
 
 
-def _failures(result):
-    """Every applicable check (the warmup-retry probe re-runs on the run's own device factory)."""
+def _failures(result, skip: tuple[str, ...] = ()):
+    """Every applicable check but ``skip`` (the warmup-retry probe re-runs on the run's own device factory)."""
     out = {}
     for check in checks_for(result.path):
-        if check.relevant(result.case, result.builders):
+        if check.name not in skip and check.relevant(result.case, result.builders):
             violations = check.run(result)
             if violations:
                 out[check.name] = violations
@@ -61,7 +61,9 @@ def test_correct_builder_passes_every_check(fake_fi, case):
     assert len(alive) == 4 and len(fake_fi.made) == 8, "the profiling wrappers went with the lease"
     float_bufs = {w.float_buf.data_ptr() for w in alive}
     assert len(float_bufs) == 2, "one arena per micro-batch, shared by that micro-batch's prefill and decode"
-    assert _failures(result) == {}
+    # The warmup-retry probe re-runs the whole warmup on fresh devices (seconds on CPU); its logic does
+    # not depend on MTP, so it runs for the first case only.
+    assert _failures(result, skip=("warmup_retryable",) if case.mtp else ()) == {}
     factory.release(result)
     assert builder.wrappers == {} and factory.last is None
 

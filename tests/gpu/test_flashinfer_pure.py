@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from pytest_kvprofile.contract.protocol import Batch
+from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.gpu.flashinfer_builders import (
     FlashInferCudaBuilder,
     LazyFlashInferCudaBuilder,
@@ -23,8 +25,6 @@ from pytest_kvprofile.gpu.reference import (
 )
 from pytest_kvprofile.gpu.wrappers import plan_args
 from pytest_kvprofile.matrix.schema import load_matrix_text
-from pytest_kvprofile.contract.protocol import Batch
-from pytest_kvprofile.contract.support import ProfilingSupport
 
 CASE = load_matrix_text(
     "name: t\nenvelope: {max_num_seqs: 8, max_num_batched_tokens: 512, max_model_len: 4096}\nmodels:\n"

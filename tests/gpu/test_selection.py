@@ -8,7 +8,13 @@ import pytest
 from gpu_fakes import FakeCuda, FakeNvml
 
 import pytest_kvprofile.plugin.gpu as hooks
-from pytest_kvprofile.gpu.selection import OTHER_SM_COUNT, WEIGHTS_DO_NOT_FIT, DeviceFacts, device_facts, select_cases
+from pytest_kvprofile.gpu.selection import (
+    OTHER_SM_COUNT,
+    WEIGHTS_DO_NOT_FIT,
+    DeviceFacts,
+    device_facts,
+    select_cases,
+)
 from pytest_kvprofile.gpu.topology import TopologyError, detect_topology
 from pytest_kvprofile.matrix.schema import load_matrix_text, packaged_matrix
 from pytest_kvprofile.units import GiB, MiB

@@ -21,7 +21,6 @@ from pytest_kvprofile.gpu.topology import (
 from pytest_kvprofile.units import MiB
 
 
-
 @pytest.mark.parametrize("name, mib, want", [
     ("NVIDIA H200", 143771, "H200"),
     ("NVIDIA L40S", 46068, "L40S"),

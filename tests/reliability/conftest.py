@@ -4,9 +4,6 @@ includes seconds of nvcc, where a short limit would turn the build into a report
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from pytest_kvprofile.sizing.oracle import oracle_available
@@ -16,9 +13,3 @@ from pytest_kvprofile.sizing.oracle import oracle_available
 def _oracle_built_first(request: pytest.FixtureRequest) -> None:
     if oracle_available()[0]:
         request.getfixturevalue("oracle_cache")
-
-
-@pytest.fixture(scope="session")
-def shared_oracle_cache(oracle_cache: Any) -> Path:
-    """The shared cache's directory, for subprocess runs that pass KVPROFILE_CACHE_DIR explicitly."""
-    return oracle_cache.root

@@ -16,8 +16,12 @@ import pytest
 
 from pytest_kvprofile.sizing import oracle as oracle_mod
 from pytest_kvprofile.sizing import oracle_build
-from pytest_kvprofile.sizing.planner import PlannerDevice, ceil_div, decode_plan, prefill_plan
-
+from pytest_kvprofile.sizing.planner import (
+    PlannerDevice,
+    ceil_div,
+    decode_plan,
+    prefill_plan,
+)
 
 
 def test_library_needs_no_cuda_runtime(oracle_cache):
