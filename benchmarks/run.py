@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
 from pytest_kvprofile.units import GiB
 
 HERE = Path(__file__).resolve().parent
@@ -268,10 +269,10 @@ def collection_scaling(b: Bench, sizes: tuple[int, ...], budget: float) -> None:
 
 def lifecycle_scaling(b: Bench, sizes: tuple[int, ...], backend_name: str) -> None:
     """Pure Python ``run_lifecycle`` + ``failing_checks`` over every runnable case, per size."""
+    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
     from pytest_kvprofile.checks.catalog import failing_checks
     from pytest_kvprofile.lifecycle.driver import run_lifecycle
     from pytest_kvprofile.matrix.schema import load_matrix
-    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
     backend = next(s for s in STUB_BACKENDS if s.name == backend_name)
     per_case: dict[int, float] = {}

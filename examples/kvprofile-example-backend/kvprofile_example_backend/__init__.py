@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_kvprofile import Backend, BoundWorkspace, ProfilingSupport, WorkspaceDeclaration
+from pytest_kvprofile import (
+    Backend,
+    BoundWorkspace,
+    ProfilingSupport,
+    WorkspaceDeclaration,
+)
 from pytest_kvprofile.sizing import for_case
 
 __version__ = "1.0.0"

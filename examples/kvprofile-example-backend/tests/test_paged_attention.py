@@ -6,7 +6,12 @@ One item per case of the selected matrices (``--kvprofile-matrix``), with the su
 
 from __future__ import annotations
 
-from kvprofile_example_backend import LazyPagedAttentionBuilder, PagedAttentionBuilder, correct, lazy
+from kvprofile_example_backend import (
+    LazyPagedAttentionBuilder,
+    PagedAttentionBuilder,
+    correct,
+    lazy,
+)
 
 from pytest_kvprofile.sizing import for_case
 
