@@ -13,7 +13,6 @@ from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.units import MiB
 
 
-
 class TorchWrapper:
     """Like a FlashInfer wrapper: an 8 MiB int workspace on the device and a pinned host mirror."""
 
@@ -67,8 +66,14 @@ def backend(cls):
     return Backend(name=cls.__name__, make_builders=lambda case: [cls(case)], torch_mode=True)
 
 
-def test_plain_torch_allocations_appear_in_the_ledger_with_sizes_owners_and_phases(case):
-    result = run_lifecycle(backend(PlainTorchBuilder), case)
+@pytest.fixture(scope="module")
+def plain_result(case):
+    """One lifecycle of the plain builder, read by both tests."""
+    return run_lifecycle(backend(PlainTorchBuilder), case)
+
+
+def test_plain_torch_allocations_appear_in_the_ledger_with_sizes_owners_and_phases(plain_result):
+    result = plain_result
     assert not result.errors, result.errors
     mine = [a for a in result.allocations if a.owner == "plain-torch"]
     reserved = [a for a in mine if a.phase == "reservation"]
@@ -80,8 +85,8 @@ def test_plain_torch_allocations_appear_in_the_ledger_with_sizes_owners_and_phas
     assert torch.cuda.is_available() is False, "the mode restored torch.cuda after the run"
 
 
-def test_plain_torch_builder_passes_and_its_lazy_twin_is_caught(case):
-    assert "persistent_memory_visible_at_closing" not in failing_checks(run_lifecycle(backend(PlainTorchBuilder), case))
+def test_plain_torch_builder_passes_and_its_lazy_twin_is_caught(plain_result, case):
+    assert "persistent_memory_visible_at_closing" not in failing_checks(plain_result)
     failed = failing_checks(run_lifecycle(backend(LazyPlainTorchBuilder), case))
     message = failed["persistent_memory_visible_at_closing"][0]
     assert "plain-torch" in message and "8.00 MiB" in message and "rebind" in message

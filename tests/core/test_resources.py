@@ -4,7 +4,6 @@ import pytest
 
 from pytest_kvprofile import Backend, ProfilingSupport, resolve_support, run_lifecycle
 from pytest_kvprofile.checks.catalog import failing_checks
-from pytest_kvprofile.checks.sweep import sweep
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.resources import DMAOutputWorkspace
@@ -29,9 +28,16 @@ def test_pcie_tp4_cases_carry_the_dma_workspace_sized_from_its_shapes(carrying):
     assert dma.capacity_bytes == 8192 * 4096 * 2
 
 
-def test_the_correct_stub_passes_on_every_default_case_that_carries_it(carrying):
-    for s in sweep(STUB_BACKENDS, carrying):
-        assert not s.failures, (s.backend, dict(s.failures), s.examples)
+@pytest.mark.parametrize("backend", STUB_BACKENDS, ids=[b.name for b in STUB_BACKENDS])
+def test_the_correct_stub_carries_the_resource_and_passes(carrying, backend):
+    """One carrying case per (GPU, TP); every carrying layout is in test_mutant_catalog's stub sweep."""
+    top = max(c.gmu for c in carrying)
+    cases = {(c.gpu.name, c.tp): c for c in carrying if c.gmu == top}
+    assert len(cases) == 4, sorted(cases)
+    for case in cases.values():
+        result = run_lifecycle(backend, case)
+        assert "dma-output-workspace" in result.builder_names(), (case.id, result.builder_names())
+        assert not failing_checks(result), (case.id, failing_checks(result))
 
 
 @pytest.mark.parametrize(

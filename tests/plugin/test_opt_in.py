@@ -1,6 +1,7 @@
 """A backend from another package, registered by entry point or by option, gets a trustworthy verdict."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,19 +24,27 @@ def installed_example(tmp_path_factory):
     return target
 
 
-def _verdict(pytester, monkeypatch, site, *extra):
-    monkeypatch.setenv("PYTHONPATH", str(site))
-    out = pytester.path / "verdict.json"
-    result = pytester.runpytest_subprocess(
-        "--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(CI_MATRIX), "-q", "-p", "no:cacheprovider",
-        "-k", "l40s and mtp0", "--kvprofile-verdict", str(out), *extra,
+def _verdict(workdir: Path, site: Path, *extra: str) -> tuple[int, str, dict]:
+    """Run the suite on the CI matrix's L40S no-MTP cases with ``site`` importable; (rc, stdout, verdicts)."""
+    out = workdir / "verdict.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(CI_MATRIX),
+         "-q", "-p", "no:cacheprovider", "-k", "l40s and mtp0", "--kvprofile-verdict", str(out), *extra],
+        cwd=workdir, env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True, timeout=300,
+        check=False,
     )
-    return result, {b["name"]: b for b in json.loads(out.read_text())["backends"]}
+    return proc.returncode, proc.stdout, {b["name"]: b for b in json.loads(out.read_text())["backends"]}
 
 
-def test_entry_point_backend_gets_a_verdict(pytester, monkeypatch, installed_example):
-    result, verdict = _verdict(pytester, monkeypatch, installed_example)
-    assert result.ret == 1
+@pytest.fixture(scope="module")
+def by_entry_point(tmp_path_factory, installed_example):
+    """The entry-point run, made once: its verdict is checked and compared with the option run's."""
+    return _verdict(tmp_path_factory.mktemp("entry-point"), installed_example)
+
+
+def test_entry_point_backend_gets_a_verdict(by_entry_point):
+    rc, stdout, verdict = by_entry_point
+    assert rc == 1
     good, lazy = verdict["example-paged-attention"], verdict["example-paged-attention-lazy"]
     assert good["may_opt_in"] is True and good["reasons"] == [] and good["version"] == "1.0.0"
     assert good["declared_support"] == {"paged-attention": "required"}
@@ -43,15 +52,15 @@ def test_entry_point_backend_gets_a_verdict(pytester, monkeypatch, installed_exa
     failed = {r["check"] for r in lazy["results"] if r["outcome"] == "failed"}
     assert "persistent_memory_visible_at_closing" in failed
     assert any("int workspace [ubatch 0]" in (r["message"] or "") for r in lazy["results"])
-    result.stdout.fnmatch_lines(["*example-paged-attention: may opt in*", "*example-paged-attention-lazy: may NOT opt in*"])
+    pytest.LineMatcher(stdout.splitlines()).fnmatch_lines(
+        ["*example-paged-attention: may opt in*", "*example-paged-attention-lazy: may NOT opt in*"])
 
 
-def test_option_registration_gives_the_same_verdict(pytester, monkeypatch, installed_example):
-    _, by_entry_point = _verdict(pytester, monkeypatch, installed_example)
-    _, by_option = _verdict(pytester, monkeypatch, installed_example,
-                            "--kvprofile-backend", "kvprofile_example_backend:backends")
+def test_option_registration_gives_the_same_verdict(tmp_path, installed_example, by_entry_point):
+    _, _, by_option = _verdict(tmp_path, installed_example, "--kvprofile-backend", "kvprofile_example_backend:backends")
     strip = lambda b: {k: v for k, v in b.items() if k != "origin"}  # noqa: E731
-    assert {n: strip(b) for n, b in by_entry_point.items()} == {n: strip(b) for n, b in by_option.items()}
+    assert {n: strip(b) for n, b in by_entry_point[2].items()} == {n: strip(b) for n, b in by_option.items()}
+    assert {b["origin"] for b in by_option.values()} != {b["origin"] for b in by_entry_point[2].values()}
 
 
 def test_a_neutral_builder_is_checked_alone_and_carried(pytester):

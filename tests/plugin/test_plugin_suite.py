@@ -1,15 +1,18 @@
-"""The plugin end to end, through pytester: ids, header, summary, reports, selection, xdist."""
+"""The plugin end to end, through pytester: ids, header, summary, reports, selection.
+
+Scheduling (serial, ``-p no:xdist``, ``-n 2``) is ``tests/reliability/test_determinism.py``'s.
+"""
 
 import json
 
 import pytest
 
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.checks.catalog import CHECKS, checks_for
 
 # the tiny matrix carries no resource, so the resource-capacity check has nothing to look at there
 PROFILING_CHECKS = len([c for c in checks_for("profiling") if c.name != "resource_capacity_honoured"])
 LEGACY_CHECKS = len(checks_for("legacy"))
-from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 
 
 def test_stubs_pass_and_the_header_and_summary_are_printed(pytester, suite_args):
@@ -64,26 +67,6 @@ def pytest_kvprofile_update_json(config, report):
     assert len(budgets) == 3 and all(b["kv_tokens"] > 0 and b["reservation_kv_tokens"] > 0 for b in budgets)
     assert {r["outcome"] for r in doc["results"]} == {"passed"}
     assert doc["summary"][0]["backend"] == "stub-flashinfer"
-
-
-def _collected_and_verdicts(pytester, args):
-    out = pytester.path / "v.json"
-    result = pytester.runpytest_subprocess(*args, "--kvprofile-json", str(out), "-q", "-rN")
-    doc = json.loads(out.read_text())
-    return result, sorted((r["nodeid"], r["outcome"]) for r in doc["results"])
-
-
-def test_xdist_gives_the_same_ids_and_verdicts(pytester, suite_args):
-    args = [*suite_args, "--kvprofile-backend", "stub-flashinfer", "--kvprofile-backend", "mutant-01-lazy-workspace",
-            "--kvprofile-backend", "mutant-05-ubatch-alias"]
-    serial, serial_verdicts = _collected_and_verdicts(pytester, [*args, "-p", "no:xdist"])
-    parallel, parallel_verdicts = _collected_and_verdicts(pytester, [*args, "-n", "2"])
-    assert serial.ret == parallel.ret == 1
-    assert serial_verdicts == parallel_verdicts
-    assert len(serial_verdicts) == 3 * 3 * PROFILING_CHECKS
-    assert {o for _, o in serial_verdicts} == {"passed", "failed"}
-    parallel.stdout.fnmatch_lines(["*kvprofile summary*"])
-    assert parallel.stdout.str().count("kvprofile summary") == 1
 
 
 def test_expected_failures_are_strict_xfails_and_block_the_opt_in(pytester, suite_args):

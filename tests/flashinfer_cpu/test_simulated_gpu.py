@@ -1,0 +1,136 @@
+"""simulated_gpu: the torch.cuda surface, FlashInfer's device caches, arena tensors (issue 13, items 1-2)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import pytest_kvprofile
+from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
+from pytest_kvprofile.memory import simulated_gpu as sg
+from pytest_kvprofile.memory.device import SimDevice
+
+torch = pytest.importorskip("torch")
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                                      reason="flashinfer-python is not installed")
+
+
+def test_torch_cuda_surface_is_served_and_restored():
+    before = torch.version.cuda
+    with pytest_kvprofile.simulated_gpu("H100", flashinfer=False) as dev:
+        assert torch.version.cuda == sg.SIMULATED_CUDA_VERSION
+        assert torch.cuda.get_device_properties(0).multi_processor_count == 132
+        s = torch.cuda.current_stream()
+        assert s == torch.cuda.default_stream() and s.cuda_stream == 0
+        side = torch.cuda.Stream()
+        side.wait_stream(s)
+        with torch.cuda.stream(side), torch.cuda.device(0):
+            t = torch.empty(1000, device="cuda")
+        t.record_stream(side)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        end.record()
+        assert start.elapsed_time(end) == 0.0
+        torch.cuda.nvtx.range_push("step")
+        torch.cuda.nvtx.range_pop()
+        ptr = torch.cuda.caching_allocator_alloc(4096)
+        direct = [a for a in dev.live_allocations() if a.ptr == ptr]
+        assert direct and direct[0].tag == "torch.cuda.caching_allocator_alloc"
+        snap = torch.cuda.memory_snapshot()
+        assert sum(seg["allocated_size"] for seg in snap) == dev.memory_allocated()
+        torch.cuda.caching_allocator_delete(ptr)
+        assert not direct[0].alive
+        g = torch.Generator(device="cuda")
+        assert isinstance(g, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+        assert torch.randn(4, generator=g.manual_seed(0), device="cuda").is_cuda
+    assert torch.version.cuda == before
+    assert not torch.cuda.is_available()
+    with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+        torch.cuda.current_stream()
+
+
+def test_total_memory_override_and_unknown_gpu():
+    with pytest_kvprofile.simulated_gpu("L40S", total_memory=1 << 30, flashinfer=False) as dev:
+        assert dev.total_memory == 1 << 30 and dev.num_sm == 142 and dev.compute_capability == (8, 9)
+    with pytest.raises(KeyError, match="unknown GPU"):
+        with pytest_kvprofile.simulated_gpu("Z9000", flashinfer=False):
+            pass
+
+
+def _sms_seen(gpus):
+    import flashinfer.utils
+
+    seen = []
+    for gpu in gpus:
+        with pytest_kvprofile.simulated_gpu(gpu):
+            props = flashinfer.utils.get_device_properties(torch.device("cuda"))
+            seen.append((props.multi_processor_count, flashinfer.utils.get_compute_capability(torch.device("cuda")),
+                         flashinfer.utils.is_sm90a_supported(torch.device("cuda"))))
+    return seen
+
+
+@needs_flashinfer
+def test_flashinfer_device_caches_answer_each_gpu():
+    """Acceptance: an L40S case then an H100 case in one process see 142 then 132 SMs through FlashInfer."""
+    assert _sms_seen(["L40S", "H100"]) == [(142, (8, 9), False), (132, (9, 0), True)]
+    import flashinfer.utils
+
+    assert flashinfer.utils.get_device_properties.cache_info().currsize == 0  # nothing leaks out of the block
+
+
+@needs_flashinfer
+def test_stale_caches_are_what_the_check_catches(monkeypatch):
+    """Broken variant: without clearing FlashInfer's caches the H100 reports the L40S's 142 SMs."""
+    monkeypatch.setattr(sg, "clear_flashinfer_caches", lambda: 0)
+    seen = _sms_seen(["L40S", "H100"])
+    import flashinfer.utils
+
+    flashinfer.utils.get_device_properties.cache_clear()
+    flashinfer.utils.get_compute_capability.cache_clear()
+    flashinfer.utils.is_sm90a_supported.cache_clear()
+    assert seen[1][0] == 142
+
+
+@needs_flashinfer
+def test_other_jit_modules_are_refused_by_name():
+    from types import SimpleNamespace
+
+    import flashinfer.jit.core
+
+    real = flashinfer.jit.core.JitSpec.build_and_load
+    with pytest_kvprofile.simulated_gpu("H100"):
+        with pytest.raises(sg.SimulatedDeviceUnsupported, match="some_gemm_module.*no host implementation"):
+            flashinfer.jit.core.JitSpec.build_and_load(SimpleNamespace(name="some_gemm_module"))
+    assert flashinfer.jit.core.JitSpec.build_and_load is real
+
+
+def test_arena_views_are_tensors_in_torch_mode():
+    with pytest_kvprofile.simulated_gpu("H100", flashinfer=False) as dev:
+        mgr = WorkspaceManager(dev, num_ubatches=2)
+        a = mgr.get_workspace("prefill", 1 << 20)
+        b = mgr.get_workspace("decode", 1 << 19)
+        assert a.tensor.dtype == torch.uint8 and a.tensor.is_cuda
+        assert a.tensor.numel() == a.nbytes and b.tensor.numel() == b.nbytes
+        assert a.tensor.untyped_storage().data_ptr() == b.tensor.untyped_storage().data_ptr()
+        arena = [x for x in dev.live_allocations() if x.ptr == a.ptr]
+        assert arena and arena[0].owner == "workspace-manager" and arena[0].nbytes == 1 << 20
+        other = mgr.get_workspace("prefill", 1 << 20, ubatch=1)
+        assert other.tensor.untyped_storage().data_ptr() != a.tensor.untyped_storage().data_ptr()
+        snap = mgr.snapshot()
+        assert snap[0].tensor.numel() == snap[0].arena_size
+    assert ArenaView(0, a.ptr, a.nbytes, a.arena_size) == a  # the tensor takes no part in equality
+    assert hash(ArenaView(0, a.ptr, a.nbytes, a.arena_size)) == hash(a)
+    assert "tensor" not in repr(a)
+
+
+def test_arena_tensor_on_request_in_ctx_mode():
+    assert WorkspaceManager(SimDevice(name="H100", total_memory=80 << 30, num_sm=132)).get_workspace(
+        "x", 4096).tensor is None
+    dev = SimDevice(name="H100", total_memory=80 << 30, num_sm=132)
+    mgr = WorkspaceManager(dev, arena_tensors=True)
+    view = mgr.get_workspace("x", 4096)
+    assert view.tensor is not None and view.tensor.numel() == 4096
+    assert [x.nbytes for x in dev.live_allocations()] == [4096]
+    mgr.close()
+    assert not dev.live_allocations()
