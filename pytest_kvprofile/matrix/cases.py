@@ -48,12 +48,16 @@ class Envelope:
         a uniform decode step, so they are not captured (vLLM drops them the same way); two sizes
         that plan the same requests are one capture.
         """
+        memo = self.__dict__.setdefault("_decode_captures", {})
+        if mtp in memo:
+            return memo[mtp]
         q = 1 + mtp
         reqs = {
             s // q for s in self.cuda_graph_sizes
             if 1 <= s // q <= self.max_num_seqs and (s // q) * q <= self.max_num_batched_tokens
         }
-        return tuple(DecodeCapture(r, r * q) for r in sorted(reqs, reverse=True))
+        memo[mtp] = tuple(DecodeCapture(r, r * q) for r in sorted(reqs, reverse=True))
+        return memo[mtp]
 
 
 @dataclass(frozen=True)

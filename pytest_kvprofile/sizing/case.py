@@ -18,6 +18,7 @@ from pytest_kvprofile.sizing.requirement import SizingResult, required_workspace
 
 DECODE_TC_MIN_GROUP = 4  # vLLM plans decode on tensor cores from a GQA group of 4 (and always under MTP)
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an inline matrix GPU without one is sized as a Hopper part
+_MEMO = "_kvprofile_for_case"  # per-case answers, in the (frozen) case's instance dict like cached_property
 
 
 def decode_tensor_cores(case: Case) -> bool:
@@ -51,14 +52,19 @@ def for_case(case: Case, *, use_oracle: bool | None = None) -> SizingResult:
     """The float/int workspace this case's rank must reserve, the worst batch and how it was found.
 
     ``use_oracle``: None (what the check uses) confirms with FlashInfer's host-compiled planner when it
-    can be built, True requires it, False sizes from the analytic model alone.
+    can be built, True requires it, False sizes from the analytic model alone. The answer is kept on
+    the case (builders and checks ask many times per lifecycle).
     """
-    heads = case.heads
-    return _for_layout(
-        heads.heads_q, heads.heads_kv, heads.heads_q_decode, case.model.head_dim, case.model.dim_vo,
-        case.gpu.num_sm, plan_envelope(case), routes(case), decode_tensor_cores(case), compute_capability(case),
-        use_oracle,
-    )
+    memo = case.__dict__.setdefault(_MEMO, {})
+    result = memo.get(use_oracle)
+    if result is None:
+        heads = case.heads
+        result = memo[use_oracle] = _for_layout(
+            heads.heads_q, heads.heads_kv, heads.heads_q_decode, case.model.head_dim, case.model.dim_vo,
+            case.gpu.num_sm, plan_envelope(case), routes(case), decode_tensor_cores(case),
+            compute_capability(case), use_oracle,
+        )
+    return result
 
 
 @functools.lru_cache(maxsize=4096)
