@@ -36,6 +36,7 @@ from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
 from pytest_kvprofile.matrix.models import ModelSpec
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrix, packaged_matrix
 from pytest_kvprofile.memory.device import Device, DeviceOutOfMemory, SimDevice
+from pytest_kvprofile.memory.simulated_gpu import simulated_gpu
 
 __version__ = "0.1.0"
 
@@ -77,4 +78,5 @@ __all__ = [
     "packaged_matrix",
     "resolve_support",
     "run_lifecycle",
+    "simulated_gpu",
 ]

@@ -7,7 +7,8 @@ move; growth after lock is an error that says who asked, for how much, and what 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvprofile.units import MiB
@@ -30,12 +31,19 @@ class WorkspaceLockedError(RuntimeError):
 
 @dataclass(frozen=True)
 class ArenaView:
-    """What a requester gets: a pointer into its micro-batch's arena and the bytes it may use."""
+    """What a requester gets: a pointer into its micro-batch's arena and the bytes it may use.
+
+    ``tensor``: a uint8 "cuda" tensor over exactly ``[ptr, ptr + nbytes)`` when the arena lives on a
+    simulated device in torch mode (or the manager was asked for ``arena_tensors``), so a wrapper's
+    float workspace can be the arena itself; views of one arena share its storage. ``None`` otherwise.
+    It takes no part in equality, hashing or repr: phase records compare views by pointer and size.
+    """
 
     ubatch: int
     ptr: int
     nbytes: int
     arena_size: int
+    tensor: Any = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def end(self) -> int:
@@ -45,13 +53,15 @@ class ArenaView:
 class WorkspaceManager:
     """Owns one float arena per micro-batch; grows on demand until ``lock()``."""
 
-    def __init__(self, device: Any, num_ubatches: int = 1, alignment: int = 256):
+    def __init__(self, device: Any, num_ubatches: int = 1, alignment: int = 256, arena_tensors: bool = False):
         if num_ubatches < 1:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
         self.device = device
         self.num_ubatches = num_ubatches
         self.alignment = alignment
+        self.arena_tensors = arena_tensors
         self._arenas: list[Any | None] = [None] * num_ubatches
+        self._tensors: list[Any | None] = [None] * num_ubatches
         self.locked = False
         self.grow_count = 0
         self.requesters: dict[str, int] = {}
@@ -79,10 +89,29 @@ class WorkspaceManager:
                 raise WorkspaceLockedError(requester, ubatch, nbytes, current)
             if arena is not None:
                 self.device.free(arena)
-            arena = self.device.allocate(nbytes, owner=OWNER, tag=f"float-arena[ubatch {ubatch}] for {requester}")
+                self._tensors[ubatch] = None
+            arena, self._tensors[ubatch] = self._allocate(nbytes, f"float-arena[ubatch {ubatch}] for {requester}")
             self._arenas[ubatch] = arena
             self.grow_count += 1
-        return ArenaView(ubatch=ubatch, ptr=arena.ptr, nbytes=nbytes, arena_size=arena.nbytes)
+        return ArenaView(ubatch=ubatch, ptr=arena.ptr, nbytes=nbytes, arena_size=arena.nbytes,
+                         tensor=self._view(ubatch, nbytes))
+
+    def _allocate(self, nbytes: int, tag: str) -> tuple[Any, Any]:
+        """The arena's ledger entry and, on a simulated device in torch mode or on request, its tensor."""
+        torch_mode = sys.modules.get("pytest_kvprofile.memory.torch_mode")
+        sim = torch_mode.active_simulation() if torch_mode is not None else None
+        if sim is not None and sim.device is self.device:
+            return _arena_tensor(sim, nbytes, tag)
+        if self.arena_tensors and hasattr(self.device, "allocator"):
+            from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
+            with SimulatedCuda(self.device) as sim:
+                return _arena_tensor(sim, nbytes, tag)
+        return self.device.allocate(nbytes, owner=OWNER, tag=tag), None
+
+    def _view(self, ubatch: int, nbytes: int) -> Any:
+        backing = self._tensors[ubatch]
+        return backing[:nbytes] if backing is not None else None
 
     def reserve(self, requester: str, nbytes: int) -> list[ArenaView]:
         """Grow every micro-batch arena to ``nbytes`` (what a backend does inside the profiling window)."""
@@ -93,7 +122,7 @@ class WorkspaceManager:
         out = []
         for u, arena in enumerate(self._arenas):
             ptr, size = (arena.ptr, arena.nbytes) if arena is not None else (0, 0)
-            out.append(ArenaView(ubatch=u, ptr=ptr, nbytes=size, arena_size=size))
+            out.append(ArenaView(ubatch=u, ptr=ptr, nbytes=size, arena_size=size, tensor=self._view(u, size)))
         return tuple(out)
 
     def lock(self) -> None:
@@ -105,4 +134,13 @@ class WorkspaceManager:
             if arena is not None:
                 self.device.free(arena)
                 self._arenas[u] = None
+                self._tensors[u] = None
         self.locked = True
+
+
+def _arena_tensor(sim: Any, nbytes: int, tag: str) -> tuple[Any, Any]:
+    import torch
+
+    with sim.owner_scope(OWNER, tag):
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return sim.allocation_of(tensor), tensor

@@ -20,12 +20,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.cuda.graphs
 import torch.cuda.memory
+import torch.cuda.nvtx
+import torch.cuda.streams
 from torch.overrides import TorchFunctionMode
 
 from pytest_kvprofile.memory.allocator import GraphPool
 from pytest_kvprofile.memory.device import Allocation, DeviceOutOfMemory, SimDevice
 
-__all__ = ["SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
+__all__ = ["active_simulation", "SimEvent", "SimStream", "SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
 
 OwnerResolver = Callable[[FrameType, str], "str | tuple[str, str] | None"]
 
@@ -54,6 +56,11 @@ class SimulatedCudaOutOfMemory(DeviceOutOfMemory, torch.OutOfMemoryError):
 def active_device() -> SimDevice | None:
     """The SimDevice of the innermost active :class:`SimulatedCuda`, if any."""
     return _active[-1].device if _active else None
+
+
+def active_simulation() -> "SimulatedCuda | None":
+    """The innermost active :class:`SimulatedCuda`, if any."""
+    return _active[-1] if _active else None
 
 
 def _is_cuda(device: Any) -> bool:
@@ -90,6 +97,130 @@ class _DeviceProperties:
     is_multi_gpu_board: bool = False
     L2_cache_size: int = 0
     uuid: str = "GPU-simulated"
+    shared_memory_per_block_optin: int = 101376
+    shared_memory_per_block: int = 49152
+    shared_memory_per_multiprocessor: int = 102400
+    max_threads_per_multi_processor: int = 2048
+    regs_per_multiprocessor: int = 65536
+    warp_size: int = 32
+    gcnArchName: str = "NVIDIA"
+
+
+def smem_optin_for(cc: tuple[int, int]) -> int:
+    """Opt-in shared memory per block of a compute capability (``cudaDevAttrMaxSharedMemoryPerBlockOptin``)."""
+    return _SMEM_OPTIN.get(cc, _SMEM_OPTIN.get((cc[0], -1), 101376))
+
+
+_SMEM_OPTIN = {(8, 0): 166912, (8, 7): 166912, (9, -1): 232448, (10, -1): 232448, (11, -1): 232448}
+
+
+class SimStream:
+    """Stands in for ``torch.cuda.Stream``: work on a simulated device completes at once, so every
+    wait, record and query is immediate; ``cuda_stream`` is 0 (the legacy default stream)."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self.device = _CUDA0
+        self.priority = priority
+        self.cuda_stream = 0
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: "SimEvent | None" = None) -> "SimEvent":
+        event = event if event is not None else SimEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SimStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __enter__(self) -> "SimStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class SimEvent:
+    """Stands in for ``torch.cuda.Event``: recorded work is already complete; timings read 0 ms."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.recorded = False
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded = True
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: "SimEvent") -> float:
+        if not (self.enable_timing and self.recorded and end_event.recorded):
+            raise RuntimeError("elapsed_time needs two recorded events created with enable_timing=True")
+        return 0.0
+
+
+_DEFAULT_STREAM = SimStream()
+_REAL_GENERATOR = torch.Generator
+
+
+class _GeneratorMeta(type(torch.Generator)):  # type: ignore[misc]
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, _REAL_GENERATOR)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _REAL_GENERATOR)
+
+
+class SimGenerator(torch.Generator, metaclass=_GeneratorMeta):
+    """Stands in for ``torch.Generator`` while active: a "cuda" generator is a CPU one, since "cuda"
+    tensors are CPU tensors; ``isinstance(g, torch.Generator)`` still holds for every generator."""
+
+    def __new__(cls, device: Any = None) -> "SimGenerator":
+        return _REAL_GENERATOR.__new__(cls, device="cpu")
+
+    def __init__(self, device: Any = None) -> None:
+        pass
+
+
+class _SimDeviceGuard:
+    """Stands in for ``torch.cuda.device(...)``: there is one simulated device, index 0."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.idx = 0
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+@contextmanager
+def _sim_stream(stream: Any = None) -> Iterator[None]:
+    yield
+
+
+def _no_op(*_: Any, **__: Any) -> None:
+    return None
 
 
 class SimCUDAGraph:
@@ -246,7 +377,25 @@ class SimulatedCuda:
             return wrapper
 
         cc = dev.compute_capability
-        props = _DeviceProperties(dev.name, dev.total_memory, dev.num_sm, cc[0], cc[1])
+        props = _DeviceProperties(dev.name, dev.total_memory, dev.num_sm, cc[0], cc[1],
+                                  shared_memory_per_block_optin=smem_optin_for(cc))
+        direct: dict[int, Allocation] = {}
+
+        def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -> int:
+            owner, tag, stack = self._attribution("torch.cuda.caching_allocator_alloc")
+            alloc = self.device.allocate(int(size), owner=owner, tag=tag, stack=stack)
+            direct[alloc.ptr] = alloc
+            return alloc.ptr
+
+        def caching_allocator_delete(mem_ptr: int) -> None:
+            alloc = direct.pop(int(mem_ptr), None)
+            if alloc is None:
+                raise ValueError(f"caching_allocator_delete: {mem_ptr:#x} was not allocated by caching_allocator_alloc")
+            dev.free(alloc)
+
+        def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, object]]:
+            return [dict(seg, device=0, stream=0, is_expandable=False, frames=[])
+                    for seg in dev.allocator.snapshot()]
 
         def synchronize(device: Any = None) -> None:
             return None
@@ -278,8 +427,27 @@ class SimulatedCuda:
             "CUDAGraph": SimCUDAGraph,
             "graph_pool_handle": graph_pool_handle,
             "is_current_stream_capturing": lambda: dev.capturing,
+            "current_stream": ignore_device(lambda: _DEFAULT_STREAM),
+            "default_stream": ignore_device(lambda: _DEFAULT_STREAM),
+            "set_stream": _no_op,
+            "stream": _sim_stream,
+            "Stream": SimStream,
+            "Event": SimEvent,
+            "device": _SimDeviceGuard,
+            "memory_snapshot": memory_snapshot,
+            "caching_allocator_alloc": caching_allocator_alloc,
+            "caching_allocator_delete": caching_allocator_delete,
         }
-        for module in (torch.cuda, torch.cuda.memory, torch.cuda.graphs):
+        nvtx = {"range_push": _no_op, "range_pop": _no_op, "mark": _no_op, "range_start": lambda msg: 0,
+                "range_end": _no_op}
+        self._saved.append((torch.Tensor, "record_stream", torch.Tensor.__dict__.get("record_stream", _MISSING)))
+        torch.Tensor.record_stream = _no_op  # type: ignore[method-assign]
+        self._saved.append((torch, "Generator", torch.__dict__["Generator"]))
+        torch.Generator = SimGenerator  # type: ignore[misc]
+        for name, value in nvtx.items():
+            self._saved.append((torch.cuda.nvtx, name, torch.cuda.nvtx.__dict__.get(name, _MISSING)))
+            setattr(torch.cuda.nvtx, name, value)
+        for module in (torch.cuda, torch.cuda.memory, torch.cuda.graphs, torch.cuda.streams):
             for name, value in replacements.items():
                 if module is not torch.cuda and not hasattr(module, name):
                     continue
@@ -290,7 +458,8 @@ class SimulatedCuda:
         while self._saved:
             module, name, value = self._saved.pop()
             if value is _MISSING:
-                module.__dict__.pop(name, None)
+                if name in vars(module):
+                    delattr(module, name)
             else:
                 setattr(module, name, value)
 

@@ -35,6 +35,13 @@ void kvp_stub_set_device(int num_sm, int cc_major, int cc_minor, int smem_optin)
   g_smem_optin = smem_optin;
 }
 
+void kvp_stub_get_device(int* out4) {
+  out4[0] = g_num_sm;
+  out4[1] = g_cc_major;
+  out4[2] = g_cc_minor;
+  out4[3] = g_smem_optin;
+}
+
 int cudaGetDevice(int* device) {
   *device = 0;
   return 0;

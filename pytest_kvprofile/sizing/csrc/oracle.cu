@@ -261,3 +261,121 @@ int kvp_decode_plan_size(const int32_t* kv_indptr, int batch_size, int num_qo_he
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Host plan(): the materializing planners on real host buffers, as FlashInfer's JIT plan()
+// functions call them (batch_prefill.cu BatchPrefillWithKVCachePlan, batch_decode.cu
+// BatchDecodeWithPagedKVCachePlan), for the simulated device's wrappers (sizing/host_plan.py).
+// The device the planners see is set for the call and the previous one restored, so the sizing
+// oracle sharing this library keeps its own.
+
+extern "C" void kvp_stub_get_device(int* out4);
+
+namespace {
+
+struct DeviceScope {
+  int saved[4];
+  DeviceScope(int num_sm, int cc_major, int cc_minor, int smem_optin) {
+    kvp_stub_get_device(saved);
+    kvp_stub_set_device(num_sm, cc_major, cc_minor, smem_optin);
+  }
+  ~DeviceScope() { kvp_stub_set_device(saved[0], saved[1], saved[2], saved[3]); }
+};
+
+int copy_info(const std::vector<int64_t>& v, int64_t* info_out, int info_cap, int* info_len) {
+  *info_len = static_cast<int>(v.size());
+  if (static_cast<int>(v.size()) > info_cap) return fail("plan info longer than the caller's buffer");
+  for (size_t k = 0; k < v.size(); ++k) info_out[k] = v[k];
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvp_host_prefill_plan(void* float_buf, uint64_t float_size, void* int_buf, void* pinned_buf,
+                          uint64_t int_size, const int32_t* qo_indptr, const int32_t* kv_indptr,
+                          int64_t total_num_rows, int64_t batch_size, int64_t num_qo_heads,
+                          int64_t num_kv_heads, int64_t page_size, int enable_cuda_graph,
+                          int64_t head_dim_qk, int64_t head_dim_vo, int64_t window_left,
+                          int64_t fixed_split_size, int disable_split_kv, int64_t num_colocated_ctas,
+                          int64_t uniform_q_len, int fixed_uniform_q_len, int num_sm, int cc_major,
+                          int cc_minor, int smem_optin, int64_t* info_out, int info_cap,
+                          int* info_len) {
+  try {
+    DeviceScope scope(num_sm, cc_major, cc_minor, smem_optin);
+    std::vector<int32_t> qo(qo_indptr, qo_indptr + batch_size + 1);
+    std::vector<int32_t> kv(kv_indptr, kv_indptr + batch_size + 1);
+    flashinfer::PrefillPlanInfo info;
+#if KVP_HAS_UNIFORM_Q
+    cudaError_t st = flashinfer::PrefillPlan<int32_t>(
+        float_buf, float_size, int_buf, pinned_buf, int_size, info, qo.data(), kv.data(),
+        static_cast<uint32_t>(total_num_rows), static_cast<uint32_t>(batch_size), num_qo_heads,
+        num_kv_heads, head_dim_qk, head_dim_vo, page_size, enable_cuda_graph != 0, 2, window_left,
+        fixed_split_size, disable_split_kv != 0, num_colocated_ctas, uniform_q_len,
+        fixed_uniform_q_len != 0, nullptr);
+#else
+    (void)num_colocated_ctas;
+    (void)uniform_q_len;
+    (void)fixed_uniform_q_len;
+    cudaError_t st = flashinfer::PrefillPlan<int32_t>(
+        float_buf, float_size, int_buf, pinned_buf, int_size, info, qo.data(), kv.data(),
+        static_cast<uint32_t>(total_num_rows), static_cast<uint32_t>(batch_size), num_qo_heads,
+        num_kv_heads, head_dim_qk, head_dim_vo, page_size, enable_cuda_graph != 0, 2, window_left,
+        fixed_split_size, disable_split_kv != 0, nullptr);
+#endif
+    if (st != cudaSuccess) return fail("Failed to plan prefill with error: PrefillPlan returned a CUDA error");
+    return copy_info(info.ToVector(), info_out, info_cap, info_len);
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  } catch (...) {
+    return fail("unknown C++ exception in the prefill planner");
+  }
+}
+
+int kvp_host_decode_plan(void* float_buf, uint64_t float_size, void* int_buf, void* pinned_buf,
+                         uint64_t int_size, const int32_t* indptr, int64_t batch_size,
+                         int64_t num_qo_heads, int64_t num_kv_heads, int64_t page_size,
+                         int enable_cuda_graph, int64_t head_dim, int blocks_per_sm, int num_sm,
+                         int cc_major, int cc_minor, int smem_optin, int64_t* info_out,
+                         int info_cap, int* info_len) {
+  try {
+    if (num_kv_heads <= 0 || num_qo_heads % num_kv_heads) {
+      return fail("num_qo_heads must be a positive multiple of num_kv_heads");
+    }
+    DeviceScope scope(num_sm, cc_major, cc_minor, smem_optin);
+    std::vector<int32_t> kv(indptr, indptr + batch_size + 1);
+    HostDecodeWorkEstimation est{static_cast<uint32_t>(num_kv_heads),
+                                 static_cast<uint32_t>(blocks_per_sm),
+                                 static_cast<uint32_t>(num_sm)};
+    flashinfer::DecodePlanInfo info;
+    cudaError_t st = cudaSuccess;
+    using flashinfer::PosEncodingMode;
+#define KVP_HOST_DECODE_CASE(D)                                                                \
+  case D:                                                                                      \
+    st = flashinfer::DecodePlan<D, PosEncodingMode::kNone, void, HostDecodeParams>(            \
+        float_buf, float_size, int_buf, pinned_buf, int_size, info, kv.data(),                 \
+        static_cast<uint32_t>(batch_size), static_cast<uint32_t>(num_qo_heads),                \
+        static_cast<uint32_t>(page_size), enable_cuda_graph != 0, nullptr, est);               \
+    break;
+    switch (head_dim) {
+      KVP_HOST_DECODE_CASE(64)
+      KVP_HOST_DECODE_CASE(96)
+      KVP_HOST_DECODE_CASE(128)
+      KVP_HOST_DECODE_CASE(192)
+      KVP_HOST_DECODE_CASE(256)
+      KVP_HOST_DECODE_CASE(512)
+      default:
+        return fail("CUDA-core decode head_dim must be one of 64, 96, 128, 192, 256, 512");
+    }
+#undef KVP_HOST_DECODE_CASE
+    if (st != cudaSuccess) return fail("BatchDecodeWithPagedKVCache failed with error: DecodePlan returned a CUDA error");
+    return copy_info(info.ToVector(), info_out, info_cap, info_len);
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  } catch (...) {
+    return fail("unknown C++ exception in the decode planner");
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,152 @@
+"""``simulated_gpu``: plain torch "cuda" code, and FlashInfer's own wrappers, on a simulated catalog GPU.
+
+Why: a backend author's builder is written against ``torch.cuda`` and FlashInfer's public API. Inside
+``with simulated_gpu("H100") as dev:`` both run unmodified on a CPU-only torch: "cuda" tensors live in
+the :class:`SimDevice` ledger (``memory/torch_mode.py``), ``torch.version.cuda`` is set, FlashInfer's
+per-process device caches (``get_device_properties``, ``get_compute_capability``,
+``is_sm90a_supported``, ...) are cleared on entry and exit so they answer this GPU and no other, and
+FlashInfer's batch prefill/decode JIT loaders return host modules whose ``plan()`` is FlashInfer's
+own planner compiled for the host (``sizing/host_plan.py``). Any other JIT build raises
+:class:`SimulatedDeviceUnsupported` naming the module, instead of invoking nvcc for a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
+from pytest_kvprofile.memory.device import SimDevice
+
+__all__ = ["SIMULATED_CUDA_VERSION", "SimulatedDeviceUnsupported", "clear_flashinfer_caches", "simulated_gpu"]
+
+SIMULATED_CUDA_VERSION = "13.0"  # what torch.version.cuda reads inside the block (FlashInfer's sm*a checks)
+DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # a catalog entry without one is simulated as a Hopper part
+_MISSING = object()
+
+
+class SimulatedDeviceUnsupported(NotImplementedError):
+    """A FlashInfer module or kernel that has no host implementation on the simulated device."""
+
+
+def clear_flashinfer_caches() -> int:
+    """Clear every ``functools`` cache of the loaded ``flashinfer`` modules; returns how many held entries.
+
+    FlashInfer memoizes device queries and module loaders per process, keyed on ``torch.device("cuda")``
+    only, so a second simulated GPU (or the real one afterwards) would otherwise see the first's answers.
+    """
+    cleared = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "flashinfer" or name.startswith("flashinfer.")):
+            continue
+        for value in list(vars(module).values()):
+            fn = value
+            while fn is not None:
+                info = getattr(fn, "cache_info", None)
+                if info is not None and callable(getattr(fn, "cache_clear", None)):
+                    if info().currsize:
+                        fn.cache_clear()
+                        cleared += 1
+                    break
+                fn = getattr(fn, "__wrapped__", None)
+    return cleared
+
+
+def _resolve(gpu: str | GpuSpec, total_memory: int | None, nontorch_bytes: int, record_stacks: bool) -> SimDevice:
+    spec = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
+    if not isinstance(spec, GpuSpec):
+        raise TypeError(f"simulated_gpu takes a catalog GPU name or a GpuSpec, not {type(gpu).__name__}")
+    cc = spec.compute_capability if spec.compute_capability != (0, 0) else DEFAULT_COMPUTE_CAPABILITY
+    return SimDevice(
+        name=spec.name, total_memory=spec.memory_bytes if total_memory is None else int(total_memory),
+        num_sm=spec.num_sm, nontorch_bytes=nontorch_bytes, record_stacks=record_stacks, compute_capability=cc,
+    )
+
+
+class _Patches:
+    """Attribute replacements undone in reverse order."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        self._saved.append((obj, name, getattr(obj, name, _MISSING)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        while self._saved:
+            obj, name, value = self._saved.pop()
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+_LOADERS = ("get_batch_prefill_module", "get_batch_decode_module")
+
+
+def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
+    """Host module loaders in every loaded flashinfer namespace; every other JIT build refused."""
+    import flashinfer.decode
+    import flashinfer.jit.core
+    import flashinfer.prefill
+
+    from pytest_kvprofile.sizing import host_plan
+
+    originals: dict[str, Callable[..., Any]] = {
+        "get_batch_prefill_module": flashinfer.prefill.get_batch_prefill_module,
+        "get_batch_decode_module": flashinfer.decode.get_batch_decode_module,
+    }
+    replacements = {
+        "get_batch_prefill_module": host_plan.prefill_loader(device),
+        "get_batch_decode_module": host_plan.decode_loader(device),
+    }
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("flashinfer"):
+            continue
+        namespace = vars(module)
+        for loader in _LOADERS:
+            if namespace.get(loader) is originals[loader]:
+                patches.set(module, loader, replacements[loader])
+
+    def build_and_load(spec: Any, *args: Any, **kwargs: Any) -> Any:
+        raise SimulatedDeviceUnsupported(
+            f"FlashInfer JIT module {getattr(spec, 'name', spec)!r} has no host implementation on the simulated "
+            f"{device.name}: only the batch prefill (FA2, paged and ragged) and batch decode (CUDA-core and "
+            "tensor-core) modules are served (pytest_kvprofile.sizing.host_plan)")
+
+    patches.set(flashinfer.jit.core.JitSpec, "build_and_load", build_and_load)
+
+
+@contextmanager
+def simulated_gpu(gpu: str | GpuSpec, *, total_memory: int | None = None, nontorch_bytes: int = 0,
+                  record_stacks: bool = False, flashinfer: bool | None = None) -> Iterator[SimDevice]:
+    """Torch "cuda" is a simulated ``gpu`` (catalog name or :class:`GpuSpec`) for the block; yields its device.
+
+    ``total_memory`` overrides the catalog's bytes. ``flashinfer``: None patches FlashInfer when it is
+    installed, True requires it, False leaves it alone. Everything is restored on exit, FlashInfer's
+    device caches included.
+    """
+    import torch
+    import torch.version
+
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
+    device = _resolve(gpu, total_memory, nontorch_bytes, record_stacks)
+    if flashinfer is None:
+        flashinfer = importlib.util.find_spec("flashinfer") is not None
+    patches = _Patches()
+    sim = SimulatedCuda(device)
+    with sim:
+        try:
+            patches.set(torch.version, "cuda", SIMULATED_CUDA_VERSION)
+            if flashinfer:
+                clear_flashinfer_caches()
+                _patch_flashinfer(patches, device)
+            yield device
+        finally:
+            patches.undo()
+            if flashinfer:
+                clear_flashinfer_caches()

@@ -1,0 +1,293 @@
+"""Host modules for FlashInfer's batch prefill/decode JIT loaders on the simulated device.
+
+Why: a wrapper's ``plan()`` carves its float and int workspaces and writes the plan info into the
+int workspace; on a CPU-only machine that code never runs, so a float workspace too small for a batch
+and the plan's own allocations stay invisible. Under ``simulated_gpu`` the loaders
+(``get_batch_prefill_module``, ``get_batch_decode_module``) return the modules built here: ``plan`` is
+FlashInfer's own ``PrefillPlan``/``DecodePlan`` from the installed wheel's headers, compiled for the
+host into the sizing oracle's library (``csrc/oracle.cu``; same cache, lock and digest rules,
+``oracle_build.py``), run on the simulated tensors' host memory for the simulated GPU's SM count. Its
+errors are FlashInfer's own ("Buffer overflow when allocating memory for ... Increase the workspace
+buffer size."). ``run`` is a float32 reference on the paged KV cache (GQA, causal mask, sliding
+window, soft cap); what it does not model raises :class:`SimulatedDeviceUnsupported`.
+
+The CUDA-core decode planner asks the driver for its kernel's occupancy; here it is the bound the
+sizing model uses (``planner.decode_blocks_per_sm_bound``), so plan and sizing agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+from pytest_kvprofile.memory.device import SimDevice
+from pytest_kvprofile.sizing.oracle import LOAD_MODE, get_oracle
+from pytest_kvprofile.sizing.planner import decode_blocks_per_sm_bound
+
+__all__ = ["HostPlanError", "HostPlanner", "decode_loader", "get_host_planner", "prefill_loader"]
+
+_INFO_CAP = 64
+_vp = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_u64 = ctypes.c_uint64
+_int = ctypes.c_int
+
+
+class HostPlanError(RuntimeError):
+    """FlashInfer's planner raised on the host (its message is FlashInfer's own)."""
+
+
+def _unsupported(what: str) -> Exception:
+    from pytest_kvprofile.memory.simulated_gpu import SimulatedDeviceUnsupported
+
+    return SimulatedDeviceUnsupported(f"{what} is not supported on the simulated device (pytest_kvprofile.sizing.host_plan)")
+
+
+class HostPlanner:
+    """ctypes binding of the host ``plan()`` entry points of the oracle library."""
+
+    def __init__(self, lib_path: Any) -> None:
+        lib = ctypes.CDLL(str(lib_path), mode=LOAD_MODE)
+        lib.kvp_last_error.restype = ctypes.c_char_p
+        lib.kvp_host_prefill_plan.argtypes = [
+            _vp, _u64, _vp, _vp, _u64, _vp, _vp, _i64, _i64, _i64, _i64, _i64, _int, _i64, _i64, _i64,
+            _i64, _int, _i64, _i64, _int, _int, _int, _int, _int, _vp, _int, _vp]
+        lib.kvp_host_prefill_plan.restype = _int
+        lib.kvp_host_decode_plan.argtypes = [
+            _vp, _u64, _vp, _vp, _u64, _vp, _i64, _i64, _i64, _i64, _int, _i64, _int, _int, _int, _int, _int,
+            _vp, _int, _vp]
+        lib.kvp_host_decode_plan.restype = _int
+        self._lib = lib
+        self._info = (_i64 * _INFO_CAP)()
+        self._len = _int()
+
+    def _result(self, rc: int) -> list[int]:
+        if rc:
+            msg = self._lib.kvp_last_error()
+            raise HostPlanError(msg.decode(errors="replace") if msg else "host plan failed")
+        return list(self._info[: self._len.value])
+
+    def prefill(self, float_ptr: int, float_size: int, int_ptr: int, pinned_ptr: int, int_size: int,
+                qo_indptr_ptr: int, kv_indptr_ptr: int, total_num_rows: int, batch_size: int, heads_q: int,
+                heads_kv: int, page_size: int, cuda_graph: bool, head_dim_qk: int, head_dim_vo: int,
+                window_left: int, fixed_split_size: int, disable_split_kv: bool, num_colocated_ctas: int,
+                uniform_q_len: int, fixed_uniform_q_len: bool, device: tuple[int, int, int, int]) -> list[int]:
+        """``PrefillPlan`` on host buffers; returns ``PrefillPlanInfo::ToVector()``."""
+        rc = self._lib.kvp_host_prefill_plan(
+            float_ptr, float_size, int_ptr, pinned_ptr, int_size, qo_indptr_ptr, kv_indptr_ptr, total_num_rows,
+            batch_size, heads_q, heads_kv, page_size, int(cuda_graph), head_dim_qk, head_dim_vo, window_left,
+            fixed_split_size, int(disable_split_kv), num_colocated_ctas, uniform_q_len, int(fixed_uniform_q_len),
+            *device, ctypes.addressof(self._info), _INFO_CAP, ctypes.addressof(self._len))
+        return self._result(rc)
+
+    def decode(self, float_ptr: int, float_size: int, int_ptr: int, pinned_ptr: int, int_size: int,
+               indptr_ptr: int, batch_size: int, heads_q: int, heads_kv: int, page_size: int, cuda_graph: bool,
+               head_dim: int, blocks_per_sm: int, device: tuple[int, int, int, int]) -> list[int]:
+        """CUDA-core ``DecodePlan`` on host buffers; returns ``DecodePlanInfo::ToVector()``."""
+        num_sm = device[0]
+        rc = self._lib.kvp_host_decode_plan(
+            float_ptr, float_size, int_ptr, pinned_ptr, int_size, indptr_ptr, batch_size, heads_q, heads_kv,
+            page_size, int(cuda_graph), head_dim, blocks_per_sm, num_sm, *device[1:],
+            ctypes.addressof(self._info), _INFO_CAP, ctypes.addressof(self._len))
+        return self._result(rc)
+
+
+_local = threading.local()
+
+
+def get_host_planner() -> HostPlanner:
+    """This thread's planner, building the oracle library on first use (raises OracleUnavailable)."""
+    oracle = get_oracle()
+    cached = getattr(_local, "planner", None)
+    if cached is not None and cached[0] == oracle.path:
+        return cached[1]
+    planner = HostPlanner(oracle.path)
+    _local.planner = (oracle.path, planner)
+    return planner
+
+
+def _device_tuple(device: SimDevice) -> tuple[int, int, int, int]:
+    from pytest_kvprofile.memory.torch_mode import smem_optin_for
+
+    cc = tuple(device.compute_capability)
+    return (device.num_sm, cc[0], cc[1], smem_optin_for(cc))  # type: ignore[arg-type]
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size())
+
+
+def _host_int32(t: Any, what: str) -> Any:
+    import torch
+
+    if t.dtype != torch.int32:
+        raise _unsupported(f"{what} of dtype {t.dtype} (the host planner takes int32 indptrs)")
+    return t.contiguous()
+
+
+def prefill_loader(device: SimDevice) -> Callable[..., SimpleNamespace]:
+    """Stands in for ``flashinfer.prefill.get_batch_prefill_module(backend, *args)``."""
+    cache: dict[tuple, SimpleNamespace] = {}
+
+    def get_batch_prefill_module(backend: str, *args: Any) -> SimpleNamespace:
+        key = (backend, *args)
+        if key not in cache:
+            if backend != "fa2":
+                raise _unsupported(f"FlashInfer batch prefill backend {backend!r} (only 'fa2' has a host planner)")
+            cache[key] = _prefill_module(device, args)
+        return cache[key]
+
+    return get_batch_prefill_module
+
+
+def decode_loader(device: SimDevice) -> Callable[..., SimpleNamespace]:
+    """Stands in for ``flashinfer.decode.get_batch_decode_module(*args)``."""
+    cache: dict[tuple, SimpleNamespace] = {}
+
+    def get_batch_decode_module(*args: Any) -> SimpleNamespace:
+        if args not in cache:
+            cache[args] = _decode_module(device, args)
+        return cache[args]
+
+    return get_batch_decode_module
+
+
+def _prefill_module(device: SimDevice, module_args: Sequence[Any]) -> SimpleNamespace:
+    pos_encoding = int(module_args[6]) if len(module_args) > 6 else 0
+    dev = _device_tuple(device)
+
+    def plan(float_ws: Any, int_ws: Any, pinned_ws: Any, qo_indptr: Any, kv_indptr: Any, kv_lens: Any,
+             total_num_rows: int, batch_size: int, heads_q: int, heads_kv: int, page_size: int, cuda_graph: bool,
+             head_dim_qk: int, head_dim_vo: int, causal: bool, window_left: int, fixed_split_size: int = -1,
+             disable_split_kv: bool = False, num_colocated_ctas: int = 0, uniform_q_len: int = 0,
+             fixed_uniform_q_len: bool = False) -> list[int]:
+        qo = _host_int32(qo_indptr, "qo_indptr")
+        kv = _host_int32(kv_indptr, "kv_indptr")
+        try:
+            return get_host_planner().prefill(
+                float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
+                qo.data_ptr(), kv.data_ptr(), int(total_num_rows), int(batch_size), int(heads_q), int(heads_kv),
+                int(page_size), bool(cuda_graph), int(head_dim_qk), int(head_dim_vo), int(window_left),
+                int(fixed_split_size), bool(disable_split_kv), int(num_colocated_ctas), int(uniform_q_len),
+                bool(fixed_uniform_q_len), dev)
+        except HostPlanError as exc:
+            raise RuntimeError(str(exc)) from None
+
+    def paged_run(float_ws: Any, int_ws: Any, plan_info: Any, q: Any, k_cache: Any, v_cache: Any, qo_indptr: Any,
+                  kv_indptr: Any, kv_indices: Any, last_page_len: Any, o: Any, lse: Any, mask_mode: int, layout: int,
+                  window_left: int, enable_pdl: bool, custom_mask: Any = None, mask_indptr: Any = None,
+                  alibi: Any = None, prefix_len: Any = None, token_pos: Any = None, max_item_len: Any = None,
+                  logits_soft_cap: float = 0.0, sm_scale: float | None = None, *rest: Any) -> Any:
+        if custom_mask is not None or prefix_len is not None or token_pos is not None:
+            raise _unsupported("a custom mask or prefix/item positions in run()")
+        if pos_encoding:
+            raise _unsupported(f"pos_encoding_mode {pos_encoding} in run()")
+        paged_reference(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, o, lse,
+                        causal=mask_mode == 1, layout=layout, window_left=window_left,
+                        logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
+        return o
+
+    def ragged_run(*args: Any, **kwargs: Any) -> Any:
+        raise _unsupported("run() of the ragged prefill wrapper (its plan() is served)")
+
+    def workspace_size(*args: Any, **kwargs: Any) -> Any:
+        raise _unsupported("workspace_size() (use pytest_kvprofile.sizing.for_case)")
+
+    def prewarm(variant: str = "independent") -> None:
+        return None
+
+    return SimpleNamespace(plan=plan, workspace_size=workspace_size, ragged_run=ragged_run, paged_run=paged_run,
+                           prewarm_paged_kv_stride_variant=prewarm)
+
+
+def _decode_module(device: SimDevice, module_args: Sequence[Any]) -> SimpleNamespace:
+    pos_encoding = int(module_args[6]) if len(module_args) > 6 else 0
+    dev = _device_tuple(device)
+
+    def plan(float_ws: Any, int_ws: Any, pinned_ws: Any, indptr: Any, batch_size: int, heads_q: int,
+             heads_kv: int, page_size: int, cuda_graph: bool, window_left: int, logits_soft_cap: float,
+             head_dim_qk: int, head_dim_vo: int, empty_q: Any = None, empty_kv: Any = None) -> list[int]:
+        if head_dim_qk != head_dim_vo:
+            raise RuntimeError("CUDA cores template only supports equal head dim for QK and VO, please use tensor "
+                               "cores template for different head dim")
+        kv = _host_int32(indptr, "indptr")
+        kv_bytes = int(empty_kv.element_size()) if empty_kv is not None else 2
+        group = int(heads_q) // max(int(heads_kv), 1)
+        blocks = decode_blocks_per_sm_bound(int(head_dim_qk), group, dev[1], kv_bytes)
+        try:
+            return get_host_planner().decode(
+                float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
+                kv.data_ptr(), int(batch_size), int(heads_q), int(heads_kv), int(page_size), bool(cuda_graph),
+                int(head_dim_qk), blocks, dev)
+        except HostPlanError as exc:
+            raise RuntimeError(str(exc)) from None
+
+    def run(float_ws: Any, int_ws: Any, plan_info: Any, q: Any, k_cache: Any, v_cache: Any, kv_indptr: Any,
+            kv_indices: Any, last_page_len: Any, o: Any, lse: Any, layout: int, window_left: int, enable_pdl: bool,
+            alibi: Any = None, logits_soft_cap: float = 0.0, sm_scale: float | None = None, *rest: Any) -> Any:
+        if pos_encoding:
+            raise _unsupported(f"pos_encoding_mode {pos_encoding} in run()")
+        import torch
+
+        qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+        paged_reference(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, o, lse,
+                        causal=False, layout=layout, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                        sm_scale=sm_scale)
+        return o
+
+    def workspace_size(*args: Any, **kwargs: Any) -> Any:
+        raise _unsupported("workspace_size() (use pytest_kvprofile.sizing.for_case)")
+
+    return SimpleNamespace(plan=plan, workspace_size=workspace_size, run=run)
+
+
+def paged_reference(q: Any, k_cache: Any, v_cache: Any, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
+                    last_page_len: Any, o: Any, lse: Any, *, causal: bool, layout: int, window_left: int,
+                    logits_soft_cap: float, sm_scale: float | None) -> None:
+    """Float32 attention over a paged KV cache into ``o`` (NHD layout 0, HND layout 1), as the kernel computes it:
+    GQA head mapping, the causal mask aligned to the end of each request's KV, sliding window, soft cap."""
+    import torch
+
+    if lse is not None:
+        raise _unsupported("return_lse in run()")
+    qo = [int(x) for x in qo_indptr.tolist()]
+    kvp = [int(x) for x in kv_indptr.tolist()]
+    idx = kv_indices.tolist()
+    last = last_page_len.tolist()
+    heads_q, head_dim = int(q.shape[-2]), int(q.shape[-1])
+    if layout == 1:
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    page_size, heads_kv = int(k_cache.shape[1]), int(k_cache.shape[2])
+    group = heads_q // heads_kv
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    for b in range(len(qo) - 1):
+        pages = idx[kvp[b]:kvp[b + 1]]
+        kv_len = (len(pages) - 1) * page_size + int(last[b]) if pages else 0
+        qb = q[qo[b]:qo[b + 1]].float()
+        n_q = qb.shape[0]
+        if n_q == 0:
+            continue
+        if kv_len <= 0:
+            o[qo[b]:qo[b + 1]] = 0
+            continue
+        k = k_cache[pages].reshape(-1, heads_kv, k_cache.shape[-1])[:kv_len].float()
+        v = v_cache[pages].reshape(-1, heads_kv, v_cache.shape[-1])[:kv_len].float()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        logits = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        if logits_soft_cap and logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        qpos = torch.arange(n_q).unsqueeze(1) + (kv_len - n_q)
+        kpos = torch.arange(kv_len).unsqueeze(0)
+        mask = torch.zeros(n_q, kv_len, dtype=torch.bool)
+        if causal:
+            mask |= kpos > qpos
+        if window_left is not None and window_left >= 0:
+            mask |= kpos < qpos - window_left
+        logits = logits.masked_fill(mask.unsqueeze(0), float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        out = torch.einsum("hqk,khd->qhd", probs, v)
+        o[qo[b]:qo[b + 1]] = out.to(o.dtype)
