@@ -325,6 +325,107 @@ def oracle(b: Bench, timeout: float) -> None:
     b.add("oracle", "adversarial search per case (max)", search["max"], "ms", "< 20", search["max"] < 20)
 
 
+# -- 4b: FlashInfer's own wrappers on the simulated GPU ---------------------------------------------------
+
+_HOST_PLANNER_START = ("import time; t=time.perf_counter(); "
+                       "from pytest_kvprofile.sizing.host_plan import get_host_planner; get_host_planner(); "
+                       "print(time.perf_counter()-t)")
+
+
+def host_planner_build(b: Bench, timeout: float) -> None:
+    """First use of the host planner module in a fresh cache (compile + load), then a new process's cache hit."""
+    with tempfile.TemporaryDirectory(prefix="kvprofile-hostplan-") as cache:
+        env = {"KVPROFILE_CACHE_DIR": cache}
+        times = []
+        for what in ("first use", "cache hit"):
+            proc = run_proc([PY, "-c", _HOST_PLANNER_START], b.work, env=env, timeout=timeout)
+            if proc.timed_out or proc.rc != 0:
+                b.add("host plan", f"host planner {what}", None, "s", "runs", False, proc.out.strip()[-200:])
+                return
+            times.append(float(proc.out.strip().splitlines()[-1]))
+    b.add("host plan", "host planner first use (build into an empty cache)", times[0], "s")
+    b.add("host plan", "host planner cache hit (new process)", times[1], "s", "< 0.5", times[1] < 0.5)
+
+
+def host_plan_rate(b: Bench, seconds: float) -> None:
+    """``wrapper.plan()`` calls per second of FlashInfer's own wrappers under ``simulated_gpu``."""
+    import flashinfer
+    import torch
+
+    import pytest_kvprofile
+
+    def rate(plan: Callable[[], None]) -> float:
+        plan()
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            plan()
+            n += 1
+        return n / (time.perf_counter() - start)
+
+    batch, page, kv = 32, 16, 4096
+    pages = kv // page
+    with pytest_kvprofile.simulated_gpu("H100"):
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        qo_indptr = torch.arange(0, 7 * batch + 1, 7, dtype=torch.int32)
+        kv_indptr = torch.arange(0, pages * batch + 1, pages, dtype=torch.int32)
+        indices = torch.arange(pages * batch, dtype=torch.int32)
+        last = torch.full((batch,), page, dtype=torch.int32)
+        prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+        decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=False, backend="fa2")
+        rows = {
+            "prefill (FA2)": lambda: prefill.plan(qo_indptr, kv_indptr, indices, last, 32, 8, 128, page, causal=True),
+            "decode (CUDA-core)": lambda: decode.plan(kv_indptr, indices, last, 32, 8, 128, page),
+        }
+        for label, plan in rows.items():
+            b.add("host plan", f"wrapper.plan() calls/s, {label}, {batch} requests", rate(plan), "calls/s",
+                  note="simulated H100, kv 4096")
+
+
+def real_backend_cost(b: Bench) -> None:
+    """The built-in ``flashinfer`` backend (FlashInfer's own wrappers) through the lifecycle and every check,
+    per case of matrices/ci.yaml."""
+    import contextlib
+    import inspect
+
+    from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS
+    from pytest_kvprofile.checks.catalog import failing_checks
+    from pytest_kvprofile.lifecycle import driver
+    from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+    from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
+    @contextlib.contextmanager
+    def device_mode(self: driver.LifecycleRun):  # the driver diff of issue 13 item 5, until it lands
+        with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device) as sim:
+            self._torch = sim
+            try:
+                yield
+            finally:
+                self._torch = None
+
+    original = driver.LifecycleRun.device_mode
+    if "simulated_gpu_on" not in inspect.getsource(original):
+        driver.LifecycleRun.device_mode = device_mode
+    try:
+        cases = [c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None]
+        backend = REAL_FLASHINFER_BACKENDS[0]
+        failing_checks(driver.run_lifecycle(backend, cases[0]))  # imports, oracle load, sizing memo
+        life = checks = 0.0
+        failed = 0
+        for case in cases:
+            t0 = time.perf_counter()
+            result = driver.run_lifecycle(backend, case)
+            t1 = time.perf_counter()
+            failed += bool(failing_checks(result))
+            life += t1 - t0
+            checks += time.perf_counter() - t1
+    finally:
+        driver.LifecycleRun.device_mode = original
+    n = len(cases)
+    b.add("host plan", f"flashinfer backend lifecycle+checks per case, ci.yaml ({n} cases)", 1e3 * (life + checks) / n,
+          "ms", note=f"lifecycle {1e3 * life / n:.1f} ms, checks {1e3 * checks / n:.1f} ms; {failed} failing")
+
+
 # -- 5: the simulated device -----------------------------------------------------------------------------
 
 
@@ -427,12 +528,13 @@ MODES: dict[str, dict] = {
     "full": {"overhead": [("default subset (1 model)", 1, 2), ("default matrix", None, 1)],
              "parallel": ("default subset (1 model)", "default matrix"), "collect": (100, 1000, 10000),
              "lifecycle": (100, 1000, 10000), "oracle": True, "tensors": (3000, 5), "timeout": 420,
-             "collect_budget": 60},
+             "collect_budget": 60, "host_plan": 2.0},
     "quick": {"overhead": [("default subset (1 model)", 1, 2)], "parallel": ("default subset (1 model)",),
               "collect": (100, 1000, 3000), "lifecycle": (100, 300, 1000), "oracle": True, "tensors": (2000, 3),
-              "timeout": 300, "collect_budget": 60},
+              "timeout": 300, "collect_budget": 60, "host_plan": 1.0},
     "smoke": {"overhead": [("synthetic 16 cases", "synthetic-16", 1)], "parallel": (), "collect": (8, 16),
-              "lifecycle": (8, 16), "oracle": False, "tensors": (200, 2), "timeout": 60, "collect_budget": 30},
+              "lifecycle": (8, 16), "oracle": False, "tensors": (200, 2), "timeout": 60, "collect_budget": 30,
+              "host_plan": 0},
 }
 
 
@@ -479,6 +581,12 @@ def main(argv: list[str] | None = None) -> int:
             oracle(b, cfg["timeout"])
         else:
             b.add("oracle", "oracle benchmark", None, "", note="skipped in smoke mode")
+        if cfg["host_plan"]:
+            host_planner_build(b, cfg["timeout"])
+            host_plan_rate(b, cfg["host_plan"])
+            real_backend_cost(b)
+        else:
+            b.add("host plan", "FlashInfer wrappers on the simulated GPU", None, "", note="skipped in smoke mode")
         print("[6/6] simulated device", flush=True)
         tensor_creation(b, *cfg["tensors"])
     elapsed = time.perf_counter() - start

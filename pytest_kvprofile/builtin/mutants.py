@@ -15,6 +15,7 @@ from pytest_kvprofile.builtin.stubs import (
 )
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import BuilderContext
+from pytest_kvprofile.contract.workspace import WorkspaceLockedError
 from pytest_kvprofile.units import MiB
 
 
@@ -23,6 +24,17 @@ class LazyWorkspaceBuilder(FlashInferLikeBuilder):
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         return ctx.lease([])
+
+
+class LazyLargeBatchWrapperBuilder(FlashInferLikeBuilder):
+    """Bug 1b: reserves its wrappers, but a separate wrapper for prefill/mixed batches of more than 8
+    requests (a ragged-KV path) is created on the first such plan(), after KV sizing."""
+
+    def build(self, ctx: BuilderContext, batch: Any) -> None:
+        super().build(ctx, batch)
+        key = ("ragged prefill", batch.ubatch)
+        if batch.kind != "decode" and batch.num_reqs > 8 and key not in self.wrappers:
+            self.wrappers[key] = self._new_wrapper(ctx, "ragged prefill", batch.ubatch)
 
 
 class EarlyReleaseBuilder(FlashInferLikeBuilder):
@@ -54,6 +66,19 @@ class GrowAfterLockBuilder(FlashInferLikeBuilder):
             ctx.get_workspace(self.float_bytes() + 2 * MiB, batch.ubatch)
 
 
+class SwallowedGrowAfterLockBuilder(FlashInferLikeBuilder):
+    """Bug 4c: like 4a, but catches the locked arena's refusal and plans into its own transient buffer."""
+
+    def build(self, ctx: BuilderContext, batch: Any) -> None:
+        super().build(ctx, batch)
+        if not ctx.dummy and batch.kind == "prefill":
+            try:
+                ctx.get_workspace(self.float_bytes() + 2 * MiB, batch.ubatch)
+            except WorkspaceLockedError:
+                fallback = ctx.allocate(2 * MiB, "fallback split-kv scratch")
+                ctx.free(fallback)
+
+
 class ReallocOnRebindBuilder(FlashInferLikeBuilder):
     """Bug 4b: rebind asks for a slightly larger arena, which reallocates (moves) it after KV sizing."""
 
@@ -68,6 +93,12 @@ class UbatchAliasBuilder(FlashInferLikeBuilder):
 
     def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
         return ctx.get_workspace(self.float_bytes(), 0)
+
+
+class SilentUbatchAliasBuilder(UbatchAliasBuilder):
+    """Bug 5b: the same aliasing as 5, from a builder that does not report bound_workspaces() (it is optional)."""
+
+    bound_workspaces = None
 
 
 class TruthyDeclarationBuilder(FlashInferLikeBuilder):
@@ -102,6 +133,17 @@ class NonIdempotentWarmupBuilder(FlashInferLikeBuilder):
         self.warmed = True
 
 
+class RetuningWarmupBuilder(FlashInferLikeBuilder):
+    """Bug 7c: warms up once, but every later call re-tunes a kernel with fresh transient scratch."""
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if self.warmed:
+            probe = ctx.allocate(2 * MiB, "re-tune scratch")
+            ctx.free(probe)
+            return
+        super().warmup(ctx)
+
+
 class NonRetryableWarmupBuilder(FlashInferLikeBuilder):
     """Bug 7b: marks itself warmed before it has finished, so a failed warmup is never completed."""
 
@@ -123,6 +165,16 @@ class SyntheticInCaptureBuilder(FlashInferLikeBuilder):
     def dummy_run(self, ctx: BuilderContext) -> None:
         if ctx.dummy:
             synthetic = ctx.allocate(self._synthetic_bytes(), "synthetic profile workspace")
+            ctx.free(synthetic)
+
+
+class SyntheticInCapturedBuildBuilder(FlashInferLikeBuilder):
+    """Bug 9b: its plan builds a synthetic profiling workspace for every dummy batch, captured ones included."""
+
+    def build(self, ctx: BuilderContext, batch: Any) -> None:
+        super().build(ctx, batch)
+        if ctx.dummy:
+            synthetic = ctx.allocate(self._synthetic_bytes(), "synthetic plan workspace")
             ctx.free(synthetic)
 
 
@@ -166,17 +218,22 @@ class _PlainFlashInfer(FlashInferLikeBuilder):
 
 MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-01-lazy-workspace", 1, LazyWorkspaceBuilder),
+    _mutant("mutant-01b-lazy-large-batch-wrapper", 1, LazyLargeBatchWrapperBuilder),
     _mutant("mutant-02-early-release", 2, EarlyReleaseBuilder),
     _mutant("mutant-03-never-released", 3, NeverReleasedBuilder),
     _mutant("mutant-04a-grow-after-lock", 4, GrowAfterLockBuilder),
     _mutant("mutant-04b-realloc-on-rebind", 4, ReallocOnRebindBuilder),
+    _mutant("mutant-04c-swallowed-grow-after-lock", 4, SwallowedGrowAfterLockBuilder),
     _mutant("mutant-05-ubatch-alias", 5, UbatchAliasBuilder),
+    _mutant("mutant-05b-silent-ubatch-alias", 5, SilentUbatchAliasBuilder),
     _mutant("mutant-06a-truthy-declaration", 6, TruthyDeclarationBuilder),
     _mutant("mutant-06b-unsupported-reserves", 6, FlashInferLikeBuilder, extra=(SelfReservingUnsupportedBuilder,)),
     _mutant("mutant-07a-warmup-not-idempotent", 7, NonIdempotentWarmupBuilder),
     _mutant("mutant-07b-warmup-not-retryable", 7, NonRetryableWarmupBuilder),
+    _mutant("mutant-07c-warmup-retunes", 7, RetuningWarmupBuilder),
     _mutant("mutant-08-profile-once", 8, _PlainFlashInfer, EnginePolicy(replay_after_warmup=False)),
     _mutant("mutant-09-synthetic-in-capture", 9, SyntheticInCaptureBuilder),
+    _mutant("mutant-09b-synthetic-in-captured-build", 9, SyntheticInCapturedBuildBuilder),
     _mutant("mutant-10-graph-gross-minus-retained", 10, _PlainFlashInfer,
             EnginePolicy(graph_estimate="gross_minus_retained")),
     _mutant("mutant-11-decode-heuristic-sizing", 11, DecodeHeuristicSizingBuilder),

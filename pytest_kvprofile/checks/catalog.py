@@ -8,6 +8,7 @@ record's probe target on fresh devices (the fault injection cannot happen inside
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -148,14 +149,25 @@ def check_persistent_memory_visible(result: LifecycleResult, options: CheckOptio
                     and lc.PHASE_ORDER.index(a.phase) <= lc.PHASE_ORDER.index(phase)
                     and (a.freed_phase is None or lc.PHASE_ORDER.index(a.freed_phase) > lc.PHASE_ORDER.index(phase))
                 ]
-                detail = "; ".join(_fmt_alloc(a) for a in late[:6]) or "(memory re-used from earlier phases)"
+                released = _lease_released_sites(result, owner)
+                detail = _grouped(
+                    result, late, first=lambda a, r=released: (a.owner, a.tag, a.nbytes) not in r,
+                ) or "(memory re-used from earlier phases)"
                 out.append(
-                    f"builder {owner!r} holds {live / MiB:.2f} MiB after KV sizing (phase {phase!r}) but held only "
-                    f"{held / MiB:.2f} MiB at the closing measurement: {(live - held) / MiB:.2f} MiB invisible to "
-                    f"KV sizing. Allocated after KV sizing: {detail}"
+                    f"persistent_memory_visible_at_closing: builder {owner!r} holds {live / MiB:.2f} MiB after KV "
+                    f"sizing (phase {phase!r}) but held only {held / MiB:.2f} MiB at the closing measurement: "
+                    f"{(live - held) / MiB:.2f} MiB invisible to KV sizing. Alive and allocated after KV sizing "
+                    f"(new allocations first, then re-creations of what the lease released): {detail}"
                 )
                 break
     return out
+
+
+def _lease_released_sites(result: LifecycleResult, owner: str) -> set[tuple[str, str, int]]:
+    """(owner, tag, bytes) of the owner's leased allocations freed at lease release: what rebind may re-create."""
+    ids = {aid for rec in result.leases if rec.owner == owner for aid in rec.allocation_ids}
+    return {(a.owner, a.tag, a.nbytes) for a in result.allocations
+            if a.id in ids and a.freed_phase == lc.LEASE_RELEASE}
 
 
 def check_lease_outlives_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -215,14 +227,17 @@ def check_profile_replayed(result: LifecycleResult, options: CheckOptions) -> li
 
 
 def check_warmup_idempotent(result: LifecycleResult, options: CheckOptions) -> list[str]:
-    repeat = [a for a in result.allocations if a.phase == lc.WARMUP_REPEAT and a.kind == "device"]
+    """A second warmup allocates nothing at all: transient re-tuning scratch counts, not only what it keeps."""
+    names = _builder_names(result)
+    repeat = [a for a in result.allocations if a.phase == lc.WARMUP_REPEAT and a.owner in names]
+    if not repeat:
+        return []
     kept = [a for a in repeat if a.freed_phase is None]
-    if kept:
-        return [
-            "a repeated warmup allocated new persistent memory (warmup must run once): "
-            + "; ".join(_fmt_alloc(a) for a in kept[:6])
-        ]
-    return []
+    what = "new persistent memory" if kept else "transient memory (it re-tunes or re-creates scratch on every call)"
+    return [
+        f"warmup_idempotent: a repeated warmup (phase {lc.WARMUP_REPEAT!r}) allocated {what}; warmup runs once "
+        "and a second call allocates nothing: " + _grouped(result, repeat, first=lambda a: a.freed_phase is None)
+    ]
 
 
 def check_warmup_retryable(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -263,9 +278,16 @@ def _fmt_arena(arena: tuple[ArenaView, ...]) -> str:
 
 
 def check_arena_not_grown_after_lock(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """Every refusal the manager recorded fails, caught by the builder or not: the request itself is the bug."""
     out = []
+    refused = {(r.phase, r.requester) for r in result.refusals}
+    counts = Counter(result.refusals)
+    for r, n in counts.items():
+        times = f" ({n} times)" if n > 1 else ""
+        out.append(f"arena_not_grown_after_lock: {r.describe()}{times}; the locked arena refused to grow (whether "
+                   "or not the builder caught the WorkspaceLockedError and fell back on its own buffer)")
     for err in result.errors:
-        if err.exc_type == "WorkspaceLockedError":
+        if err.exc_type == "WorkspaceLockedError" and (err.phase, err.who) not in refused:
             out.append(f"{err.who} asked the locked arena to grow in phase {err.phase!r}: {err.message}")
     if result.phase(lc.LOCK) is not None:
         probe = result.lock_probe_error
@@ -311,23 +333,111 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
                 )
         if out:
             break
+    return out + _observed_ubatch_violations(result)
+
+
+def _observed_ubatch_violations(result: LifecycleResult) -> list[str]:
+    """What the manager saw, whatever the builder reports: the views it handed to each builder.
+
+    A build for micro-batch u that asks for another micro-batch's arena plans into memory the other
+    micro-batch uses concurrently; a builder that asks for arena views but never for u's while the
+    engine builds u's batches through it plans u into another micro-batch's arena.
+    """
+    out = []
+    wrong: dict[tuple, int] = {}
+    asked: dict[str, set[int]] = {}
+    for g in result.grants:
+        asked.setdefault(g.requester, set()).add(g.ubatch)
+        if g.for_ubatch is not None and g.ubatch != g.for_ubatch:
+            key = (g.requester, g.method, g.phase, g.for_ubatch, g.ubatch, g.nbytes)
+            wrong[key] = wrong.get(key, 0) + 1
+    for (who, method, phase, mine, other, nbytes), n in wrong.items():
+        times = f" ({n} times)" if n > 1 else ""
+        out.append(
+            f"ubatch_arenas_disjoint: in phase {phase!r} {who} {method}() for micro-batch {mine} asked for "
+            f"{nbytes} bytes of micro-batch {other}'s arena{times}: both micro-batches would plan into the same memory"
+        )
+    built = {c.builder for c in result.calls if c.method == "build"}
+    count = result.case.envelope.num_ubatches
+    for who in sorted(asked.keys() & built):
+        missing = sorted(set(range(count)) - asked[who])
+        if missing:
+            out.append(
+                f"ubatch_arenas_disjoint: {who} asked only for the arenas of micro-batch(es) {sorted(asked[who])} but "
+                f"the engine builds micro-batch(es) {missing} through it: their plans use another micro-batch's arena"
+            )
     return out
 
 
 # -- capture -----------------------------------------------------------------------------------
 def check_no_synthetic_in_capture(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """Judge every allocation made while a graph is captured by the method it came from, not by its tag.
+
+    Resources allocate nothing in capture (README); a builder's ``dummy_run``, ``warmup`` or any other
+    method allocates nothing in capture either. ``build`` plans the captured batch, so a transient it
+    also makes for real traffic (the same owner, tag and source line when serving) is plan scratch;
+    one it makes only in dummy forwards is synthetic profiling workspace.
+    """
     resources = _resource_names(result)
-    bad = [
+    names = _builder_names(result)
+    captured = [
         a for a in result.allocations
-        if a.phase in (lc.GRAPH_PROFILING, lc.CAPTURE) and a.pool != "default"
-        and (result.alloc_origin.get(a.id) == "dummy_run" or a.owner in resources)
+        if a.phase in (lc.GRAPH_PROFILING, lc.CAPTURE) and a.pool != "default" and a.owner in names
     ]
+    if not captured:
+        return []
+    served = {
+        _site(a) for a in result.allocations
+        if a.phase in (lc.SERVING, lc.WARMUP_REPEAT) and result.alloc_origin.get(a.id) == "build"
+    }
+    bad = []
+    for a in captured:
+        method = result.alloc_origin.get(a.id)
+        transient = a.freed_phase == a.phase
+        if a.owner in resources or method != "build" or (transient and _site(a) not in served):
+            bad.append(a)
     if bad:
         return [
-            "synthetic profiling workspace or resource memory was allocated while a CUDA graph was being "
-            "captured: " + "; ".join(_fmt_alloc(a) for a in bad[:6])
+            "no_synthetic_workspace_in_capture: builder or resource memory that real traffic never needs was "
+            "allocated while a CUDA graph was being captured: " + _grouped(result, bad)
         ]
     return []
+
+
+def _site(a: Any) -> tuple[str, str, str | None]:
+    """Where an allocation comes from: owner, tag and (torch mode) source line."""
+    return (a.owner, a.tag, getattr(a, "stack", None))
+
+
+_RESOURCE_METHODS = {"build": "use", "reserve_persistent_workspace": "materialize"}
+
+
+def _grouped(result: LifecycleResult, allocs: list[Any], first: Callable[[Any], bool] | None = None) -> str:
+    """Allocations grouped by (owner, tag, bytes, method, phase, source line), each with its count and total.
+
+    Groups for which ``first`` holds come first, then the largest totals. Every group is shown.
+    """
+    resources = _resource_names(result)
+    groups: dict[tuple, list[Any]] = {}
+    for a in allocs:
+        method = result.alloc_origin.get(a.id) or "-"
+        if a.owner in resources:
+            method = _RESOURCE_METHODS.get(method, method)
+        key = (a.owner, a.tag, a.nbytes, method, a.phase, getattr(a, "stack", None) or "")
+        groups.setdefault(key, []).append(a)
+
+    def order(item: tuple[tuple, list[Any]]) -> tuple:
+        key, members = item
+        lead = 0 if first is None or first(members[0]) else 1
+        return (lead, -key[2] * len(members), key)
+
+    parts = []
+    for (owner, tag, nbytes, method, phase, stack), members in sorted(groups.items(), key=order):
+        times = f" x {len(members)} = {nbytes * len(members) / MiB:.2f} MiB" if len(members) > 1 else ""
+        where = f" at {stack}" if stack else ""
+        parts.append(f"{owner}: {tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){times} from {method}() in phase "
+                     f"{phase!r}{where}")
+    return "; ".join(parts)
 
 
 def _resource_names(result: LifecycleResult) -> set[str]:

@@ -84,11 +84,14 @@ def entry_point_backends() -> list[Backend]:
 
 
 def builtin_backends() -> dict[str, Backend]:
-    """The correct stubs and the mutant catalog, by name."""
+    """Every built-in backend by name: the correct stubs, the mutant catalog, and the backend made of real
+    FlashInfer wrappers (``flashinfer``) with its lazy twin, which run FlashInfer on the simulated GPU."""
+    from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS, REAL_FLASHINFER_MUTANTS
     from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
     from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
-    return {b.name: b for b in (*STUB_BACKENDS, *MUTANT_BACKENDS)}
+    return {b.name: b for b in (*STUB_BACKENDS, *MUTANT_BACKENDS, *REAL_FLASHINFER_BACKENDS,
+                                *REAL_FLASHINFER_MUTANTS)}
 
 
 def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True) -> list[Backend]:

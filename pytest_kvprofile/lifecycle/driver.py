@@ -29,7 +29,7 @@ from pytest_kvprofile.contract.support import (
     declared_support,
     resolve_support,
 )
-from pytest_kvprofile.contract.workspace import WorkspaceLockedError, WorkspaceManager
+from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceLockedError, WorkspaceManager
 from pytest_kvprofile.lifecycle.phases import (
     BASELINE,
     CAPTURE,
@@ -59,6 +59,8 @@ from pytest_kvprofile.lifecycle.record import (
     PhaseError,
     PhaseRecord,
     ProbeTarget,
+    Refusal,
+    ViewGrant,
 )
 from pytest_kvprofile.matrix.cases import Case, DecodeCapture
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
@@ -71,8 +73,36 @@ from pytest_kvprofile.memory.budget import (
 from pytest_kvprofile.memory.device import Device
 
 
+LOCK_PROBE = "kvprofile-lock-probe"
+
+
 class _Abort(Exception):
     """Stops a run after a builder's error has been recorded."""
+
+
+class RecordingWorkspaceManager(WorkspaceManager):
+    """The engine's manager, recording every view it hands out and every growth it refuses.
+
+    A refusal is recorded before it is raised, so a builder that catches WorkspaceLockedError and
+    falls back on its own buffer still leaves the refusal in the record (docs/contract.md, "Shared arena").
+    """
+
+    def __init__(self, run: "LifecycleRun", device: Device, num_ubatches: int):
+        super().__init__(device, num_ubatches=num_ubatches)
+        self._run = run
+
+    def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
+        run = self._run
+        try:
+            view = super().get_workspace(requester, nbytes, ubatch)
+        except WorkspaceLockedError as exc:
+            if requester != LOCK_PROBE:
+                run.result.refusals.append(Refusal(
+                    run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current))
+            raise
+        run.result.grants.append(ViewGrant(
+            run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes))
+        return view
 
 
 class LifecycleRun:
@@ -84,13 +114,14 @@ class LifecycleRun:
         self.device = device
         self.builders: list[Any] = []
         self.policy: EnginePolicy = getattr(self.backend, "policy", None) or EnginePolicy()
-        self.manager = WorkspaceManager(device, num_ubatches=self.case.envelope.num_ubatches)
+        self.manager = RecordingWorkspaceManager(self, device, self.case.envelope.num_ubatches)
         self.in_window = False
         self.in_dummy_forward = False
         self._contexts: dict[str, BuilderContext] = {}
         self._post_kv = False
         self._peak_used = 0
         self._current_call: str | None = None
+        self._current_ubatch: int | None = None
         self._torch: Any = None
         self.result = LifecycleResult(
             backend=getattr(self.backend, "name", str(self.backend)), case=self.case, probe=target,
@@ -139,14 +170,17 @@ class LifecycleRun:
         name = builder_name(builder)
         self.result.calls.append(CallRecord(self.device.phase, name, method))
         self._current_call = method
-        scope = self._torch.owner_scope(name, method) if self._torch is not None else contextlib.nullcontext()
+        self._current_ubatch = args[1].ubatch if method == "build" and len(args) > 1 else None
         try:
-            with scope:
+            if self._torch is None:
+                return call_optional(builder, method, *args)
+            with self._torch.owner_scope(name, method):
                 return call_optional(builder, method, *args)
         except Exception as exc:  # noqa: BLE001 - every builder failure becomes a recorded error
             self._fail(name, exc)
         finally:
             self._current_call = None
+            self._current_ubatch = None
 
     def _fail(self, who: str, exc: BaseException) -> None:
         self.result.errors.append(
@@ -203,15 +237,17 @@ class LifecycleRun:
     # -- the phases --------------------------------------------------------------------------
     @contextlib.contextmanager
     def device_mode(self) -> Any:
-        """Serve plain ``torch`` "cuda" calls from this run's simulated device (``Backend.torch_mode``)."""
+        """Serve plain ``torch`` "cuda" calls from this run's simulated device (``Backend.torch_mode``), with
+        FlashInfer's device queries answering the case's GPU and its batch planners running on the host."""
         from pytest_kvprofile.memory.device import SimDevice
 
         if not getattr(self.backend, "torch_mode", False) or not isinstance(self.device, SimDevice):
             yield  # on a real CUDA device plain torch calls already reach it
             return
+        from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
         from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
-        with SimulatedCuda(self.device) as sim:
+        with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device) as sim:
             self._torch = sim
             try:
                 yield
@@ -373,7 +409,7 @@ class LifecycleRun:
         self._enter(LOCK)
         self.manager.lock()
         try:
-            self.manager.get_workspace("kvprofile-lock-probe", self.manager.size(0) + self.manager.alignment, 0)
+            self.manager.get_workspace(LOCK_PROBE, self.manager.size(0) + self.manager.alignment, 0)
         except WorkspaceLockedError as exc:
             self.result.lock_probe_error = str(exc)
         self._record_phase(LOCK)
@@ -451,18 +487,49 @@ class LifecycleRun:
                 self._graph_forward(capture, plan=True)
 
     def _serving_batches(self) -> list[Batch]:
+        """A deterministic sweep of the envelope, so that a lazily created wrapper meets its shape.
+
+        Every captured decode step; 1, 2, 4, ... up to ``max_num_seqs`` requests in prefill, mixed and
+        decode batches (decode carries ``1 + mtp`` tokens per request: the MTP verify shape); the
+        longest prefill and a chunked one; the planner's worst batch per route. ``_serve_step`` builds
+        each for every micro-batch. Largest first: the engine's activations then reuse the first step's
+        cached block instead of fragmenting the caching allocator ahead of a larger step.
+        """
         env = self.case.envelope
         q = 1 + self.case.mtp
-        decode_reqs = max(1, min(env.max_num_seqs, env.max_num_batched_tokens // q))
-        captures = self._captures()
-        batches = [
-            Batch("prefill", 1, env.max_num_batched_tokens),
-            Batch("mixed", min(env.max_num_seqs, 8), env.max_num_batched_tokens),
-            Batch("decode", decode_reqs, decode_reqs * q),
-        ]
-        if captures:
-            batches.append(_graph_batch(captures[0]))
-        return batches
+        budget = env.max_num_batched_tokens
+        batches = [_graph_batch(c) for c in self._captures()]
+        n = 1
+        while n <= env.max_num_seqs and n <= budget:
+            batches.append(Batch("prefill", n, budget))
+            batches.append(Batch("mixed", n, budget))
+            if n * q <= budget:
+                batches.append(Batch("decode", n, n * q))
+            n *= 2
+        batches.append(Batch("prefill", 1, max(1, min(env.max_model_len, budget))))
+        batches.append(Batch("prefill", 1, max(1, budget // 2)))
+        batches.extend(self._worst_batches())
+        return sorted(dict.fromkeys(batches), key=lambda b: -b.num_tokens)
+
+    def _worst_batches(self) -> list[Batch]:
+        """The sizing module's worst batch per route, within the envelope."""
+        from pytest_kvprofile.sizing.case import for_case
+
+        env = self.case.envelope
+        try:
+            need = for_case(self.case)
+        except Exception:  # noqa: BLE001 - a case the sizing cannot model is swept without its worst batches
+            return []
+        out = []
+        for route, sizing in need.routes.items():
+            if not sizing.worst_batch:
+                continue
+            qo, _kv, graph = sizing.worst_batch
+            reqs, tokens = len(qo), sum(qo)
+            if 0 < reqs <= env.max_num_seqs and reqs <= tokens <= env.max_num_batched_tokens:
+                kind = "decode" if route.startswith("decode") else "prefill"  # routes: decode_tc, decode_cc_cuda_graph, ...
+                out.append(Batch(kind, reqs, tokens, cuda_graph=bool(graph)))
+        return out
 
     def _teardown(self) -> None:
         self._post_kv = False

@@ -76,6 +76,39 @@ class CallRecord(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """A growth of the locked arena the manager refused, whether or not the requester caught it."""
+
+    phase: str
+    requester: str
+    method: str | None
+    ubatch: int
+    requested: int
+    current: int
+
+    def describe(self) -> str:
+        via = f" in {self.method}()" if self.method else ""
+        return (f"{self.requester}{via} asked the locked arena of ubatch {self.ubatch} for {self.requested} bytes "
+                f"in phase {self.phase!r} (current size {self.current} bytes)")
+
+
+@dataclass(frozen=True)
+class ViewGrant:
+    """An arena view the manager handed out, with the call and micro-batch it was handed for.
+
+    ``for_ubatch`` is the micro-batch of the batch being built (``build``), else None.
+    """
+
+    phase: str
+    requester: str
+    method: str | None
+    for_ubatch: int | None
+    ubatch: int
+    ptr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class ProbeTarget:
     """What a probe needs to build the same builders again on a fresh device."""
 
@@ -112,6 +145,8 @@ class LifecycleResult:
     post_kv_peak_used: int = 0
     post_kv_peak_live: list[Allocation] = field(default_factory=list)
     lock_probe_error: str | None = None
+    refusals: list[Refusal] = field(default_factory=list)
+    grants: list[ViewGrant] = field(default_factory=list)
     aborted_in: str | None = None
 
     def phase(self, name: str) -> PhaseRecord | None:

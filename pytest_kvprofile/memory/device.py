@@ -13,6 +13,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -49,6 +50,7 @@ __all__ = [
 
 HOST_ADDRESS_BASE = 0x7E00_0000_0000
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package root
+_PROTOCOL_FILE = os.path.join(_PACKAGE_DIR, "contract", "protocol.py")  # where the harness calls builder methods
 
 
 def format_size(nbytes: int) -> str:
@@ -186,15 +188,49 @@ class Device(Protocol):
     def memory_stats(self) -> dict[str, int]: ...
 
 
+def _site(frame: FrameType) -> str:
+    code = frame.f_code
+    return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+
+
 def _caller_stack() -> str:
-    """``path:line in func`` of the first frame outside this package (the code that allocated)."""
-    frame = sys._getframe(2)
+    """``path:line in func`` of the first frame outside this package (the code that allocated), followed by
+    the builder's own call site when they differ (:func:`builder_call_site`)."""
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
     if frame is None:
-        return "<unknown>"
-    code = frame.f_code
-    return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        return with_builder_call_site("<unknown>")
+    return with_builder_call_site(_site(frame))
+
+
+def builder_call_site() -> str | None:
+    """``path:line in func`` of the innermost frame, on the current stack, of the builder method the harness
+    is calling (the frame ``contract.protocol.call_optional`` called, and frames of the same file).
+
+    Why: a library (FlashInfer) allocates on the builder's behalf; its frame says *what* allocated, this
+    one says *which line of the builder* made it do so, which is what the backend author has to change.
+    None outside a harness call.
+    """
+    frames: list[FrameType] = []
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        back = frame.f_back
+        if back is not None and back.f_code.co_name == "call_optional" and back.f_code.co_filename == _PROTOCOL_FILE:
+            entry_file = frame.f_code.co_filename
+            return next(_site(f) for f in frames + [frame] if f.f_code.co_filename == entry_file)
+        frames.append(frame)
+        frame = back
+    return None
+
+
+def with_builder_call_site(stack: str) -> str:
+    """``stack`` followed by ``(builder call site ...)`` when a builder method is on the stack and its call site
+    is not already ``stack`` (a builder that allocated directly)."""
+    site = builder_call_site()
+    if site is None or site == stack or stack.startswith(site + " "):
+        return stack
+    return f"{stack} (builder call site {site})"
 
 
 def host_block_size(nbytes: int) -> int:
@@ -270,6 +306,8 @@ class EventSource:
             self._fail_countdown -= 1
         if stack is None and self.record_stacks:
             stack = _caller_stack()
+        elif stack is not None:
+            stack = with_builder_call_site(stack)
         return stack
 
     def _forget(self, alloc: Allocation) -> None:

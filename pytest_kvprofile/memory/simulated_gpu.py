@@ -20,7 +20,10 @@ from typing import Any, Callable, Iterator
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
 from pytest_kvprofile.memory.device import SimDevice
 
-__all__ = ["SIMULATED_CUDA_VERSION", "SimulatedDeviceUnsupported", "clear_flashinfer_caches", "simulated_gpu"]
+__all__ = [
+    "SIMULATED_CUDA_VERSION", "SimulatedDeviceUnsupported", "clear_flashinfer_caches", "simulated_gpu",
+    "simulated_gpu_on",
+]
 
 SIMULATED_CUDA_VERSION = "13.0"  # what torch.version.cuda reads inside the block (FlashInfer's sm*a checks)
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # a catalog entry without one is simulated as a Hopper part
@@ -121,6 +124,41 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
 
 
 @contextmanager
+def simulated_gpu_on(device: SimDevice, gpu: str | GpuSpec | None = None, *,
+                     flashinfer: bool | None = None) -> Iterator[SimDevice]:
+    """FlashInfer's view of an existing ``device`` for the block: ``torch.version.cuda``, FlashInfer's device
+    caches cleared on entry and exit, its batch prefill/decode loaders answered by host modules planning for
+    ``device``'s SM count, any other JIT build refused.
+
+    Why separate from :func:`simulated_gpu`: the lifecycle driver already serves torch "cuda" from the run's
+    own device (``SimulatedCuda``); this adds what a real-wrapper backend needs on that same device. Enter it
+    *outside* ``SimulatedCuda(device)``, which reads the compute capability on entry: a device without one
+    (``(0, 0)``) takes ``gpu``'s for the block (a catalog name or :class:`GpuSpec`; Hopper's when neither
+    has one). ``flashinfer``: None patches FlashInfer when it is installed, True requires it, False leaves it
+    alone (no import).
+    """
+    import torch.version
+
+    patches = _Patches()
+    if tuple(device.compute_capability) == (0, 0):
+        spec = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
+        cc = spec.compute_capability if spec is not None and spec.compute_capability != (0, 0) else None
+        patches.set(device, "compute_capability", cc or DEFAULT_COMPUTE_CAPABILITY)
+    if flashinfer is None:
+        flashinfer = importlib.util.find_spec("flashinfer") is not None
+    try:
+        patches.set(torch.version, "cuda", SIMULATED_CUDA_VERSION)
+        if flashinfer:
+            clear_flashinfer_caches()
+            _patch_flashinfer(patches, device)
+        yield device
+    finally:
+        patches.undo()
+        if flashinfer:
+            clear_flashinfer_caches()
+
+
+@contextmanager
 def simulated_gpu(gpu: str | GpuSpec, *, total_memory: int | None = None, nontorch_bytes: int = 0,
                   record_stacks: bool = False, flashinfer: bool | None = None) -> Iterator[SimDevice]:
     """Torch "cuda" is a simulated ``gpu`` (catalog name or :class:`GpuSpec`) for the block; yields its device.
@@ -129,24 +167,8 @@ def simulated_gpu(gpu: str | GpuSpec, *, total_memory: int | None = None, nontor
     installed, True requires it, False leaves it alone. Everything is restored on exit, FlashInfer's
     device caches included.
     """
-    import torch
-    import torch.version
-
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
     device = _resolve(gpu, total_memory, nontorch_bytes, record_stacks)
-    if flashinfer is None:
-        flashinfer = importlib.util.find_spec("flashinfer") is not None
-    patches = _Patches()
-    sim = SimulatedCuda(device)
-    with sim:
-        try:
-            patches.set(torch.version, "cuda", SIMULATED_CUDA_VERSION)
-            if flashinfer:
-                clear_flashinfer_caches()
-                _patch_flashinfer(patches, device)
-            yield device
-        finally:
-            patches.undo()
-            if flashinfer:
-                clear_flashinfer_caches()
+    with simulated_gpu_on(device, flashinfer=flashinfer), SimulatedCuda(device):
+        yield device

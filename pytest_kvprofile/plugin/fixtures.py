@@ -83,6 +83,7 @@ def _as_backend(target: Any, case: Case, torch_mode: bool, policy: EnginePolicy 
                        policy=policy or EnginePolicy(), torch_mode=torch_mode, origin="fixture")
     if isinstance(target, Sequence) and not isinstance(target, (str, bytes)):
         pristine = copy.deepcopy(list(target))
+        torch_mode = torch_mode or any(getattr(b, "torch_mode", False) for b in pristine)
         names = "+".join(str(getattr(b, "name", type(b).__name__)) for b in pristine) or "no-builders"
         return Backend(name=names, make_builders=lambda c: copy.deepcopy(pristine), policy=policy or EnginePolicy(),
                        torch_mode=torch_mode, origin="fixture")
@@ -139,27 +140,32 @@ def kvprofile_stub_builders(kvprofile_case: Case) -> list[Any]:
 
 @pytest.fixture
 def kvprofile_flashinfer_builders(request: pytest.FixtureRequest, kvprofile_case: Case) -> list[Any]:
-    """Builders made of real FlashInfer wrappers for the case (GPU tier).
+    """Builders made of real FlashInfer wrappers for the case, unused.
 
-    On the CPU tier FlashInfer's ``plan()`` needs a CUDA build of its JIT modules, so a test that asks
-    for these is skipped there with that reason (it is never reported as passing).
+    CPU tier: the built-in ``flashinfer`` backend's builders, which run FlashInfer's own wrappers on the
+    simulated GPU (``kvprofile_run`` serves their torch calls); MLA cases are skipped with the reason
+    (FlashInfer's MLA planner is not served there). GPU tier: the ``gpu-flashinfer`` builders.
     """
     state = _state(request.config)
-    if state.device_factory is None:
-        pytest.skip("kvprofile_flashinfer_builders needs --kvprofile-gpu: real FlashInfer plan() does not run "
-                    "on the CPU tier")
-    from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends
+    if state.device_factory is not None:
+        from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends
 
-    return list(gpu_backends()[0].make_builders(kvprofile_case))
+        return list(gpu_backends()[0].make_builders(kvprofile_case))
+    if kvprofile_case.model.attention == "mla":
+        pytest.skip("kvprofile_flashinfer_builders: MLA runs FlashInfer's MLA planner, which the CPU tier's "
+                    "simulated GPU does not serve")
+    from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS
+
+    return list(REAL_FLASHINFER_BACKENDS[0].make_builders(kvprofile_case))
 
 
 @pytest.fixture
 def kvprofile_run(request: pytest.FixtureRequest, kvprofile_case: Case) -> Callable[..., KvprofileRun]:
     """``kvprofile_run(backend_or_builders, *, torch_mode=False, policy=None)`` drives the reference lifecycle.
 
-    Takes a Backend, a ``make_builders(case)`` callable or a list of unused builders; runs on a fresh
-    device of the tier (each call its own); returns a :class:`KvprofileRun` with ``violations()``,
-    ``failures()`` and ``assert_passes()``.
+    Takes a Backend, a ``make_builders(case)`` callable or a list of unused builders (a builder with
+    ``torch_mode = True`` turns torch mode on); runs on a fresh device of the tier (each call its own);
+    returns a :class:`KvprofileRun` with ``violations()``, ``failures()`` and ``assert_passes()``.
     """
     state = _state(request.config)
     factory = state.device_factory or make_device

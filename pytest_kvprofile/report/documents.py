@@ -57,6 +57,24 @@ def _sizing_report(session: Any) -> dict:
     return {"headline": report_headline(rows), "rows": rows}
 
 
+def _legacy_reason(declared: dict[str, str]) -> str | None:
+    """Why the model stays on the legacy path (docs/contract.md, "Support declaration"), or None.
+
+    Opting in means taking the profiling path: every part REQUIRED or NEUTRAL and at least one REQUIRED.
+    A declaration that raised or is not a member counts as not REQUIRED.
+    """
+    if not declared:
+        return None
+    answers = list(declared.values())
+    if "unsupported" in answers:
+        return "a builder declares UNSUPPORTED, which keeps the model on the legacy path"
+    if "required" not in answers:
+        if all(a == "neutral" for a in answers):
+            return "every builder declares NEUTRAL, so the model stays on the legacy path"
+        return "no builder declares REQUIRED: the backend stays on the legacy path"
+    return None
+
+
 def verdict_document(session: Any) -> dict:
     """Per backend: declared support, results per check x case, and whether it may opt in."""
     doc = {
@@ -85,10 +103,9 @@ def verdict_document(session: Any) -> dict:
         if xfailed:
             reasons.append(f"{len(xfailed)} expected failures declared: {', '.join(sorted({r['check'] for r in xfailed}))}")
         declared = session.profiles[backend.name].declared_support
-        if declared and not any(s in ("required", "neutral") for s in declared.values()):
-            reasons.append("no builder declares REQUIRED or NEUTRAL: the backend stays on the legacy path")
-        elif declared and "unsupported" in declared.values():
-            reasons.append("a builder declares UNSUPPORTED, which keeps the model on the legacy path")
+        legacy = _legacy_reason(declared)
+        if legacy:
+            reasons.append(f"legacy path: nothing to opt in ({legacy})")
         doc["backends"].append({
             "name": backend.name,
             "version": backend.version,

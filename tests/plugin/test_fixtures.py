@@ -132,12 +132,17 @@ tp: [1, 3]
                                  "*SKIPPED*impossible layout: tp=3 does not divide the 32 query heads*"])
 
 
-def test_flashinfer_builders_are_skipped_with_a_reason_on_the_cpu_tier(pytester):
-    pytester.makepyfile(test_fi="def test_fi(kvprofile_flashinfer_builders):\n    assert kvprofile_flashinfer_builders\n")
-    result = pytester.runpytest("-p", "no:cacheprovider", "--kvprofile-matrix", CI, "-k", "qwen3-8b-tp1-dcp1-mtp0-l40s",
-                                "-rs")
-    result.assert_outcomes(skipped=2)
-    result.stdout.fnmatch_lines(["*needs --kvprofile-gpu: real FlashInfer plan() does not run on the CPU tier*"])
+def test_flashinfer_builders_run_real_wrappers_on_the_cpu_tier(pytester):
+    pytester.makepyfile(test_fi="""
+def test_fi(kvprofile_case, kvprofile_flashinfer_builders, kvprofile_run):
+    (builder,) = kvprofile_flashinfer_builders
+    assert builder.name == "flashinfer"
+    run = kvprofile_run(kvprofile_flashinfer_builders)
+    run.assert_passes()
+    assert any("flashinfer/prefill.py" in (a.stack or "") for a in run.result.allocations)
+""")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--kvprofile-matrix", CI, "-k", "qwen3-8b-tp1-dcp1-mtp0-l40s")
+    result.assert_outcomes(passed=2)
 
 
 def test_simulated_cuda_serves_plain_torch_from_the_cases_device(pytester):
