@@ -3,8 +3,8 @@ every correct stub passes every check there, and every check is shown to fail on
 
 One test item per backend, so each backend's verdict is its own. The lifecycle and checks run as
 plain functions (``tests/plugin/test_plugin_suite.py`` shows the same verdicts through pytest).
-A plain run sweeps each layout of the default matrix once, at its highest gmu (see
-:func:`highest_gmu_per_layout`); the ``slow`` tests sweep every case and print the catch table:
+A plain run sweeps a covering subset of the default matrix's layouts at their highest gmu (see
+:func:`representative_layouts`); the ``slow`` tests sweep every case and print the catch table:
 
     .venv/bin/pytest -m slow -s -p no:cacheprovider tests/core/test_mutant_catalog.py
 """
@@ -130,6 +130,27 @@ def highest_gmu_per_layout(cases: Iterable[Case]) -> list[Case]:
     return list(out.values())
 
 
+def representative_layouts(cases: Iterable[Case]) -> list[Case]:
+    """Of :func:`highest_gmu_per_layout`, enough layouts that every model x GPU meets each of its TP, DCP
+    and MTP values, and its resource-carrying layouts, at least once (chosen greedily in matrix order).
+
+    Why: the serving sweep made each lifecycle dearer, and 29 backends x 657 layouts would hold the
+    project's test run above its one-minute budget; the bugs are per-phase behaviours that show on
+    every layout (the slow full sweep proves it: every mutant is caught on every case), so a covering
+    subset loses no mutant, while the exact catch-table columns are asserted by the slow sweep.
+    """
+    seen: set[tuple] = set()
+    out = []
+    for case in highest_gmu_per_layout(cases):
+        pair = (case.model.name, case.gpu.name)
+        keys = {(*pair, "tp", case.tp), (*pair, "dcp", case.dcp), (*pair, "mtp", case.mtp),
+                (*pair, "resources", bool(case.resources))}
+        if keys - seen:
+            seen |= keys
+            out.append(case)
+    return out
+
+
 def outcomes(backend: Any, cases: Iterable[Case]) -> dict[str, Outcome]:
     out = {}
     for case in cases:
@@ -146,11 +167,14 @@ def full_outcomes(name: str) -> dict[str, Outcome]:
     return outcomes(backend, default_cases())
 
 
-def _assert_mutant(backend: Any, cases: list[Case], results: dict[str, Outcome]) -> None:
+def _assert_mutant(backend: Any, cases: list[Case], results: dict[str, Outcome], *, full: bool) -> None:
+    """Own bug class caught on every case but the listed equivalent ones; over the full sweep, the
+    failing checks are exactly the catch table's columns (a subset of them over a covering subset)."""
     own = {c.name for c in CHECKS if backend.bug_class in c.bugs}
     layouts, evidence = EQUIVALENT.get(backend.name, (frozenset(), lambda case: None))
-    problems = [f"listed equivalent layout {lid} is not in the sweep"
-                for lid in sorted(layouts - {layout_id(c) for c in cases})]
+    swept = {layout_id(c) for c in cases}
+    problems = [f"listed equivalent layout {lid} is not in the sweep" for lid in sorted(layouts - swept) if full]
+    layouts = layouts & swept
     for case in cases:
         failed = results[case.id].failed
         if layout_id(case) in layouts:
@@ -160,8 +184,9 @@ def _assert_mutant(backend: Any, cases: list[Case], results: dict[str, Outcome])
         elif not own & failed.keys():
             problems.append(f"{case.id}: no check of bug class {backend.bug_class} failed, only {sorted(failed)}")
     seen = {name for r in results.values() for name in r.failed}
-    if seen != EXPECTED_FAILURES[backend.name]:
-        problems.append(f"fails {sorted(seen)}, expected {sorted(EXPECTED_FAILURES[backend.name])}")
+    expected = EXPECTED_FAILURES[backend.name]
+    if (seen != expected) if full else not (own & expected & seen and seen <= expected):
+        problems.append(f"fails {sorted(seen)}, expected {'' if full else 'a subset of '}{sorted(expected)}")
     assert not problems, f"{backend.name} on {len(cases)} cases:\n" + "\n".join(problems[:20])
 
 
@@ -197,14 +222,26 @@ def test_expected_failures_name_every_mutant_and_only_shipped_checks():
 
 @pytest.mark.parametrize("backend", MUTANT_BACKENDS, ids=MUTANT_IDS)
 def test_mutant_fails_its_own_bug_class_wherever_its_bug_applies(backend):
-    cases = highest_gmu_per_layout(default_cases())
-    _assert_mutant(backend, cases, outcomes(backend, cases))
+    cases = representative_layouts(default_cases())
+    _assert_mutant(backend, cases, outcomes(backend, cases), full=False)
 
 
 @pytest.mark.parametrize("backend", STUB_BACKENDS, ids=STUB_IDS)
 def test_correct_stub_passes_every_check(backend):
-    cases = highest_gmu_per_layout(default_cases())
+    cases = representative_layouts(default_cases())
     _assert_passes(backend, cases, outcomes(backend, cases))
+
+
+def test_the_representative_layouts_cover_every_axis_value():
+    cases = representative_layouts(default_cases())
+    every = highest_gmu_per_layout(default_cases())
+    assert 0 < len(cases) < len(every) / 3
+    for axis in ("tp", "dcp", "mtp"):
+        for pair in {(c.model.name, c.gpu.name) for c in every}:
+            want = {getattr(c, axis) for c in every if (c.model.name, c.gpu.name) == pair}
+            got = {getattr(c, axis) for c in cases if (c.model.name, c.gpu.name) == pair}
+            assert got == want, (pair, axis)
+    assert any(c.resources for c in cases) and any(layout_id(c) in EQUIVALENT[M12][0] for c in cases)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=[c.name for c in CHECKS])
@@ -218,7 +255,7 @@ def test_check_is_shown_to_fail_on_a_mutant_of_its_bug_class(check):
 @pytest.mark.parametrize("backend", MUTANT_BACKENDS, ids=MUTANT_IDS)
 def test_mutant_on_every_default_case(backend):
     results = full_outcomes(backend.name)
-    _assert_mutant(backend, list(default_cases()), results)
+    _assert_mutant(backend, list(default_cases()), results, full=True)
     _assert_highest_gmu_shows_every_failure(results)
 
 
