@@ -384,43 +384,23 @@ def host_plan_rate(b: Bench, seconds: float) -> None:
 def real_backend_cost(b: Bench) -> None:
     """The built-in ``flashinfer`` backend (FlashInfer's own wrappers) through the lifecycle and every check,
     per case of matrices/ci.yaml."""
-    import contextlib
-    import inspect
-
     from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS
     from pytest_kvprofile.checks.catalog import failing_checks
     from pytest_kvprofile.lifecycle import driver
     from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
-    from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
-    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
-    @contextlib.contextmanager
-    def device_mode(self: driver.LifecycleRun):  # the driver diff of issue 13 item 5, until it lands
-        with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device) as sim:
-            self._torch = sim
-            try:
-                yield
-            finally:
-                self._torch = None
-
-    original = driver.LifecycleRun.device_mode
-    if "simulated_gpu_on" not in inspect.getsource(original):
-        driver.LifecycleRun.device_mode = device_mode
-    try:
-        cases = [c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None]
-        backend = REAL_FLASHINFER_BACKENDS[0]
-        failing_checks(driver.run_lifecycle(backend, cases[0]))  # imports, oracle load, sizing memo
-        life = checks = 0.0
-        failed = 0
-        for case in cases:
-            t0 = time.perf_counter()
-            result = driver.run_lifecycle(backend, case)
-            t1 = time.perf_counter()
-            failed += bool(failing_checks(result))
-            life += t1 - t0
-            checks += time.perf_counter() - t1
-    finally:
-        driver.LifecycleRun.device_mode = original
+    cases = [c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None]
+    backend = REAL_FLASHINFER_BACKENDS[0]
+    failing_checks(driver.run_lifecycle(backend, cases[0]))  # imports, oracle load, sizing memo
+    life = checks = 0.0
+    failed = 0
+    for case in cases:
+        t0 = time.perf_counter()
+        result = driver.run_lifecycle(backend, case)
+        t1 = time.perf_counter()
+        failed += bool(failing_checks(result))
+        life += t1 - t0
+        checks += time.perf_counter() - t1
     n = len(cases)
     b.add("host plan", f"flashinfer backend lifecycle+checks per case, ci.yaml ({n} cases)", 1e3 * (life + checks) / n,
           "ms", note=f"lifecycle {1e3 * life / n:.1f} ms, checks {1e3 * checks / n:.1f} ms; {failed} failing")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,6 @@ from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.lifecycle import driver
 from pytest_kvprofile.lifecycle.record import ProbeTarget
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
-from pytest_kvprofile.memory.device import SimDevice
 from pytest_kvprofile.sizing import for_case
 from pytest_kvprofile.sizing.oracle import oracle_available
 
@@ -49,36 +47,13 @@ def _cases() -> dict[str, Any]:
     return {c.id: c for c in load_matrix(packaged_matrix("default")).cases}
 
 
-def _device_mode(self: Any) -> Iterator[None]:
-    """``LifecycleRun.device_mode`` with the driver diff of item 5 applied (simulated_gpu_on outside torch mode)."""
-    if not getattr(self.backend, "torch_mode", False) or not isinstance(self.device, SimDevice):
-        yield
-        return
-    from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
-    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
-
-    with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device) as sim:
-        self._torch = sim
-        try:
-            yield
-        finally:
-            self._torch = None
-
-
-@pytest.fixture
-def on_simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lifecycle hosts FlashInfer on the run's own device (a no-op once the driver does it itself)."""
-    if "simulated_gpu_on" not in inspect.getsource(driver.LifecycleRun.device_mode):
-        monkeypatch.setattr(driver.LifecycleRun, "device_mode", contextlib.contextmanager(_device_mode))
-
-
 def _flashinfer_sites(result: Any, owner: str) -> set[str]:
     return {f"flashinfer/{f}" for f in ("prefill.py", "decode.py")
             for a in result.allocations if a.owner == owner and a.stack and f"flashinfer/{f}:" in a.stack}
 
 
 @pytest.mark.parametrize("case_id", LAYOUTS)
-def test_real_wrappers_pass_every_check(case_id: str, on_simulated_gpu: None) -> None:
+def test_real_wrappers_pass_every_check(case_id: str) -> None:
     case = _cases()[case_id]
     result = driver.run_lifecycle(REAL, case)
     assert not result.errors, result.errors[0].describe()
@@ -96,7 +71,7 @@ def test_real_wrappers_pass_every_check(case_id: str, on_simulated_gpu: None) ->
 
 
 @pytest.mark.parametrize("case_id", LAYOUTS[:2])
-def test_lazy_twin_fails_naming_flashinfer_and_the_builder(case_id: str, on_simulated_gpu: None) -> None:
+def test_lazy_twin_fails_naming_flashinfer_and_the_builder(case_id: str) -> None:
     result = driver.run_lifecycle(LAZY, _cases()[case_id])
     failures = failing_checks(result)
     assert "persistent_memory_visible_at_closing" in failures
@@ -116,7 +91,7 @@ def test_mla_layouts_are_refused_by_name() -> None:
 def _reserved(case: Any) -> Iterator[Any]:
     """A run stopped right after the builder's reservation: its wrappers live on the declared arena."""
     run = driver.LifecycleRun(ProbeTarget(REAL, case, driver.make_device), driver.make_device(case))
-    with contextlib.contextmanager(_device_mode)(run):
+    with run.device_mode():
         run.make_builders()
         builder = run.builders[0]
         run.manager.reserve("engine", builder.declared_workspace(case).float_bytes)
@@ -173,7 +148,7 @@ def test_declared_bytes_are_what_the_real_wrapper_carves(case_id: str) -> None:
 
 
 @pytest.mark.slow
-def test_full_default_matrix(on_simulated_gpu: None) -> None:
+def test_full_default_matrix() -> None:
     """Every possible non-MLA case of the default matrix: the backend passes every check, its twin fails."""
     cases = [c for c in _cases().values() if c.model.attention != "mla" and c.skip_reason is None]
     bad, missed = {}, []
