@@ -259,10 +259,16 @@ class LifecycleRun:
         from pytest_kvprofile.contract.registry import model_parts
 
         self._enter(SETUP)
+        sim = self._torch
+        if sim is not None:
+            sim.owner_resolver = _constructing_builder
         try:
             self.builders = model_parts(self.backend, self.case)
         except Exception as exc:  # noqa: BLE001 - a raising factory is reported by every check
             self._fail(f"backend {self.result.backend!r} factory", exc)
+        finally:
+            if sim is not None:
+                sim.owner_resolver = None
         self.result.builders = self.builders
         self._contexts = {builder_name(b): BuilderContext(self, builder_name(b)) for b in self.builders}
 
@@ -535,6 +541,17 @@ class LifecycleRun:
         self._post_kv = False
         self.result.post_kv_peak_used = self._peak_used
         self._unsubscribe()
+
+
+def _constructing_builder(frame: Any, api: str) -> tuple[str, str] | None:
+    """Torch-mode attribution while builders are constructed: the ``__init__`` being run owns what it allocates."""
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            name = getattr(frame.f_locals.get("self"), "name", None)
+            if isinstance(name, str) and name:
+                return name, "__init__"
+        frame = frame.f_back
+    return None
 
 
 def _graph_batch(capture: DecodeCapture) -> Batch:
