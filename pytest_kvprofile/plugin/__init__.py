@@ -42,8 +42,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     as a module (``--pyargs``, which leaves path arguments paths), and not twice if already named.
     """
     ns = early_config.known_args_namespace
-    gpu = ns.kvprofile_gpu if ns.kvprofile_gpu is not None else early_config.getini("kvprofile_gpu")
-    wanted = ns.kvprofile if ns.kvprofile is not None else early_config.getini("kvprofile")
+    gpu, wanted = getattr(ns, "kvprofile_gpu", None), getattr(ns, "kvprofile", None)
+    gpu = gpu if gpu is not None else early_config.getini("kvprofile_gpu")
+    wanted = wanted if wanted is not None else early_config.getini("kvprofile")
     if not (wanted or gpu):
         return
     named = {a.split("::")[0] for a in args if not a.startswith("-")}
