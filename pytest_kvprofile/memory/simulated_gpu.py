@@ -5,9 +5,10 @@ Why: a backend author's builder is written against ``torch.cuda`` and FlashInfer
 the :class:`SimDevice` ledger (``memory/torch_mode.py``), ``torch.version.cuda`` is set, FlashInfer's
 per-process device caches (``get_device_properties``, ``get_compute_capability``,
 ``is_sm90a_supported``, ...) are cleared on entry and exit so they answer this GPU and no other, and
-FlashInfer's batch prefill/decode JIT loaders return host modules whose ``plan()`` is FlashInfer's
-own planner compiled for the host (``sizing/host_plan.py``). Any other JIT build raises
-:class:`SimulatedDeviceUnsupported` naming the module, instead of invoking nvcc for a GPU.
+FlashInfer's batch prefill/decode and batch MLA JIT loaders return host modules whose ``plan()`` is
+FlashInfer's own planner compiled for the host (``sizing/host_plan.py``; MLA's ``run()`` is refused).
+Any other JIT build raises :class:`SimulatedDeviceUnsupported` naming the module, instead of invoking
+nvcc for a GPU.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class _Patches:
                 setattr(obj, name, value)
 
 
-_LOADERS = ("get_batch_prefill_module", "get_batch_decode_module")
+_LOADERS = ("get_batch_prefill_module", "get_batch_decode_module", "get_batch_mla_module")
 
 
 def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
@@ -106,21 +107,35 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
         "get_batch_prefill_module": host_plan.prefill_loader(device),
         "get_batch_decode_module": host_plan.decode_loader(device),
     }
+    mla_loader = _flashinfer_mla_loader()
+    if mla_loader is not None:
+        originals["get_batch_mla_module"] = mla_loader
+        replacements["get_batch_mla_module"] = host_plan.mla_loader(device)
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith("flashinfer"):
             continue
         namespace = vars(module)
         for loader in _LOADERS:
-            if namespace.get(loader) is originals[loader]:
+            if loader in originals and namespace.get(loader) is originals[loader]:
                 patches.set(module, loader, replacements[loader])
 
     def build_and_load(spec: Any, *args: Any, **kwargs: Any) -> Any:
         raise SimulatedDeviceUnsupported(
             f"FlashInfer JIT module {getattr(spec, 'name', spec)!r} has no host implementation on the simulated "
             f"{device.name}: only the batch prefill (FA2, paged and ragged) and batch decode (CUDA-core and "
-            "tensor-core) modules are served (pytest_kvprofile.sizing.host_plan)")
+            "tensor-core) modules, and the batch MLA module's plan() (FA2/FA3), are served "
+            "(pytest_kvprofile.sizing.host_plan)")
 
     patches.set(flashinfer.jit.core.JitSpec, "build_and_load", build_and_load)
+
+
+def _flashinfer_mla_loader() -> Callable[..., Any] | None:
+    """FlashInfer's batch MLA module loader (``flashinfer.mla.get_batch_mla_module``), if this install has one."""
+    try:
+        from flashinfer import mla
+    except ImportError:  # an install without the MLA package keeps the other loaders served
+        return None
+    return getattr(mla, "get_batch_mla_module", None)
 
 
 @contextmanager

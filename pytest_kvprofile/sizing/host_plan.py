@@ -11,6 +11,10 @@ errors are FlashInfer's own ("Buffer overflow when allocating memory for ... Inc
 buffer size."). ``run`` is a float32 reference on the paged KV cache (GQA, causal mask, sliding
 window, soft cap); what it does not model raises :class:`SimulatedDeviceUnsupported`.
 
+The batch MLA loader (``get_batch_mla_module``, FA2/FA3) is served the same way: ``plan`` is ``MLAPlan``,
+wrapped in FlashInfer's own ``_BatchMLAModuleProxy`` so the planned work lists are staged into the int
+workspace as on the GPU; its ``run`` raises :class:`SimulatedDeviceUnsupported` naming MLA run.
+
 The CUDA-core decode planner asks the driver for its kernel's occupancy; here it is the bound the
 sizing model uses (``planner.decode_blocks_per_sm_bound``), so plan and sizing agree.
 """
@@ -27,7 +31,7 @@ from pytest_kvprofile.memory.device import SimDevice
 from pytest_kvprofile.sizing.oracle import LOAD_MODE, get_oracle
 from pytest_kvprofile.sizing.planner import decode_blocks_per_sm_bound
 
-__all__ = ["HostPlanError", "HostPlanner", "decode_loader", "get_host_planner", "prefill_loader"]
+__all__ = ["HostPlanError", "HostPlanner", "decode_loader", "get_host_planner", "mla_loader", "prefill_loader"]
 
 _INFO_CAP = 64
 _vp = ctypes.c_void_p
@@ -60,6 +64,11 @@ class HostPlanner:
             _vp, _u64, _vp, _vp, _u64, _vp, _i64, _i64, _i64, _i64, _int, _i64, _int, _int, _int, _int, _int,
             _vp, _int, _vp]
         lib.kvp_host_decode_plan.restype = _int
+        lib.kvp_host_mla_plan.argtypes = [
+            _vp, _u64, _vp, _vp, _u64, _vp, _vp, _vp, _i64, _i64, _i64, _int, _int, _int, _int, _int, _vp, _int,
+            _vp, _vp]
+        lib.kvp_host_mla_plan.restype = _int
+        self._staged = _u64()
         self._lib = lib
         self._info = (_i64 * _INFO_CAP)()
         self._len = _int()
@@ -93,6 +102,16 @@ class HostPlanner:
             page_size, int(cuda_graph), head_dim, blocks_per_sm, num_sm, *device[1:],
             ctypes.addressof(self._info), _INFO_CAP, ctypes.addressof(self._len))
         return self._result(rc)
+
+    def mla(self, float_ptr: int, float_size: int, int_ptr: int, pinned_ptr: int, int_size: int,
+            qo_indptr_ptr: int, kv_indptr_ptr: int, kv_len_ptr: int, batch_size: int, num_heads: int,
+            head_dim_o: int, causal: bool, device: tuple[int, int, int, int]) -> tuple[list[int], int]:
+        """``MLAPlan`` on host buffers; returns ``(MLAPlanInfo::ToVector(), staged int workspace bytes)``."""
+        rc = self._lib.kvp_host_mla_plan(
+            float_ptr, float_size, int_ptr, pinned_ptr, int_size, qo_indptr_ptr, kv_indptr_ptr, kv_len_ptr,
+            batch_size, num_heads, head_dim_o, int(causal), *device, ctypes.addressof(self._info), _INFO_CAP,
+            ctypes.addressof(self._len), ctypes.addressof(self._staged))
+        return self._result(rc), int(self._staged.value)
 
 
 _local = threading.local()
@@ -153,6 +172,54 @@ def decode_loader(device: SimDevice) -> Callable[..., SimpleNamespace]:
         return cache[args]
 
     return get_batch_decode_module
+
+
+def mla_loader(device: SimDevice) -> Callable[..., Any]:
+    """Stands in for ``flashinfer.mla``'s ``get_batch_mla_module(backend, dtype_q, dtype_kv, dtype_o, dtype_idx,
+    head_dim_ckv, head_dim_kpe, use_profiler)``: the generated FA2/FA3 backends plan with the same ``MLAPlan``
+    (``batch_mla_plan.cu``, ``batch_mla_sm90_plan.cu``); their ``run`` has no host implementation."""
+    cache: dict[tuple, Any] = {}
+
+    def get_batch_mla_module(backend: str, *args: Any) -> Any:
+        key = (backend, *args)
+        if key not in cache:
+            if backend not in ("fa2", "fa3"):
+                raise _unsupported(f"FlashInfer batch MLA backend {backend!r} (only 'fa2'/'fa3' have a host planner)")
+            cache[key] = _mla_module(device, backend)
+        return cache[key]
+
+    return get_batch_mla_module
+
+
+def _mla_module(device: SimDevice, backend: str) -> Any:
+    dev = _device_tuple(device)
+
+    def plan(float_ws: Any, int_ws: Any, pinned_ws: Any, qo_indptr: Any, kv_indptr: Any, kv_len: Any,
+             num_heads: int, head_dim_o: int, causal: bool) -> tuple[list[int], int]:
+        qo = _host_int32(qo_indptr, "qo_indptr")
+        kv = _host_int32(kv_indptr, "kv_indptr")
+        lens = _host_int32(kv_len, "kv_len")
+        if qo.numel() < lens.numel() + 1 or kv.numel() < lens.numel() + 1:
+            raise ValueError("MLA plan needs qo_indptr and kv_indptr of at least len(kv_len) + 1 entries")
+        try:
+            return get_host_planner().mla(
+                float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
+                qo.data_ptr(), kv.data_ptr(), lens.data_ptr(), int(lens.numel()), int(num_heads), int(head_dim_o),
+                bool(causal), dev)
+        except HostPlanError as exc:
+            raise RuntimeError(str(exc)) from None
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        raise _unsupported(f"FlashInfer batch MLA run() ({backend!r}; its plan() is served)")
+
+    raw = SimpleNamespace(plan=plan, run=run)
+    try:  # FlashInfer's own adapter stages the planned work lists from the pinned buffer into the int workspace
+        from flashinfer.jit.attention.modules import _BatchMLAModuleProxy
+    except ImportError:
+        _BatchMLAModuleProxy = None
+    if _BatchMLAModuleProxy is None:
+        return SimpleNamespace(plan=lambda *a: plan(*a)[0], plan_with_staged_workspace_bytes=plan, run=run)
+    return _BatchMLAModuleProxy(raw)
 
 
 def _prefill_module(device: SimDevice, module_args: Sequence[Any]) -> SimpleNamespace:

@@ -379,3 +379,78 @@ int kvp_host_decode_plan(void* float_buf, uint64_t float_size, void* int_buf, vo
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Host plan() of the MLA wrapper's generated FA backends: MLAPlan as batch_mla_plan.cu
+// (BatchMLAPagedAttentionPlan) calls it. FlashInfer >= 0.7 returns the bytes of the page-locked
+// buffer the caller must stage into the int buffer (its Python adapter copies them); earlier
+// versions copy them themselves (cudaMemcpyAsync, a memmove in the stub runtime) and stage 0 here.
+// Which signature the installed headers have is detected at compile time, so either builds.
+
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+template <typename IdType, typename = void>
+struct MLAPlanReportsStaged : std::false_type {};
+
+template <typename IdType>
+struct MLAPlanReportsStaged<
+    IdType, std::void_t<decltype(flashinfer::MLAPlan<IdType>(
+                nullptr, size_t(0), nullptr, nullptr, size_t(0),
+                std::declval<flashinfer::MLAPlanInfo&>(), std::declval<size_t&>(),
+                static_cast<IdType*>(nullptr), static_cast<IdType*>(nullptr),
+                static_cast<IdType*>(nullptr), 0u, 0u, 0u, false, cudaStream_t(nullptr)))>>
+    : std::true_type {};
+
+template <typename IdType>
+cudaError_t host_mla_plan(void* float_buf, size_t float_size, void* int_buf, void* pinned_buf,
+                          size_t int_size, flashinfer::MLAPlanInfo& info, size_t& staged,
+                          IdType* qo, IdType* kv, IdType* lens, uint32_t batch_size,
+                          uint32_t num_heads, uint32_t head_dim_o, bool causal) {
+  if constexpr (MLAPlanReportsStaged<IdType>::value) {
+    return flashinfer::MLAPlan<IdType>(float_buf, float_size, int_buf, pinned_buf, int_size, info,
+                                       staged, qo, kv, lens, batch_size, num_heads, head_dim_o,
+                                       causal, nullptr);
+  } else {
+    staged = 0;
+    return flashinfer::MLAPlan<IdType>(float_buf, float_size, int_buf, pinned_buf, int_size, info,
+                                       qo, kv, lens, batch_size, num_heads, head_dim_o, causal,
+                                       nullptr);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvp_host_mla_plan(void* float_buf, uint64_t float_size, void* int_buf, void* pinned_buf,
+                      uint64_t int_size, const int32_t* qo_indptr, const int32_t* kv_indptr,
+                      const int32_t* kv_len, int64_t batch_size, int64_t num_heads,
+                      int64_t head_dim_o, int causal, int num_sm, int cc_major, int cc_minor,
+                      int smem_optin, int64_t* info_out, int info_cap, int* info_len,
+                      uint64_t* staged_int_bytes) {
+  try {
+    if (batch_size <= 0) return fail("MLA plan needs a nonempty batch");
+    DeviceScope scope(num_sm, cc_major, cc_minor, smem_optin);
+    std::vector<int32_t> qo(qo_indptr, qo_indptr + batch_size + 1);
+    std::vector<int32_t> kv(kv_indptr, kv_indptr + batch_size + 1);
+    std::vector<int32_t> lens(kv_len, kv_len + batch_size);
+    flashinfer::MLAPlanInfo info;
+    size_t staged = 0;
+    cudaError_t st = host_mla_plan<int32_t>(
+        float_buf, float_size, int_buf, pinned_buf, int_size, info, staged, qo.data(), kv.data(),
+        lens.data(), static_cast<uint32_t>(batch_size), static_cast<uint32_t>(num_heads),
+        static_cast<uint32_t>(head_dim_o), causal != 0);
+    if (st != cudaSuccess) return fail("Failed to plan MLA, error: MLAPlan returned a CUDA error");
+    *staged_int_bytes = staged;
+    return copy_info(info.ToVector(), info_out, info_cap, info_len);
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  } catch (...) {
+    return fail("unknown C++ exception in the MLA planner");
+  }
+}
+
+}  // extern "C"
