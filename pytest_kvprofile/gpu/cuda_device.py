@@ -79,12 +79,7 @@ class CudaDevice(EventSource):
         self.start_reserved: int = int(self._cuda.memory_reserved(index))
         self.start_allocated: int = int(self._cuda.memory_allocated(index))
         self.nontorch_bytes: int = int(total) - int(free) - self.start_reserved
-        self._phase = "init"
-        self._seq = 0
-        self._next_id = 0
-        self._live: dict[int, Allocation] = {}
-        self._subscribers: list[Callable[[DeviceEvent], None]] = []
-        self._fail_countdown: int | None = None
+        self._init_events()
         self._pools: dict[str, CudaGraphPool] = {}
         self._pool_counter = 0
         self._capture: tuple[CudaGraphPool, int, int] | None = None  # (pool, reserved at start, pool bytes before)

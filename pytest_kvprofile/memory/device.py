@@ -241,8 +241,8 @@ def host_block_size(nbytes: int) -> int:
 class EventSource:
     """Phase, event subscription and fault injection, shared by the simulated and the CUDA device.
 
-    Subclasses set ``_phase``, ``_seq``, ``_subscribers``, ``_fail_countdown`` and ``_live`` in ``__init__`` and
-    say what the event figures are through ``_figures()`` (allocated, reserved).
+    Subclasses call ``_init_events()`` in ``__init__`` and say what the event figures are through
+    ``_figures()`` (allocated, reserved).
     """
 
     name: str
@@ -251,6 +251,16 @@ class EventSource:
     _subscribers: list[Callable[[DeviceEvent], None]]
     _fail_countdown: int | None
     _live: dict[int, Allocation]
+    _next_id: int
+
+    def _init_events(self) -> None:
+        """The ledger and event state both devices start from."""
+        self._phase = "init"
+        self._seq = 0
+        self._next_id = 0
+        self._live = {}
+        self._subscribers = []
+        self._fail_countdown = None
 
     def _figures(self) -> tuple[int, int]:
         raise NotImplementedError
@@ -355,12 +365,7 @@ class SimDevice(EventSource):
         self.record_stacks = record_stacks
         self.compute_capability = compute_capability
         self.allocator = CachingAllocator(self._can_reserve, self._on_segment)
-        self._phase = "init"
-        self._seq = 0
-        self._next_id = 0
-        self._live: dict[int, Allocation] = {}
-        self._subscribers: list[Callable[[DeviceEvent], None]] = []
-        self._fail_countdown: int | None = None
+        self._init_events()
         self._graph_pool_counter = 0
         self._host_next_ptr = HOST_ADDRESS_BASE
         self.host_allocated = 0
