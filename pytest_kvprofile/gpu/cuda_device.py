@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -24,7 +24,6 @@ from typing import Any, NoReturn
 from pytest_kvprofile.memory.allocator import round_size, segment_size
 from pytest_kvprofile.memory.device import (
     Allocation,
-    DeviceEvent,
     DeviceOutOfMemory,
     EventSource,
     host_block_size,

@@ -578,28 +578,12 @@ class _Mode(TorchFunctionMode):
             to_cuda = None
         host_inputs = set()
         any_sim = False
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                ptr = _storage_ptr(a)
-                if ptr in registry:
-                    any_sim = True
-                else:
-                    host_inputs.add(ptr)
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor):
-                        ptr = _storage_ptr(b)
-                        if ptr in registry:
-                            any_sim = True
-                        else:
-                            host_inputs.add(ptr)
-        for v in kwargs.values():
-            if isinstance(v, torch.Tensor):
-                ptr = _storage_ptr(v)
-                if ptr in registry:
-                    any_sim = True
-                else:
-                    host_inputs.add(ptr)
+        for tensor in _tensor_inputs(args, kwargs):
+            ptr = _storage_ptr(tensor)
+            if ptr in registry:
+                any_sim = True
+            else:
+                host_inputs.add(ptr)
         out = func(*args, **kwargs)
         record_device = to_cuda if to_cuda is not None else any_sim
         if not (record_device or pinned):
@@ -672,6 +656,15 @@ class _Mode(TorchFunctionMode):
         if src_alloc is not None and src_alloc.kind == "device" and _storage_ptr(out) != _storage_ptr(src):
             self.sim._record(out, "Tensor.to", pinned=False)
         return out
+
+
+def _tensor_inputs(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors a torch call receives: positional, keyword, and one level inside lists and tuples."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
 def _api_name(func: Any) -> str:

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from pytest_kvprofile import Backend, ProfilingSupport, WorkspaceDeclaration, run_lifecycle
+from pytest_kvprofile import (
+    Backend,
+    ProfilingSupport,
+    WorkspaceDeclaration,
+    run_lifecycle,
+)
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.sizing import for_case

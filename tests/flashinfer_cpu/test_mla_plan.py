@@ -8,19 +8,15 @@ the float workspace a batch needs is found from the planner itself, by bisection
 
 from __future__ import annotations
 
-import importlib.util
 import linecache
 import math
 
 import pytest
+import torch
 
 import pytest_kvprofile
-from pytest_kvprofile.sizing.oracle import oracle_available
 
-torch = pytest.importorskip("torch")
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer-python is not installed"),
-    pytest.mark.skipif(not oracle_available()[0], reason=oracle_available()[1]),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]

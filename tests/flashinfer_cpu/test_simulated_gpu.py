@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
+import torch
 
 import pytest_kvprofile
 from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
 from pytest_kvprofile.memory import simulated_gpu as sg
 from pytest_kvprofile.memory.device import SimDevice
-
-torch = pytest.importorskip("torch")
-needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                                      reason="flashinfer-python is not installed")
 
 
 def test_torch_cuda_surface_is_served_and_restored():
@@ -70,7 +65,6 @@ def _sms_seen(gpus):
     return seen
 
 
-@needs_flashinfer
 def test_flashinfer_device_caches_answer_each_gpu():
     """Acceptance: an L40S case then an H100 case in one process see 142 then 132 SMs through FlashInfer."""
     assert _sms_seen(["L40S", "H100"]) == [(142, (8, 9), False), (132, (9, 0), True)]
@@ -79,7 +73,6 @@ def test_flashinfer_device_caches_answer_each_gpu():
     assert flashinfer.utils.get_device_properties.cache_info().currsize == 0  # nothing leaks out of the block
 
 
-@needs_flashinfer
 def test_stale_caches_are_what_the_check_catches(monkeypatch):
     """Broken variant: without clearing FlashInfer's caches the H100 reports the L40S's 142 SMs."""
     monkeypatch.setattr(sg, "clear_flashinfer_caches", lambda: 0)
@@ -92,7 +85,6 @@ def test_stale_caches_are_what_the_check_catches(monkeypatch):
     assert seen[1][0] == 142
 
 
-@needs_flashinfer
 def test_other_jit_modules_are_refused_by_name():
     from types import SimpleNamespace
 
