@@ -9,7 +9,18 @@ project-test option.
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+
 import pytest
+
+if importlib.util.find_spec("flashinfer") is not None:
+    # Imported once for the whole session: an in-process ``pytester`` run restores ``sys.modules`` when it
+    # ends, and a FlashInfer first imported inside one would be unloaded there, its CUTLASS DSL objects
+    # garbage-collected later at random, which crashes the interpreter.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # its CUTLASS DSL's own deprecations
+        import flashinfer  # noqa: F401
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

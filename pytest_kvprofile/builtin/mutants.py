@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvprofile.builtin.stubs import (
+    AUTOTUNE_SCRATCH_BYTES,
     MODULE_GLOBAL_BYTES,
     FlashInferLikeBuilder,
     MMPrefixLikeBuilder,
+    TorchFlashInferLikeBuilder,
 )
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
-from pytest_kvprofile.contract.protocol import BuilderContext
+from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError
 from pytest_kvprofile.units import MiB
 
@@ -159,6 +161,81 @@ class NonRetryableWarmupBuilder(FlashInferLikeBuilder):
             ctx.free(scratch)
 
 
+class PostKvLeakyWarmupBuilder(FlashInferLikeBuilder):
+    """Bug 7d: tunes only against the final arena (after KV sizing), and a tuning allocation that fails leaks the
+    scratch it already holds; the warmup inside the window does nothing, so only a probe after KV sizing sees it."""
+
+    warmup_materializes_persistent = False
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if ctx.profiling or self.warmed:
+            return
+        scratch = ctx.allocate(AUTOTUNE_SCRATCH_BYTES, "autotune scratch")
+        staging = ctx.allocate(8 * MiB, "autotune staging")
+        ctx.free(staging)
+        ctx.free(scratch)
+        self.warmed = True
+
+
+class ReleaseCallbackAllocatesBuilder(TorchFlashInferLikeBuilder):
+    """Bug 1c (torch mode): the lease's release callback re-creates the decode plan cache for serving, after the
+    closing measurement, from a callback the engine calls rather than from a builder method."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        made = self._materialize(ctx)
+
+        def release() -> None:
+            import torch
+
+            self._drop(made)
+            self.plan_cache = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
+
+        return ctx.lease(made, on_release=release)
+
+
+class TorchLeakyRetryWarmupBuilder(TorchFlashInferLikeBuilder):
+    """Bug 7e (torch mode): appends each tuned kernel's buffer before its scratch is allocated, so a warmup that
+    fails part-way keeps a buffer the retry makes again (plain torch tensors: no ctx.allocate to follow)."""
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        import torch
+
+        if self.warmed:
+            return
+        self.tuned.append(torch.empty(MODULE_GLOBAL_BYTES, dtype=torch.uint8, device="cuda"))
+        scratch = torch.empty(AUTOTUNE_SCRATCH_BYTES, dtype=torch.uint8, device="cuda")
+        del scratch
+        self.warmed = True
+
+
+_SHARED_WORKSPACES: dict[str, Any] = {}  # module state: what mutant 14 keeps across cases
+
+
+class ModuleGlobalWorkspaceBuilder(TorchFlashInferLikeBuilder):
+    """Bug 14 (torch mode): a trtllm-gen-like workspace kept in a module global, made inside the window by the first
+    case a process runs and reused, never allocated again, by every later one."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        import torch
+
+        if "trtllm-gen" not in _SHARED_WORKSPACES:
+            _SHARED_WORKSPACES["trtllm-gen"] = torch.zeros(MODULE_GLOBAL_BYTES, dtype=torch.uint8, device="cuda")
+        return super().reserve_persistent_workspace(ctx)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        _SHARED_WORKSPACES["trtllm-gen"][:64].zero_()
+
+
+class FixedDefaultViewBuilder(FlashInferLikeBuilder):
+    """Bug 11b: declares the planner's need, but its wrappers ask the arena for vLLM's fixed default
+    (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``, 394 MiB) "to be safe": the arena grows inside the window and KV
+    sizing loses what the declaration never mentioned."""
+
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+        return ctx.get_workspace(max(self.float_bytes(), 394 * MiB), ubatch)
+
+
 class SyntheticInCaptureBuilder(FlashInferLikeBuilder):
     """Bug 9: builds the synthetic profile workspace in every dummy run, graph capture included."""
 
@@ -208,7 +285,7 @@ def _mutant(name: str, bug: int, cls: type, policy: EnginePolicy | None = None, 
 
     return Backend(
         name=name, make_builders=make, policy=policy or EnginePolicy(), description=(cls.__doc__ or "").strip(),
-        origin="mutant", bug_class=bug,
+        origin="mutant", bug_class=bug, torch_mode=bool(getattr(cls, "torch_mode", False)),
     )
 
 
@@ -219,6 +296,7 @@ class _PlainFlashInfer(FlashInferLikeBuilder):
 MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-01-lazy-workspace", 1, LazyWorkspaceBuilder),
     _mutant("mutant-01b-lazy-large-batch-wrapper", 1, LazyLargeBatchWrapperBuilder),
+    _mutant("mutant-01c-torch-release-callback-allocates", 1, ReleaseCallbackAllocatesBuilder),
     _mutant("mutant-02-early-release", 2, EarlyReleaseBuilder),
     _mutant("mutant-03-never-released", 3, NeverReleasedBuilder),
     _mutant("mutant-04a-grow-after-lock", 4, GrowAfterLockBuilder),
@@ -231,13 +309,17 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-07a-warmup-not-idempotent", 7, NonIdempotentWarmupBuilder),
     _mutant("mutant-07b-warmup-not-retryable", 7, NonRetryableWarmupBuilder),
     _mutant("mutant-07c-warmup-retunes", 7, RetuningWarmupBuilder),
+    _mutant("mutant-07d-post-kv-warmup-leaks", 7, PostKvLeakyWarmupBuilder),
+    _mutant("mutant-07e-torch-warmup-keeps-partial", 7, TorchLeakyRetryWarmupBuilder),
     _mutant("mutant-08-profile-once", 8, _PlainFlashInfer, EnginePolicy(replay_after_warmup=False)),
     _mutant("mutant-09-synthetic-in-capture", 9, SyntheticInCaptureBuilder),
     _mutant("mutant-09b-synthetic-in-captured-build", 9, SyntheticInCapturedBuildBuilder),
     _mutant("mutant-10-graph-gross-minus-retained", 10, _PlainFlashInfer,
             EnginePolicy(graph_estimate="gross_minus_retained")),
     _mutant("mutant-11-decode-heuristic-sizing", 11, DecodeHeuristicSizingBuilder),
+    _mutant("mutant-11b-fixed-default-view", 11, FixedDefaultViewBuilder),
     _mutant("mutant-12-wrong-version-formula", 12, WrongVersionFormulaBuilder),
+    _mutant("mutant-14-module-global-workspace", 14, ModuleGlobalWorkspaceBuilder),
 )
 
 

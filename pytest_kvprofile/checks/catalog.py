@@ -108,6 +108,17 @@ def check_support_declaration(result: LifecycleResult, options: CheckOptions) ->
         calls = [(c.phase, c.builder) for c in result.calls if c.method == "reserve_persistent_workspace"]
         if calls:
             out.append(f"reserve_persistent_workspace() was called on the legacy path: {calls}")
+    resources = _resource_names(result)
+    for name, support in res.declarations:
+        if support is not ProfilingSupport.NEUTRAL or name in resources:
+            continue
+        kept = [a for a in result.allocations if a.owner == name and a.kind == "device" and a.freed_phase is None]
+        if kept:
+            out.append(
+                f"builder {name!r} declares NEUTRAL (it reserves nothing of its own) but keeps "
+                f"{sum(a.nbytes for a in kept) / MiB:.2f} MiB of its own device memory: {_grouped(result, kept)}. "
+                "Declare REQUIRED and reserve it inside the profiling window, or plan into arena views"
+            )
     return out
 
 
@@ -145,8 +156,8 @@ def check_persistent_memory_visible(result: LifecycleResult, options: CheckOptio
             if live > held:
                 late = [
                     by_id[a.id] for a in result.allocations
-                    if a.owner == owner and a.kind == "device" and a.phase in lc.POST_KV_PHASES
-                    and lc.PHASE_ORDER.index(a.phase) <= lc.PHASE_ORDER.index(phase)
+                    if a.owner == owner and a.kind == "device"
+                    and lc.PHASE_INDEX[lc.CLOSING] < lc.PHASE_INDEX.get(a.phase, -1) <= lc.PHASE_INDEX[phase]
                     and (a.freed_phase is None or lc.PHASE_ORDER.index(a.freed_phase) > lc.PHASE_ORDER.index(phase))
                 ]
                 released = _lease_released_sites(result, owner)
@@ -467,6 +478,42 @@ def check_resource_capacity(result: LifecycleResult, options: CheckOptions) -> l
     return out
 
 
+# -- isolation ---------------------------------------------------------------------------------
+def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """Device memory a builder keeps in module or class state, allocated by this case or reused from an earlier one.
+
+    The first case a process runs creates the buffer (module state holds it past the case); every later one finds
+    it there, owned by a builder of the same name, and in torch mode is seen using it (the simulated device knows
+    another case's storage), where it would otherwise allocate nothing KV sizing could see. So a buffer the
+    builder keeps on every case fails every case, in any order, under ``-n`` and ``-k``. What the harness cannot
+    tell apart: on a case whose code path would not create the buffer, one an earlier case left behind is still
+    reported (the state is there either way).
+    """
+    names = _builder_names(result)
+    used = {id(f.alloc): f for f in result.foreign_uses}
+    held = {id(h.alloc): h.where for h in result.module_held}
+    culprits: dict[tuple, list[str]] = {}
+    for h in result.module_held:
+        a = h.alloc
+        if a.owner in names and a.kind == "device" and a.alive:
+            culprits.setdefault(_site(a) + (a.nbytes,), []).append(h.where)
+    for key, f in used.items():
+        a = f.alloc
+        if a.kind == "device" and a.alive and key not in held:
+            culprits.setdefault(_site(a) + (a.nbytes,), []).append(f"{f.owner} ({f.tag})")
+    if not culprits:
+        return []
+    parts = []
+    for (owner, tag, stack, nbytes), where in sorted(culprits.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3])):
+        at = f" allocated at {stack}" if stack else ""
+        parts.append(f"{owner}: {tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){at}, held by {', '.join(sorted(where))}")
+    return [
+        "no_state_outlives_case: device memory kept in module or class state outlives the case that made it; a "
+        "later case in the same process reuses it and allocates nothing, so its KV sizing never sees it (and "
+        "which case shows the memory depends on the order cases run in): " + "; ".join(parts)
+    ]
+
+
 # -- budget ------------------------------------------------------------------------------------
 def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> list[str]:
     budget = result.budget
@@ -484,12 +531,30 @@ def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> 
         )
         if oom:
             head += f"; out of memory: {oom[0].message}"
-        detail = "; ".join(_fmt_alloc(a) for a in culprits[:6]) or "no builder allocation (engine accounting)"
+        released = set().union(*(_lease_released_sites(result, o) for o in names))
+        detail = _grouped(result, culprits, first=lambda a: (a.owner, a.tag, a.nbytes) not in released)
+        cached = _cached_left_behind(result, names)
+        if cached:
+            cached = f"reserved but free at the peak (cached segments a freed allocation left behind): {cached}"
+            detail = f"{cached}; alive: {detail}" if detail else cached
+        detail = detail or "no builder allocation (engine accounting)"
         out.append(
             f"{head}. Responsible allocations: {detail}. The case would have to give up {tokens} KV tokens. "
             f"Budget: {' | '.join(budget.lines())}"
         )
     return out
+
+
+def _cached_left_behind(result: LifecycleResult, names: set[str]) -> str:
+    """Cached free blocks at the post-KV peak, each named by the post-KV builder allocations that last used it."""
+    freed = [a for a in result.allocations
+             if a.owner in names and a.kind == "device" and a.phase in lc.POST_KV_PHASES and not a.alive]
+    parts = []
+    for ptr, size in sorted(result.post_kv_peak_cached, key=lambda b: (-b[1], b[0])):
+        users = [a for a in freed if a.ptr < ptr + size and ptr < a.ptr + a.size]
+        if users:
+            parts.append(f"{size / MiB:.2f} MiB cached after " + _grouped(result, users))
+    return "; ".join(parts)
 
 
 def check_graph_pool_full_high_water(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -533,6 +598,7 @@ def check_workspace_covers_planner(result: LifecycleResult, options: CheckOption
             )
         excess = decl.float_bytes - need.float_bytes
         slack = options.waste_slack_bytes
+        out.extend(_used_against_need(result, b.name, decl.float_bytes, need, slack, per_token))
         if excess > slack:
             out.append(
                 f"builder {b.name!r} reserves {decl.float_bytes / MiB:.2f} MiB of float workspace where FlashInfer "
@@ -541,6 +607,31 @@ def check_workspace_covers_planner(result: LifecycleResult, options: CheckOption
                 f"tokens per rank (allowed slack {slack / MiB:.2f} MiB, ini kvprofile_workspace_slack_mib)"
             )
     return out
+
+
+def _used_against_need(result: LifecycleResult, name: str, declared: int, need: Any, slack: int,
+                       per_token: int) -> list[str]:
+    """What the builder's wrappers plan into (the largest arena view it asked for), observed, against the
+    planner's need and its own declaration: a right declaration does not excuse views of another size."""
+    views = [g for g in result.grants if g.requester == name]
+    if not views:
+        return []
+    biggest = max(views, key=lambda g: (g.nbytes, -lc.PHASE_INDEX.get(g.phase, 0)))
+    used, align = biggest.nbytes, result.arena_alignment
+    if used == -(-declared // align) * align:
+        return []
+    via = f"{biggest.method}()" if biggest.method else "a call"
+    where = (f"builder {name!r} declares {declared / MiB:.2f} MiB of float workspace but asks the arena for views of "
+             f"up to {used / MiB:.2f} MiB ({used} bytes, from {via} in phase {biggest.phase!r})")
+    if used < need.float_bytes:
+        return [f"{where}: its wrappers plan into {(need.float_bytes - used) / MiB:.2f} MiB less than FlashInfer "
+                f"{need.flashinfer_version}'s planner carves for worst batch {_fmt_batch(need.worst_batch)} (Buffer "
+                "overflow ... Increase the workspace buffer size)"]
+    if used - need.float_bytes > slack:
+        wasted = used - need.float_bytes
+        return [f"{where}, where the planner needs at most {need.float_bytes / MiB:.2f} MiB: {wasted / MiB:.2f} MiB "
+                f"wasted, {tokens_for(wasted, per_token)} KV tokens per rank (allowed slack {slack / MiB:.2f} MiB)"]
+    return [f"{where}: the declaration the engine sizes the arena from differs from what the wrappers use"]
 
 
 def _fmt_batch(batch: Any) -> str:
@@ -567,7 +658,7 @@ CHECKS: tuple[Check, ...] = (
     Check("warmup_idempotent", "a second warmup allocates nothing", PROFILING, lc.WARMUP_REPEAT, (7,),
           check_warmup_idempotent),
     Check("warmup_retryable", "a warmup that fails part-way leaks nothing and the retry completes it",
-          PROFILING, lc.SETUP, (7,), check_warmup_retryable),
+          PROFILING, lc.WARMUP, (7,), check_warmup_retryable),
     Check("arena_stable_after_closing", "the arena's pointer and size never change after the closing "
           "measurement", PROFILING, lc.SERVING, (4,), check_arena_stable),
     Check("arena_not_grown_after_lock", "growth after lock raises, naming the requester and sizes", PROFILING,
@@ -578,6 +669,8 @@ CHECKS: tuple[Check, ...] = (
           "memory) during graph capture", PROFILING, lc.CAPTURE, (9, 13), check_no_synthetic_in_capture),
     Check("resource_capacity_honoured", "a resource never holds more device memory than the exact capacity "
           "it declared", PROFILING, lc.WARMUP_REPEAT, (13,), check_resource_capacity, _has_capacity_resource),
+    Check("no_state_outlives_case", "no device memory a builder makes lives on in module or class state beyond "
+          "its case", PROFILING, lc.SETUP, (14,), check_no_state_outlives_case),
     Check("no_post_kv_overrun", "peak usage after KV allocation stays within total x gmu", PROFILING,
           lc.WARMUP_REPEAT, (1, 2, 3, 4, 7, 8, 10), check_no_post_kv_overrun),
     Check("graph_pool_full_high_water", "the CUDA-graph pool is accounted at its full high-water mark",

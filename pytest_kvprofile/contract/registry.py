@@ -88,9 +88,9 @@ def builtin_backends() -> dict[str, Backend]:
     FlashInfer wrappers (``flashinfer``) with its lazy twin, which run FlashInfer on the simulated GPU."""
     from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS, REAL_FLASHINFER_MUTANTS
     from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
-    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS
 
-    return {b.name: b for b in (*STUB_BACKENDS, *MUTANT_BACKENDS, *REAL_FLASHINFER_BACKENDS,
+    return {b.name: b for b in (*STUB_BACKENDS, *TORCH_STUB_BACKENDS, *MUTANT_BACKENDS, *REAL_FLASHINFER_BACKENDS,
                                 *REAL_FLASHINFER_MUTANTS)}
 
 

@@ -10,11 +10,13 @@ what was recorded into verdicts.
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from typing import Any, Callable
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
+from pytest_kvprofile.contract.resources import ResourceAdapter
 from pytest_kvprofile.contract.protocol import (
     Batch,
     BoundWorkspace,
@@ -70,7 +72,7 @@ from pytest_kvprofile.memory.budget import (
     available_kv_bytes,
     tokens_for,
 )
-from pytest_kvprofile.memory.device import Device
+from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
 
 
 LOCK_PROBE = "kvprofile-lock-probe"
@@ -123,10 +125,13 @@ class LifecycleRun:
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
         self._torch: Any = None
+        self._parts: dict[int, str] = {}
+        self._part_modules: dict[str, str] = {}
         self.result = LifecycleResult(
             backend=getattr(self.backend, "name", str(self.backend)), case=self.case, probe=target,
             policy=self.policy,
         )
+        self.result.arena_alignment = self.manager.alignment
         self._unsubscribe = device.subscribe(self._on_event)
 
     # -- recording ---------------------------------------------------------------------------
@@ -142,6 +147,7 @@ class LifecycleRun:
                     self.result.post_kv_peak_live = [
                         a for a in self.result.allocations if a.alive and a.kind == "device" and a.phase in POST_KV_PHASES
                     ]
+                    self.result.post_kv_peak_cached = _cached_blocks(self.device)
 
     def _enter(self, phase: str) -> None:
         self.device.phase = phase
@@ -152,7 +158,8 @@ class LifecycleRun:
             fn = getattr(b, "bound_workspaces", None)
             if fn is not None:
                 try:
-                    bound.extend(BoundRecord(builder_name(b), _bound(w)) for w in fn())
+                    with self._as_part(builder_name(b), "bound_workspaces"):
+                        bound.extend(BoundRecord(builder_name(b), _bound(w)) for w in fn())
                 except Exception as exc:  # noqa: BLE001 - recorded like any other builder failure
                     self._fail(builder_name(b), exc)
         self.result.phases.append(
@@ -247,11 +254,12 @@ class LifecycleRun:
         from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
         from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
-        with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device) as sim:
+        with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device, self._part_owner) as sim:
             self._torch = sim
             try:
                 yield
             finally:
+                self.result.foreign_uses.extend(sim.foreign.values())
                 self._torch = None
 
     def make_builders(self) -> None:
@@ -259,29 +267,96 @@ class LifecycleRun:
         from pytest_kvprofile.contract.registry import model_parts
 
         self._enter(SETUP)
-        sim = self._torch
-        if sim is not None:
-            sim.owner_resolver = _constructing_builder
         try:
             self.builders = model_parts(self.backend, self.case)
         except Exception as exc:  # noqa: BLE001 - a raising factory is reported by every check
             self._fail(f"backend {self.result.backend!r} factory", exc)
-        finally:
-            if sim is not None:
-                sim.owner_resolver = None
+        self._parts = {id(p): builder_name(p) for p in self.builders}
+        self._parts.update((id(p.resource), builder_name(p)) for p in self.builders if isinstance(p, ResourceAdapter))
+        modules: dict[str, set[str]] = {}
+        for p in self.builders:
+            modules.setdefault(type(getattr(p, "resource", p)).__module__, set()).add(builder_name(p))
+        self._part_modules = {m: next(iter(names)) for m, names in modules.items() if len(names) == 1}
         self.result.builders = self.builders
         self._contexts = {builder_name(b): BuilderContext(self, builder_name(b)) for b in self.builders}
+
+    def _part_owner(self, frame: Any, api: str) -> tuple[str, str] | None:
+        """Torch-mode attribution without gaps: the part whose code is running owns what it allocates.
+
+        Walking out from the allocation: a method of one of the run's parts (a lease's release callback,
+        ``bound_workspaces()``, a resource's method, a finalizer), a part being constructed (its ``__init__``),
+        or code in a module that only one part's class comes from (a closure or module function of the
+        backend). Allocations the harness cannot tie to a part keep the source-line owner.
+        """
+        by_module = None
+        while frame is not None:
+            code = frame.f_code
+            if code.co_argcount and code.co_varnames[0] == "self":
+                obj = frame.f_locals.get("self")
+                owner = self._parts.get(id(obj))
+                if owner is not None:
+                    return owner, api
+                if code.co_name == "__init__":
+                    name = getattr(obj, "name", None)
+                    if isinstance(name, str) and name and not self._parts:
+                        return name, "__init__"
+            if by_module is None:
+                by_module = self._part_modules.get(frame.f_globals.get("__name__", ""))
+            frame = frame.f_back
+        return (by_module, api) if by_module is not None else None
+
+    @contextlib.contextmanager
+    def _as_part(self, owner: str, method: str) -> Any:
+        """Attribute what runs inside to ``owner`` and its ``method`` (the harness reaches the part indirectly)."""
+        self._current_call = method
+        try:
+            if self._torch is None:
+                yield
+            else:
+                with self._torch.owner_scope(owner, method):
+                    yield
+        finally:
+            self._current_call = None
 
     def run(self) -> LifecycleResult:
         try:
             with self.device_mode():
-                self.make_builders()
-                self._run()
+                try:
+                    self.make_builders()
+                    self._run()
+                finally:
+                    self._observe_module_state()
         except _Abort:
             pass
         finally:
             self._teardown()
         return self.result
+
+    def _observe_module_state(self) -> None:
+        """Device memory that module or class state holds after the run (``module_state.py``), and the
+        memory of earlier cases a lease carries (torch mode notes such use on every torch call)."""
+        from pytest_kvprofile.lifecycle.module_state import held_in_modules, modules_of
+
+        files = {a.stack.rsplit(":", 1)[0] for a in self.result.allocations
+                 if a.stack and a.owner in self._parts.values()}
+        self.result.module_held = held_in_modules(modules_of(self.builders, files), self._memory_of)
+
+    def _note_foreign_resources(self, owner: str, resources: list[Any]) -> None:
+        """A lease that carries an allocation of an earlier device reuses an earlier case's memory (ctx mode)."""
+        if not any(isinstance(r, Allocation) for r in resources):
+            return
+        mine = {id(a) for a in self.result.allocations}
+        for res in resources:
+            if isinstance(res, Allocation) and id(res) not in mine:
+                self.result.foreign_uses.append(ForeignUse(owner, "lease resource", "", res))
+
+    def _memory_of(self, value: Any) -> Allocation | None:
+        if isinstance(value, Allocation):
+            return value
+        torch = sys.modules.get("torch")
+        if torch is None or self._torch is None or not isinstance(value, torch.Tensor):
+            return None
+        return self._torch.allocation_of(value) or self._torch.storage_owner(value.untyped_storage().data_ptr())
 
     def _resolve(self) -> None:
         try:
@@ -346,9 +421,11 @@ class LifecycleRun:
                             builder_name(b),
                             TypeError(f"reserve_persistent_workspace() returned {type(lease).__name__}, not a Lease"),
                         )
-                    ids = tuple(
-                        a.id for a in self.result.allocations[before:] if a.owner == builder_name(b)
+                    ids = tuple(  # what the reservation made and still holds: its own transients are not leased
+                        a.id for a in self.result.allocations[before:] if a.owner == builder_name(b) and a.alive
                     )
+                    if not lease.released:
+                        self._note_foreign_resources(builder_name(b), lease.resources)
                     self.result.leases.append(LeaseRecord(builder_name(b), lease, ids))
             self._record_phase(RESERVATION)
 
@@ -385,7 +462,8 @@ class LifecycleRun:
             self._enter(LEASE_RELEASE)
             for rec in self.result.leases:
                 try:
-                    rec.lease.release()
+                    with self._as_part(rec.owner, "lease.release"):
+                        rec.lease.release()
                 except Exception as exc:  # noqa: BLE001
                     self._fail(rec.owner, exc)
             self._record_phase(LEASE_RELEASE)
@@ -543,15 +621,13 @@ class LifecycleRun:
         self._unsubscribe()
 
 
-def _constructing_builder(frame: Any, api: str) -> tuple[str, str] | None:
-    """Torch-mode attribution while builders are constructed: the ``__init__`` being run owns what it allocates."""
-    while frame is not None:
-        if frame.f_code.co_name == "__init__":
-            name = getattr(frame.f_locals.get("self"), "name", None)
-            if isinstance(name, str) and name:
-                return name, "__init__"
-        frame = frame.f_back
-    return None
+def _cached_blocks(device: Any) -> tuple[tuple[int, int], ...]:
+    """The reserved-but-free blocks of the device's caching allocator, as ``(ptr, size)``; none off the simulator."""
+    allocator = getattr(device, "allocator", None)
+    if allocator is None:
+        return ()
+    return tuple((b["address"], b["size"]) for seg in allocator.snapshot() for b in seg["blocks"]
+                 if b["state"] == "inactive")
 
 
 def _graph_batch(capture: DecodeCapture) -> Batch:

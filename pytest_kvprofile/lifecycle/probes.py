@@ -1,8 +1,10 @@
 """Fault-injection probes that need fresh builders (not the main lifecycle run).
 
-The retry probe fails a builder's warmup at each of its allocations in turn, on a fresh device
-each time, and checks that nothing of the failed attempt stays alive and that a retry ends with the
-same persistent memory as a warmup that never failed.
+The retry probe drives fresh builders on a fresh device up to each phase the engine calls warmup in
+(inside the profiling window when it warms up there, and after KV sizing), fails the warmup at each of its
+allocations in turn, and checks that nothing of the failed attempt stays alive and that a retry ends with
+the same persistent memory as a warmup that never failed. Every allocation is a fault point; the probe's
+answer is memoized per case without its gmu, which the simulated device's probe never reads.
 """
 
 from __future__ import annotations
@@ -15,51 +17,51 @@ from typing import Any, Iterator
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.contract.protocol import call_optional
-from pytest_kvprofile.contract.support import (
-    ProfilingSupport,
-    builder_name,
-    declared_support,
-)
+from pytest_kvprofile.contract.support import builder_name
 from pytest_kvprofile.lifecycle.driver import LifecycleRun, make_device
 from pytest_kvprofile.lifecycle.record import ProbeTarget
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.units import MiB
 
-MAX_FAIL_POINTS = 16
+class _Stop(Exception):
+    """Stops a probe run as it enters the phase whose warmup is probed."""
 
 
 class _ProbeRun(LifecycleRun):
-    """A run that stops after the reservation: the state a warmup starts from inside the window."""
+    """The engine's lifecycle up to a phase in which it calls warmup: the state a warmup starts from there."""
 
-    def prepare(self) -> None:
-        self._enter(lc.RESERVATION)
-        self.in_window = True
-        arena = max((d.float_bytes for d in self._declared().values()), default=0)
-        if arena:
-            self.manager.reserve("engine", arena)
-        for b in self.builders:
-            if declared_support(b) is ProfilingSupport.REQUIRED:
-                call_optional(b, "reserve_persistent_workspace", self.ctx(b))
-        self._enter(lc.PROFILE_WARMUP)
+    stop_at = lc.PROFILE_WARMUP
+    reached = False
 
-    def _declared(self) -> dict[str, Any]:
-        out = {}
-        for b in self.builders:
-            fn = getattr(b, "declared_workspace", None)
-            if fn is not None:
-                out[builder_name(b)] = fn(self.case)
-        return out
+    def _enter(self, phase: str) -> None:
+        super()._enter(phase)
+        if lc.PHASE_INDEX[phase] >= lc.PHASE_INDEX[self.stop_at]:
+            self.reached = phase == self.stop_at
+            raise _Stop
 
 
 @contextlib.contextmanager
-def _fresh(target: ProbeTarget) -> Iterator[tuple[_ProbeRun, Any]]:
-    """A new device and builders, prepared up to warmup, with the backend's device mode active."""
-    device = target.device_factory(target.case)
-    run = _ProbeRun(target, device)
-    with run.device_mode():
-        run.make_builders()
-        run.prepare()
-        yield run, device
+def _fresh(target: ProbeTarget, state: str) -> Iterator[_ProbeRun | None]:
+    """New builders on a new device, driven up to ``state``; None when the engine never reaches it (no
+    warmup inside the window). The backend's device mode stays active for the block."""
+    run = _ProbeRun(target, target.device_factory(target.case))
+    run.stop_at = state
+    try:
+        with run.device_mode():
+            run.make_builders()
+            try:
+                run._run()
+            except _Stop:
+                pass
+            yield run if run.reached else None
+    finally:
+        run._teardown()
+
+
+def _warmup(run: _ProbeRun, builder: Any) -> None:
+    """Call warmup as the engine does: attributed to the builder (in torch mode too), never recorded."""
+    with run._as_part(builder_name(builder), "warmup"):
+        call_optional(builder, "warmup", run.ctx(builder))
 
 
 def _persistent(device: Any, owner: str) -> Counter:
@@ -86,40 +88,43 @@ def _probe_simulated(backend: Any, case: Case, names: tuple[str, ...]) -> tuple[
 
 
 def _probe(target: ProbeTarget, names: tuple[str, ...]) -> list[str]:
+    """Every state the engine calls warmup in (inside the window when it warms up there, and after KV sizing),
+    every allocation of each builder's warmup there."""
     out: list[str] = []
-    for index, name in enumerate(names):
-        stage = lc.RESERVATION
-        try:
-            with _fresh(target) as (clean_run, clean_dev):
-                stage = lc.PROFILE_WARMUP
-                builder = clean_run.builders[index]
-                count = _count_allocations(
-                    clean_dev, lambda b=builder, r=clean_run: call_optional(b, "warmup", r.ctx(b))
-                )
-                expected = _persistent(clean_dev, name)
-        except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
-            return [f"the warmup retry probe could not run: {name} raised {type(exc).__name__} in phase "
-                    f"{stage!r}: {exc}"]
-        for k in range(min(count, MAX_FAIL_POINTS)):
-            with _fresh(target) as (run, dev):
-                out.extend(_fail_and_retry(run, dev, index, name, k, expected))
-        if out:
-            break
+    for state in (lc.PROFILE_WARMUP, lc.WARMUP):
+        for index, name in enumerate(names):
+            try:
+                with _fresh(target, state) as clean:
+                    if clean is None:
+                        break
+                    count = _count_allocations(clean.device, lambda r=clean: _warmup(r, r.builders[index]))
+                    expected = _persistent(clean.device, name)
+            except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
+                cause = exc.__cause__ or exc  # a builder error the run recorded and aborted on
+                detail = f"{type(cause).__name__}: {cause}"
+                return [f"the warmup retry probe could not run: {name} failed before or during its warmup in phase "
+                        f"{state!r}: {detail}"]
+            for k in range(count):
+                with _fresh(target, state) as run:
+                    assert run is not None
+                    out.extend(_fail_and_retry(run, index, name, k, expected, state))
+            if out:
+                return out
     return out
 
 
-def _fail_and_retry(run: Any, dev: Any, index: int, name: str, k: int, expected: Counter) -> list[str]:
-    """Fail warmup at its allocation ``k``, then retry; report leaks and a half-built result."""
-    b = run.builders[index]
-    ctx = run.ctx(b)
+def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Counter, state: str) -> list[str]:
+    """Fail warmup at its allocation ``k`` in ``state``, then retry; report leaks and a half-built result."""
+    b, dev = run.builders[index], run.device
+    where = "inside the profiling window" if state == lc.PROFILE_WARMUP else "after KV sizing"
     live_before = {a.id for a in dev.live_allocations()}
     dev.fail_after(k)
     try:
-        call_optional(b, "warmup", ctx)
+        _warmup(run, b)
     except Exception:  # noqa: BLE001 - the injected failure (or what the builder made of it)
         pass
     else:
-        return [f"builder {name!r}: warmup swallowed an out-of-memory error at its allocation #{k + 1}"]
+        return [f"builder {name!r}: warmup {where} swallowed an out-of-memory error at its allocation #{k + 1}"]
     out = []
     leaked = [
         a for a in dev.live_allocations()
@@ -127,13 +132,13 @@ def _fail_and_retry(run: Any, dev: Any, index: int, name: str, k: int, expected:
     ]
     if leaked:
         out.append(
-            f"builder {name!r}: a warmup that failed at its allocation #{k + 1} leaked "
+            f"builder {name!r}: a warmup {where} that failed at its allocation #{k + 1} leaked "
             + "; ".join(f"{a.tag!r} {a.nbytes / MiB:.2f} MiB" for a in leaked[:4])
         )
     try:
-        call_optional(b, "warmup", ctx)
+        _warmup(run, b)
     except Exception as exc:  # noqa: BLE001
-        out.append(f"builder {name!r}: the retry after a failure at allocation #{k + 1} raised "
+        out.append(f"builder {name!r}: the retry {where} after a failure at allocation #{k + 1} raised "
                    f"{type(exc).__name__}: {exc}")
         return out
     got = _persistent(dev, name)
@@ -144,7 +149,7 @@ def _fail_and_retry(run: Any, dev: Any, index: int, name: str, k: int, expected:
         if got - expected:
             parts.append("extra " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in got - expected))
         out.append(
-            f"builder {name!r}: after a warmup failed at allocation #{k + 1} and was retried, its persistent "
+            f"builder {name!r}: after a warmup {where} failed at allocation #{k + 1} and was retried, its persistent "
             f"memory differs from a clean warmup's ({'; '.join(parts)}): the warmup was left half-built"
         )
     return out

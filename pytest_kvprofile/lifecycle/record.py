@@ -17,7 +17,8 @@ from pytest_kvprofile.contract.support import SupportResolution, builder_name
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import Budget, ProfileWindow
-from pytest_kvprofile.memory.device import Allocation, Device
+from pytest_kvprofile.lifecycle.module_state import ModuleHeld
+from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
 
 PROFILING = "profiling"
 LEGACY = "legacy"
@@ -144,9 +145,13 @@ class LifecycleResult:
     kv_allocation: Allocation | None = None
     post_kv_peak_used: int = 0
     post_kv_peak_live: list[Allocation] = field(default_factory=list)
+    post_kv_peak_cached: tuple[tuple[int, int], ...] = ()  # (ptr, size) of cached free blocks at that peak
     lock_probe_error: str | None = None
     refusals: list[Refusal] = field(default_factory=list)
     grants: list[ViewGrant] = field(default_factory=list)
+    arena_alignment: int = 256  # the manager rounds every view up to it
+    foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
+    module_held: list[ModuleHeld] = field(default_factory=list)  # device memory reachable from module state
     aborted_in: str | None = None
 
     def phase(self, name: str) -> PhaseRecord | None:

@@ -140,6 +140,16 @@ class Allocation:
 
 
 @dataclass(frozen=True)
+class ForeignUse:
+    """Memory of an earlier device (an earlier case) used on this one: who used it, where, and its ledger entry."""
+
+    owner: str
+    tag: str
+    stack: str
+    alloc: Allocation
+
+
+@dataclass(frozen=True)
 class DeviceEvent:
     """A change to the device. ``allocated``/``reserved`` are device bytes after the event;
     segment events carry the segment's bytes, pool and address in ``nbytes``/``pool``/``ptr``."""
@@ -451,7 +461,8 @@ class SimDevice(EventSource):
         a = self.allocator
         if injected:
             a.num_ooms += 1
-        err = DeviceOutOfMemory(
+        self._emit("oom", None, nbytes)
+        raise DeviceOutOfMemory(  # raised, not bound: a local would tie this frame to its traceback in a cycle
             requested=nbytes,
             segment=segment_size(round_size(nbytes)),
             free=self.mem_get_info()[0],
@@ -465,8 +476,6 @@ class SimDevice(EventSource):
             device_name=self.name,
             injected=injected,
         )
-        self._emit("oom", None, nbytes)
-        raise err
 
     def free(self, alloc: Allocation) -> None:
         """Return an allocation to the allocator's cache (reserved bytes do not drop)."""

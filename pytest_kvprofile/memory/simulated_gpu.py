@@ -42,20 +42,38 @@ def clear_flashinfer_caches() -> int:
     only, so a second simulated GPU (or the real one afterwards) would otherwise see the first's answers.
     """
     cleared = 0
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "flashinfer" or name.startswith("flashinfer.")):
-            continue
-        for value in list(vars(module).values()):
+    for fn in _flashinfer_cached_functions():
+        if fn.cache_info().currsize:
+            fn.cache_clear()
+            cleared += 1
+    return cleared
+
+
+_cached_functions: tuple[int, tuple[str, ...], list[Any]] = (-1, (), [])
+
+
+def _flashinfer_cached_functions() -> list[Any]:
+    """The memoized functions of the loaded ``flashinfer`` modules, found again only when those modules change
+    (walking every module's namespace on each simulated run would cost more than the run)."""
+    global _cached_functions
+    if len(sys.modules) == _cached_functions[0]:
+        return _cached_functions[2]
+    names = tuple(n for n, m in list(sys.modules.items())
+                  if m is not None and (n == "flashinfer" or n.startswith("flashinfer.")))
+    if names == _cached_functions[1]:
+        _cached_functions = (len(sys.modules), names, _cached_functions[2])
+        return _cached_functions[2]
+    found: dict[int, Any] = {}
+    for name in names:
+        for value in list(vars(sys.modules[name]).values()):
             fn = value
             while fn is not None:
-                info = getattr(fn, "cache_info", None)
-                if info is not None and callable(getattr(fn, "cache_clear", None)):
-                    if info().currsize:
-                        fn.cache_clear()
-                        cleared += 1
+                if getattr(fn, "cache_info", None) is not None and callable(getattr(fn, "cache_clear", None)):
+                    found[id(fn)] = fn
                     break
                 fn = getattr(fn, "__wrapped__", None)
-    return cleared
+    _cached_functions = (len(sys.modules), names, list(found.values()))
+    return _cached_functions[2]
 
 
 def _resolve(gpu: str | GpuSpec, total_memory: int | None, nontorch_bytes: int, record_stacks: bool) -> SimDevice:

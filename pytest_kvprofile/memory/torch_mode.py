@@ -25,7 +25,7 @@ import torch.cuda.streams
 from torch.overrides import TorchFunctionMode
 
 from pytest_kvprofile.memory.allocator import GraphPool
-from pytest_kvprofile.memory.device import Allocation, DeviceOutOfMemory, SimDevice
+from pytest_kvprofile.memory.device import Allocation, DeviceOutOfMemory, ForeignUse, SimDevice
 
 __all__ = ["active_simulation", "SimEvent", "SimStream", "SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
 
@@ -33,6 +33,8 @@ OwnerResolver = Callable[[FrameType, str], "str | tuple[str, str] | None"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package root
+_MEMORY_DIR = _PACKAGE_DIR + "memory" + os.sep  # the simulation itself
+_BUILTIN_DIR = _PACKAGE_DIR + "builtin" + os.sep  # the built-in backends are backend code, not the harness
 _CONTEXTLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep + "contextlib.py"
 
 _DEVICE_GET = torch.Tensor.device.__get__
@@ -47,6 +49,7 @@ _CUDA0 = torch.device("cuda", 0)
 _MISSING = object()
 _active_lock = threading.Lock()
 _active: list["SimulatedCuda"] = []
+_live_storages: dict[int, Allocation] = {}  # every simulation's live storages: tells another case's tensors
 
 
 class SimulatedCudaOutOfMemory(DeviceOutOfMemory, torch.OutOfMemoryError):
@@ -315,6 +318,7 @@ class SimulatedCuda:
         self._scope: list[tuple[str, str | None]] = []
         self._saved: list[tuple[Any, str, Any]] = []
         self._mode: _Mode | None = None
+        self.foreign: dict[int, ForeignUse] = {}  # id(allocation) -> its first use here
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -330,6 +334,18 @@ class SimulatedCuda:
     def allocation_of(self, tensor: torch.Tensor) -> Allocation | None:
         """The ledger entry behind a simulated tensor (``None`` for plain CPU tensors)."""
         return self._registry.get(_storage_ptr(tensor))
+
+    def storage_owner(self, ptr: int) -> Allocation | None:
+        """The ledger entry of another (earlier) simulation behind a live storage, or None."""
+        alloc = _live_storages.get(ptr)
+        return alloc if alloc is not None and self._registry.get(ptr) is not alloc else None
+
+    def _note_foreign(self, ptr: int, api: str) -> None:
+        """A torch call here reads a tensor another simulation (an earlier case) created: state outlived it."""
+        alloc = self.storage_owner(ptr)
+        if alloc is not None and id(alloc) not in self.foreign:
+            owner, tag, stack = self._attribution(api)
+            self.foreign[id(alloc)] = ForeignUse(owner, tag, stack, alloc)
 
     def is_simulated(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a simulated device (or pinned host) tensor."""
@@ -466,11 +482,21 @@ class SimulatedCuda:
     # -- the ledger ------------------------------------------------------------------------------------
 
     def _attribution(self, api: str) -> tuple[str, str, str]:
+        """Owner, tag and source line of an allocation being made now.
+
+        The source line is the first frame outside torch and the harness (the built-in backends count as
+        backend code); the resolver sees the innermost frame outside torch, so it can walk out through the
+        backend's own frames to the part whose code is running.
+        """
         frame: FrameType | None = sys._getframe(1)
+        inner: FrameType | None = None
         while frame is not None:
             filename = frame.f_code.co_filename
-            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_PACKAGE_DIR) or filename == _CONTEXTLIB):
-                break
+            if not (filename.startswith(_TORCH_DIR) or filename.startswith(_MEMORY_DIR) or filename == _CONTEXTLIB):
+                if inner is None:
+                    inner = frame
+                if not filename.startswith(_PACKAGE_DIR) or filename.startswith(_BUILTIN_DIR):
+                    break
             frame = frame.f_back
         if frame is None:
             return ("<unknown>", api, "<unknown>")
@@ -479,7 +505,7 @@ class SimulatedCuda:
         owner = f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
         tag = api
         if self.owner_resolver is not None:
-            answer = self.owner_resolver(frame, api)
+            answer = self.owner_resolver(inner or frame, api)
             if isinstance(answer, tuple):
                 owner, tag = answer
             elif answer is not None:
@@ -518,11 +544,14 @@ class SimulatedCuda:
                 injected=err.injected,
             ) from None
         self._registry[ptr] = alloc
+        _live_storages[ptr] = alloc
         weakref.finalize(storage, self._release, ptr, alloc)
 
     def _release(self, ptr: int, alloc: Allocation) -> None:
         if self._registry.get(ptr) is alloc:
             del self._registry[ptr]
+        if _live_storages.get(ptr) is alloc:
+            del _live_storages[ptr]
         if alloc.alive:
             self.device.free(alloc)
 
@@ -584,6 +613,9 @@ class _Mode(TorchFunctionMode):
                 any_sim = True
             else:
                 host_inputs.add(ptr)
+        for ptr in host_inputs:
+            if ptr in _live_storages:
+                self.sim._note_foreign(ptr, _api_name(func))
         out = func(*args, **kwargs)
         record_device = to_cuda if to_cuda is not None else any_sim
         if not (record_device or pinned):

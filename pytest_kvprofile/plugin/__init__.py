@@ -291,13 +291,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if state is None or not _is_controller(config) or not state.records:
         return
     from pytest_kvprofile.report.documents import verdict_document
-    from pytest_kvprofile.report.summary import summarize, table_lines, verdict_lines
+    from pytest_kvprofile.report.summary import legacy_cost_lines, summarize, table_lines, verdict_lines
 
     terminalreporter.section("kvprofile summary")
     for line in table_lines(summarize(state.records)):
         terminalreporter.write_line(line)
     if state.skipped_cases:
         terminalreporter.write_line(f"{len(state.skipped_cases)} impossible layouts skipped (reasons in the id list)")
+    legacy = legacy_cost_lines(state.records)
+    if legacy:
+        terminalreporter.section("kvprofile legacy-path cost (what KV sizing does not see; information)")
+        for line in legacy:
+            terminalreporter.write_line(line)
     if state.settings.verdict_path:
         terminalreporter.section("kvprofile verdict")
         for line in verdict_lines(verdict_document(state)):

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from importlib import metadata
 from typing import Any
 
-from pytest_kvprofile.report.summary import summarize
+from pytest_kvprofile.report.summary import legacy_costs, summarize
 
 SCHEMA_VERSION = 1
 
@@ -90,6 +90,7 @@ def verdict_document(session: Any) -> dict:
     for rec in session.records:
         if rec.get("backend"):
             by_backend[rec["backend"]].append(rec)
+    costs = legacy_costs(session.records)
     for backend in session.backends:
         recs = sorted(by_backend.get(backend.name, []), key=lambda r: (r["check"], r["case"]))
         failed = [r for r in recs if r["outcome"] == "failed"]
@@ -104,8 +105,11 @@ def verdict_document(session: Any) -> dict:
             reasons.append(f"{len(xfailed)} expected failures declared: {', '.join(sorted({r['check'] for r in xfailed}))}")
         declared = session.profiles[backend.name].declared_support
         legacy = _legacy_reason(declared)
+        cost = costs.get(backend.name, [])
         if legacy:
-            reasons.append(f"legacy path: nothing to opt in ({legacy})")
+            worst = f"; up to {cost[0]['mib']:.2f} MiB ({cost[0]['kv_tokens']} KV tokens) appear after KV sizing " \
+                    f"on {cost[0]['case']}" if cost else ""
+            reasons.append(f"legacy path: nothing to opt in ({legacy}{worst})")
         doc["backends"].append({
             "name": backend.name,
             "version": backend.version,
@@ -119,5 +123,6 @@ def verdict_document(session: Any) -> dict:
             "counts": dict(Counter(r["outcome"] for r in recs)),
             "may_opt_in": not reasons,
             "reasons": reasons,
+            "legacy_cost": cost,
         })
     return doc

@@ -36,6 +36,34 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+def legacy_costs(records: list[dict]) -> dict[str, list[dict]]:
+    """Per legacy-path backend, each case's post-KV cost (``report/post_kv_cost.py``), largest first."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for rec in records:
+        cost = rec.get("legacy_cost")
+        if rec.get("backend") and cost:
+            out[rec["backend"]].append(cost)
+    return {b: sorted(costs, key=lambda c: (-c["bytes"], c["case"])) for b, costs in sorted(out.items())}
+
+
+def legacy_cost_lines(records: list[dict]) -> list[str]:
+    """Information, not failures: what each legacy-path backend leaves invisible to KV sizing."""
+    lines = []
+    for backend, costs in legacy_costs(records).items():
+        worst = costs[0]
+        if not worst["bytes"]:
+            continue
+        overruns = sum(1 for c in costs if c["overrun_bytes"])
+        lines.append(
+            f"{backend} (legacy path): on {len(costs)} cases {min(c['mib'] for c in costs):.2f}-{worst['mib']:.2f} MiB "
+            f"appear after KV sizing; at most {worst['kv_tokens']} KV tokens on {worst['case']}"
+            + (f"; {overruns} cases overrun total x gmu" if overruns else "")
+        )
+        for src in worst["sources"][:4]:
+            lines.append(f"    {src['owner']}: {src['bytes'] / MiB:.2f} MiB x{src['count']} at {src['source']}")
+    return lines
+
+
 def table_lines(rows: list[dict]) -> list[str]:
     header = ("backend", "cases", "passed", "failed", "xfailed", "worst check", "fewest KV tokens (case)")
     body = []

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from pytest_kvprofile.checks.catalog import CHECKS
+from pytest_kvprofile.lifecycle.record import LEGACY
 from pytest_kvprofile.plugin.recorder import RECORD_KEY
 from pytest_kvprofile.plugin.timeouts import call_with_timeout
+from pytest_kvprofile.report.post_kv_cost import post_kv_cost
 from pytest_kvprofile.report.summary import budget_record
 
 
@@ -27,6 +29,10 @@ def _make_test(check: Any) -> Any:
         )
         if result is not None and result.budget is not None and check.name == "no_post_kv_overrun":
             record["budget"] = budget_record(result.budget, case.id)
+        if result is not None and result.path == LEGACY and check.name == "legacy_path_unchanged":
+            cost = post_kv_cost(result)
+            if cost is not None:
+                record["legacy_cost"] = cost.as_dict()
         if violations:
             record["message"] = violations[0][:2000]
             text = "\n".join(f"- {v}" for v in violations)

@@ -1,0 +1,117 @@
+"""Device memory held by module or class state: what outlives the case that created it.
+
+A builder that keeps a buffer in a module global (a trtllm-gen-like workspace made on first use, a cache keyed
+by shape) shows its memory to the first case a process runs and hides it from every later one, which reuses it
+and allocates nothing. The harness looks where such state lives: the globals of the modules the backend's
+classes come from and of the modules whose code allocated the memory, and those classes' attributes, a few
+containers deep. What it finds is judged against the run (allocated by it, or used by it) by the
+``no_state_outlives_case`` check, so the same cases fail whatever ran before them.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+from pytest_kvprofile.memory.device import Allocation
+
+MAX_DEPTH = 4
+MAX_ITEMS = 256  # items looked at per container: module state holding device memory is a handful of buffers
+_SKIP = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type(len), str, bytes,
+         int, float, bool, type(None), range)
+
+
+@dataclass(frozen=True)
+class ModuleHeld:
+    """A device allocation reachable from module or class state, and the first path that reaches it."""
+
+    where: str
+    alloc: Allocation
+
+
+def modules_of(parts: Iterable[Any], files: Iterable[str]) -> list[types.ModuleType]:
+    """The modules the parts' classes are defined in (their whole MRO) and the modules of ``files``."""
+    names: dict[str, None] = {}
+    for part in parts:
+        obj = getattr(part, "resource", part)
+        for cls in type(obj).__mro__:
+            if cls.__module__ not in ("builtins", "abc", "typing"):
+                names[cls.__module__] = None
+    by_file = _modules_by_file()
+    for f in files:
+        mod = by_file.get(f)
+        if mod is None and f not in _misses:
+            _modules_by_file.cache = None  # a module imported since: look again once
+            mod = _modules_by_file().get(f)
+            if mod is None:
+                _misses.add(f)
+        if mod is not None:
+            names[mod.__name__] = None
+    return [sys.modules[n] for n in names if n in sys.modules]
+
+
+_misses: set[str] = set()
+
+
+def _modules_by_file() -> dict[str, types.ModuleType]:
+    cache = getattr(_modules_by_file, "cache", None)
+    if cache is None:
+        cache = {}
+        for mod in list(sys.modules.values()):
+            f = getattr(mod, "__file__", None)
+            if isinstance(f, str):
+                cache[f] = mod
+        _modules_by_file.cache = cache  # type: ignore[attr-defined]
+    return cache
+
+
+def held_in_modules(modules: Iterable[types.ModuleType], memory_of: Callable[[Any], Allocation | None]) -> list[ModuleHeld]:
+    """Every allocation ``memory_of`` recognises among the modules' globals and their classes' attributes."""
+    found: dict[int, ModuleHeld] = {}
+    seen: set[int] = set()
+    for mod in modules:
+        for name, value in list(vars(mod).items()):
+            if name.startswith("__"):
+                continue
+            if isinstance(value, type) and value.__module__ == mod.__name__:
+                for attr, v in list(vars(value).items()):
+                    if not attr.startswith("__"):
+                        _walk(v, f"{mod.__name__}.{name}.{attr}", 1, memory_of, found, seen)
+                continue
+            _walk(value, f"{mod.__name__}.{name}", 0, memory_of, found, seen)
+    return sorted(found.values(), key=lambda h: (h.where, h.alloc.tag, h.alloc.nbytes))
+
+
+def _walk(value: Any, where: str, depth: int, memory_of: Callable[[Any], Allocation | None],
+          found: dict[int, ModuleHeld], seen: set[int]) -> None:
+    if isinstance(value, _SKIP) or isinstance(value, type) or id(value) in seen:
+        return
+    seen.add(id(value))
+    alloc = memory_of(value)
+    if alloc is not None:
+        found.setdefault(id(alloc), ModuleHeld(where, alloc))
+        return
+    if depth >= MAX_DEPTH:
+        return
+    for key, item in _children(value):
+        _walk(item, f"{where}{key}", depth + 1, memory_of, found, seen)
+
+
+def _children(value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for i, (k, v) in enumerate(list(value.items())):
+            if i >= MAX_ITEMS:
+                return
+            yield f"[{k!r}]", v
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for i, v in enumerate(list(value)):
+            if i >= MAX_ITEMS:
+                return
+            yield f"[{i}]", v
+    else:
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict):
+            for k, v in list(attrs.items())[:MAX_ITEMS]:
+                yield f".{k}", v

@@ -1,0 +1,90 @@
+"""What a backend leaves invisible to KV sizing: the memory its parts allocate after KV sizing and keep.
+
+On the legacy path this is the backend's cost today (information, not a failure): no builder reserves
+anything inside the profiling window, so whatever the builders create lazily (float workspaces, wrappers,
+their int workspaces and pinned mirrors) appears after KV sizing. An opted-in backend would have to make it
+inside the window, and KV sizing would give up the tokens quoted here. A pull request that opts a backend in
+quotes these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.lifecycle.record import LifecycleResult
+from pytest_kvprofile.memory.budget import tokens_for
+from pytest_kvprofile.units import MiB
+
+
+@dataclass(frozen=True)
+class CostSource:
+    """The bytes one (owner, source line) keeps after KV sizing."""
+
+    owner: str
+    source: str
+    tags: tuple[str, ...]
+    count: int
+    nbytes: int
+
+    def as_dict(self) -> dict:
+        return {"owner": self.owner, "source": self.source, "tags": list(self.tags), "count": self.count,
+                "bytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class PostKvCost:
+    """Per case: device bytes the parts allocated after KV sizing and still held when serving ended.
+
+    ``overrun_bytes`` is the post-KV peak above total x gmu (0 when it fits); ``kv_tokens`` is what KV sizing
+    would have given up had the same bytes been reserved inside the profiling window.
+    """
+
+    case: str
+    nbytes: int
+    kv_tokens: int
+    overrun_bytes: int
+    overrun_kv_tokens: int
+    sources: tuple[CostSource, ...]
+
+    def as_dict(self) -> dict:
+        return {"case": self.case, "bytes": self.nbytes, "mib": round(self.nbytes / MiB, 2),
+                "kv_tokens": self.kv_tokens, "overrun_bytes": self.overrun_bytes,
+                "overrun_kv_tokens": self.overrun_kv_tokens, "sources": [s.as_dict() for s in self.sources]}
+
+    def describe(self, limit: int = 4) -> str:
+        head = (f"{self.nbytes / MiB:.2f} MiB appear after KV sizing on {self.case} ({self.kv_tokens} KV tokens an "
+                f"opted-in backend would reserve)")
+        if self.overrun_bytes:
+            head += f"; the device peaks {self.overrun_bytes / MiB:.2f} MiB over total x gmu"
+        parts = [f"{s.owner}: {s.nbytes / MiB:.2f} MiB in {s.count} allocation(s) at {s.source}"
+                 for s in self.sources[:limit]]
+        more = len(self.sources) - limit
+        if more > 0:
+            parts.append(f"{more} more source(s)")
+        return head + (": " + "; ".join(parts) if parts else "")
+
+
+def post_kv_cost(result: LifecycleResult) -> PostKvCost | None:
+    """The record's post-KV cost, or None when the run never reached KV sizing."""
+    budget = result.budget
+    if budget is None:
+        return None
+    names = set(result.builder_names())
+    groups: dict[tuple[str, str], list] = {}
+    for a in result.allocations:
+        if a.owner not in names or a.kind != "device" or a.phase not in lc.POST_KV_PHASES:
+            continue
+        if a.freed_phase is not None and lc.PHASE_INDEX.get(a.freed_phase, 0) <= lc.PHASE_INDEX[lc.SERVING]:
+            continue
+        groups.setdefault((a.owner, a.stack or f"ctx.allocate({a.tag!r})"), []).append(a)
+    sources = sorted(
+        (CostSource(owner, source, tuple(sorted({a.tag for a in allocs})), len(allocs), sum(a.nbytes for a in allocs))
+         for (owner, source), allocs in groups.items()),
+        key=lambda s: (-s.nbytes, s.owner, s.source),
+    )
+    total = sum(s.nbytes for s in sources)
+    overrun = max(0, result.post_kv_peak_used - budget.limit)
+    per_token = budget.kv_bytes_per_token
+    return PostKvCost(result.case.id, total, tokens_for(total, per_token), overrun, tokens_for(overrun, per_token),
+                      tuple(sources))
