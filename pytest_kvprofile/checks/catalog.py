@@ -482,8 +482,9 @@ def check_resource_capacity(result: LifecycleResult, options: CheckOptions) -> l
 def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions) -> list[str]:
     """Device memory a builder keeps in module or class state, allocated by this case or reused from an earlier one.
 
-    The first case a process runs creates the buffer (module state holds it past the case); every later one finds
-    it there, owned by a builder of the same name, and in torch mode is seen using it (the simulated device knows
+    The first case a process runs creates the buffer (module state holds it past the case); every later one of
+    the same backend finds it there (the harness remembers which backend's run made it), and in torch mode is
+    seen using it (the simulated device knows
     another case's storage), where it would otherwise allocate nothing KV sizing could see. So a buffer the
     builder keeps on every case fails every case, in any order, under ``-n`` and ``-k``. What the harness cannot
     tell apart: on a case whose code path would not create the buffer, one an earlier case left behind is still
@@ -493,9 +494,13 @@ def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions)
     used = {id(f.alloc): f for f in result.foreign_uses}
     held = {id(h.alloc): h.where for h in result.module_held}
     culprits: dict[tuple, list[str]] = {}
+    from pytest_kvprofile.lifecycle.module_state import made_by
+
+    mine = {id(a) for a in result.allocations}
     for h in result.module_held:
         a = h.alloc
-        if a.owner in names and a.kind == "device" and a.alive:
+        ours = id(a) in mine or id(a) in used or made_by(a) == result.backend
+        if ours and a.owner in names and a.kind == "device" and a.alive:
             culprits.setdefault(_site(a) + (a.nbytes,), []).append(h.where)
     for key, f in used.items():
         a = f.alloc

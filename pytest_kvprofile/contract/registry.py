@@ -89,9 +89,10 @@ def builtin_backends() -> dict[str, Backend]:
     from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS, REAL_FLASHINFER_MUTANTS
     from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
     from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS
+    from pytest_kvprofile.engines.vllm_flashinfer import VLLM_BACKENDS  # imports no vLLM: make_builders does
 
     return {b.name: b for b in (*STUB_BACKENDS, *TORCH_STUB_BACKENDS, *MUTANT_BACKENDS, *REAL_FLASHINFER_BACKENDS,
-                                *REAL_FLASHINFER_MUTANTS)}
+                                *REAL_FLASHINFER_MUTANTS, *VLLM_BACKENDS)}
 
 
 def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True) -> list[Backend]:

@@ -335,11 +335,14 @@ class LifecycleRun:
     def _observe_module_state(self) -> None:
         """Device memory that module or class state holds after the run (``module_state.py``), and the
         memory of earlier cases a lease carries (torch mode notes such use on every torch call)."""
-        from pytest_kvprofile.lifecycle.module_state import held_in_modules, modules_of
+        from pytest_kvprofile.lifecycle.module_state import held_in_modules, modules_of, note_backend
 
         files = {a.stack.rsplit(":", 1)[0] for a in self.result.allocations
                  if a.stack and a.owner in self._parts.values()}
         self.result.module_held = held_in_modules(modules_of(self.builders, files), self._memory_of)
+        if self.result.module_held:
+            parts = set(self._parts.values())
+            note_backend((a for a in self.result.allocations if a.owner in parts), self.result.backend)
 
     def _note_foreign_resources(self, owner: str, resources: list[Any]) -> None:
         """A lease that carries an allocation of an earlier device reuses an earlier case's memory (ctx mode)."""
@@ -356,7 +359,7 @@ class LifecycleRun:
         torch = sys.modules.get("torch")
         if torch is None or self._torch is None or not isinstance(value, torch.Tensor):
             return None
-        return self._torch.allocation_of(value) or self._torch.storage_owner(value.untyped_storage().data_ptr())
+        return self._torch.memory_of(value)
 
     def _resolve(self) -> None:
         try:

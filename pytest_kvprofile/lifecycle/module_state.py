@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -21,6 +22,23 @@ MAX_DEPTH = 4
 MAX_ITEMS = 256  # items looked at per container: module state holding device memory is a handful of buffers
 _SKIP = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type(len), str, bytes,
          int, float, bool, type(None), range)
+
+
+_made_by: dict[int, tuple["weakref.ref[Allocation]", str]] = {}
+
+
+def note_backend(allocs: Iterable[Allocation], backend: str) -> None:
+    """Remember which backend's run made these allocations (while they live), so an earlier case's buffer found
+    in module state is laid at the door of the backend that keeps it, not of another sharing its module."""
+    for a in allocs:
+        key = id(a)
+        if key not in _made_by:
+            _made_by[key] = (weakref.ref(a, lambda _, k=key: _made_by.pop(k, None)), backend)
+
+
+def made_by(alloc: Allocation) -> str | None:
+    entry = _made_by.get(id(alloc))
+    return entry[1] if entry is not None and entry[0]() is alloc else None
 
 
 @dataclass(frozen=True)

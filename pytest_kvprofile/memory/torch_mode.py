@@ -335,6 +335,13 @@ class SimulatedCuda:
         """The ledger entry behind a simulated tensor (``None`` for plain CPU tensors)."""
         return self._registry.get(_storage_ptr(tensor))
 
+    def memory_of(self, tensor: torch.Tensor) -> Allocation | None:
+        """The ledger entry behind a tensor of this or an earlier simulation, looked up without counting as a
+        use of it (the harness inspecting module state is not the backend touching the tensor)."""
+        with torch._C.DisableTorchFunction():
+            ptr = _storage_ptr(tensor)
+        return self._registry.get(ptr) or _live_storages.get(ptr)
+
     def storage_owner(self, ptr: int) -> Allocation | None:
         """The ledger entry of another (earlier) simulation behind a live storage, or None."""
         alloc = _live_storages.get(ptr)

@@ -1,0 +1,272 @@
+"""vLLM's own FlashInferMetadataBuilder (the installed wheel, unmodified) under the harness: the stand-ins, the
+config a case becomes, both runner integrations, the reservation mapping, and cases the adapter refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT
+
+pytest.importorskip("vllm", reason=f"vLLM is not installed; install it with {VLLM_INSTALL_HINT}")
+
+import torch  # noqa: E402
+
+from pytest_kvprofile.contract.backends import Backend  # noqa: E402
+from pytest_kvprofile.contract.support import ProfilingSupport  # noqa: E402
+from pytest_kvprofile.engines import vllm_config as vc  # noqa: E402
+from pytest_kvprofile.engines import vllm_standins as vs  # noqa: E402
+from pytest_kvprofile.engines.vllm_flashinfer import (  # noqa: E402
+    VLLM_BACKENDS,
+    ReservingVllmBuilder,
+    VllmFlashInferBuilder,
+    make_vllm_builders,
+    map_support,
+    reservation_api,
+)
+from pytest_kvprofile.lifecycle.driver import run_lifecycle  # noqa: E402
+from pytest_kvprofile.lifecycle.phases import POST_KV_PHASES, RESERVATION  # noqa: E402
+from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING  # noqa: E402
+from pytest_kvprofile.matrix.cases import Envelope, layout_case  # noqa: E402
+from pytest_kvprofile.matrix.gpus import lookup_gpu  # noqa: E402
+from pytest_kvprofile.matrix.models import ModelSpec  # noqa: E402
+from pytest_kvprofile.units import MiB  # noqa: E402
+
+FI_MODULE = "vllm.v1.attention.backends.flashinfer"
+SMALL = Envelope(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048, page_size=16,
+                 cuda_graph_sizes=(1, 2, 4, 8), num_ubatches=1)
+QWEN = ModelSpec("qwen3-8b", heads_q=32, heads_kv=8, head_dim=128, num_layers=4, weights_gib=1.0, hidden_size=4096)
+GLM = ModelSpec("glm-32q2kv", heads_q=32, heads_kv=2, head_dim=128, num_layers=4, weights_gib=1.0, hidden_size=4096)
+
+
+def small_case(model=QWEN, gpu="L40S", tp=1, dcp=1, mtp=0, envelope=SMALL):
+    return layout_case(model, lookup_gpu(gpu), tp, dcp, mtp, envelope)
+
+
+@pytest.fixture(scope="module")
+def fi_module():
+    return vs.import_vllm_flashinfer()
+
+
+# -- import and registry -------------------------------------------------------------------------------------
+
+def test_registry_lists_the_backends_without_importing_vllm():
+    program = ("import sys; from pytest_kvprofile.contract.registry import builtin_backends; b = builtin_backends(); "
+               "print(sorted(n for n in b if n.startswith('vllm')), 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
+    assert "['vllm-flashinfer', 'vllm-flashinfer-v2'] False" in out
+
+
+# -- the stand-ins, one test each ----------------------------------------------------------------------------
+
+def test_standin_platform_answers_the_gpu_and_is_undone(fi_module):
+    import vllm.platforms as platforms
+
+    before = platforms._current_platform
+    with vs.standin_platform(lookup_gpu("B200"), ranks=4) as platform:
+        from vllm.platforms import current_platform
+
+        assert current_platform is platform and platform.is_cuda()
+        assert tuple(platform.get_device_capability()) == (10, 0)
+        assert platform.is_device_capability_family(100) and platform.device_count() == 4
+        assert platform.support_static_graph_mode()
+    assert platforms._current_platform is before
+
+
+def test_no_nvidia_artifactory_answers_false_without_network_and_is_undone(fi_module):
+    import vllm.utils.flashinfer as fi_utils
+
+    original = fi_utils.has_nvidia_artifactory
+    with vs.no_nvidia_artifactory():
+        assert fi_utils.has_nvidia_artifactory() is False
+    assert fi_utils.has_nvidia_artifactory is original
+
+
+def test_host_copy_page_indices_does_the_triton_kernels_copy_and_is_undone(fi_module):
+    original = fi_module._copy_page_indices_kernel
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    indptr = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    out = torch.full((5,), -1, dtype=torch.int32)
+    with vs.host_copy_page_indices():
+        fi_module._copy_page_indices_kernel[(3,)](out, table, table.stride(0), indptr, BLOCK_SIZE=1024)
+    assert out.tolist() == [0, 1, 8, 9, 10]
+    assert fi_module._copy_page_indices_kernel is original
+
+
+def test_dcp_group_is_rank_zero_of_the_case_group_and_is_undone(fi_module):
+    import vllm.distributed.parallel_state as ps
+
+    before = ps._DCP
+    with vs.dcp_group(2):
+        assert (ps._DCP.world_size, ps._DCP.rank_in_group) == (2, 0)
+    with vs.dcp_group(1):
+        assert ps._DCP is before
+    assert ps._DCP is before
+
+
+def test_vllm_caches_are_cleared_on_entry_and_exit(fi_module):
+    import vllm.utils.flashinfer as fi_utils
+
+    with vs.standin_platform(lookup_gpu("L40S")), vs.no_nvidia_artifactory():
+        fi_utils.supports_trtllm_attention(False)
+        assert fi_utils.supports_trtllm_attention.cache_info().currsize == 1
+        with vs.vllm_caches_cleared():
+            assert fi_utils.supports_trtllm_attention.cache_info().currsize == 0
+            fi_utils.supports_trtllm_attention(False)
+        assert fi_utils.supports_trtllm_attention.cache_info().currsize == 0
+
+
+def test_cuda_version_is_set_only_when_torch_has_none(monkeypatch):
+    import torch.version
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with vs.cuda_version():
+        assert torch.version.cuda == "13.0"
+    assert torch.version.cuda is None
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with vs.cuda_version():
+        assert torch.version.cuda == "12.8"
+
+
+def test_standin_model_is_registered_only_inside(fi_module):
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    with vc.standin_model_registered():
+        assert vc.STANDIN_ARCHITECTURE in ModelRegistry.models
+    assert vc.STANDIN_ARCHITECTURE not in ModelRegistry.models
+
+
+# -- the config a case becomes --------------------------------------------------------------------------------
+
+def test_a_case_becomes_vllms_config_from_a_local_hf_config(tmp_path):
+    case = small_case(model=GLM, tp=4, dcp=2, mtp=1)
+    folder = vc.hf_config_dir(case, root=tmp_path)
+    assert (folder / "config.json").exists()
+    with vs.vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp):
+        config = vc.make_vllm_config(case, hf_dir=folder)
+    assert config.model_config.get_num_attention_heads(config.parallel_config) == 8
+    assert config.parallel_config.decode_context_parallel_size == 2
+    assert config.num_speculative_tokens == 1
+    assert config.scheduler_config.max_num_batched_tokens == 512
+    assert config.compilation_config.cudagraph_mode.decode_mode().name == "FULL"
+
+
+def test_an_mla_case_is_refused_with_the_case_and_the_reason():
+    mla = dataclasses.replace(QWEN, name="mla", attention="mla")
+    with pytest.raises(vc.UnexpressibleCase, match="FlashInferMLAMetadataBuilder"):
+        VllmFlashInferBuilder(small_case(model=mla))
+
+
+def test_a_dcp_layout_vllm_rejects_is_an_error_naming_the_case_not_a_crash():
+    case = small_case(tp=4, dcp=2)  # 8 KV heads > TP=4: vLLM's own DCP check refuses it
+    result = run_lifecycle(VLLM_BACKENDS[0], case)
+    assert len(result.errors) == 1
+    assert case.id in result.errors[0].message and "vLLM rejects this layout" in result.errors[0].message
+
+
+# -- the two runner integrations ------------------------------------------------------------------------------
+
+def _post_kv(result):
+    return [a for a in result.allocations if a.phase in POST_KV_PHASES and a.stack]
+
+
+@pytest.mark.parametrize("backend", VLLM_BACKENDS, ids=lambda b: b.name)
+def test_vllms_builder_runs_every_phase_on_the_legacy_path(backend):
+    result = run_lifecycle(backend, small_case())
+    assert not result.errors, result.errors[0].traceback
+    assert result.path == LEGACY
+    assert result.resolution is not None and not result.resolution.enabled
+    builder = result.builders[0]
+    assert set(builder.built) == {"prefill", "mixed", "decode"}
+    stacks = [a.stack for a in _post_kv(result)]
+    assert any(f"vllm/v1/attention/backends/flashinfer.py:" in s for s in stacks)
+    assert any("/flashinfer/prefill.py:" in s for s in stacks) and any("/flashinfer/decode.py:" in s for s in stacks)
+    assert all(a.phase not in ("reservation", "profile_run") or a.owner != builder.name for a in result.allocations)
+
+
+def _float_workspaces(result):
+    return [a for a in result.allocations if "_get_workspace_buffer" in (a.stack or "")]
+
+
+def test_v1_makes_one_lazy_float_workspace_per_micro_batch_builder():
+    case = small_case(envelope=dataclasses.replace(SMALL, num_ubatches=2))
+    result = run_lifecycle(VLLM_BACKENDS[0], case)
+    assert not result.errors, result.errors[0].traceback
+    spaces = _float_workspaces(result)
+    assert len(spaces) == 2 and all(a.phase == "capture" for a in spaces)
+    assert all(a.nbytes >= 394 * MiB for a in spaces)
+
+
+def test_v2_makes_one_eager_float_workspace_shared_by_every_builder():
+    case = small_case(envelope=dataclasses.replace(SMALL, num_ubatches=2))
+    result = run_lifecycle(VLLM_BACKENDS[1], case)
+    assert not result.errors, result.errors[0].traceback
+    spaces = _float_workspaces(result)
+    assert len(spaces) == 1 and spaces[0].phase == "rebind"
+    first, second = (b._workspace_buffer for b in result.builders[0].builders.values())
+    assert first is second
+
+
+def test_cuda_graph_decode_wrappers_are_vllms_own_per_captured_size():
+    result = run_lifecycle(VLLM_BACKENDS[0], small_case())
+    assert not result.errors, result.errors[0].traceback
+    keys = sorted(result.builders[0].builders[0]._decode_wrappers_cudagraph)
+    # vLLM 0.33 keys them (batch size, query length per request); 0.32 and older by batch size
+    assert [k[0] if isinstance(k, tuple) else k for k in keys] == [1, 2, 4, 8]
+
+
+# -- the reservation mapping ----------------------------------------------------------------------------------
+
+def test_support_answers_map_onto_the_protocol():
+    class Answer:
+        name = "NEUTRAL"
+
+    assert map_support(Answer()) is ProfilingSupport.NEUTRAL
+    assert map_support(True) is ProfilingSupport.REQUIRED
+    assert map_support(False) is ProfilingSupport.NEUTRAL
+    assert map_support(None) is ProfilingSupport.UNSUPPORTED
+    assert map_support("REQUIRED") == "REQUIRED"  # passed through: the harness rejects it as invalid
+
+
+def test_the_released_builder_declares_nothing(fi_module):
+    assert reservation_api(fi_module.FlashInferMetadataBuilder) is None
+    builder, = make_vllm_builders(small_case())
+    assert type(builder) is VllmFlashInferBuilder
+    assert not hasattr(builder, "get_persistent_workspace_memory_profiling_support")
+
+
+@pytest.fixture(scope="module")
+def pull_request_double(fi_module):
+    """vLLM's real builder with the pull request's method names: a (vllm_config, kv_cache_spec) support
+    classmethod and ``prepare_workspace_for_profiling(materialize)`` that makes the wrappers."""
+
+    class PullRequestBuilder(fi_module.FlashInferMetadataBuilder):
+        @classmethod
+        def persistent_workspace_profiling_support(cls, vllm_config, kv_cache_spec):
+            return True
+
+        def prepare_workspace_for_profiling(self, materialize):
+            self._get_workspace_buffer()
+            if materialize:
+                self._get_prefill_wrapper()
+                self._get_decode_wrapper(self.max_num_reqs)
+
+    return PullRequestBuilder
+
+
+def test_a_builder_with_the_pull_requests_names_takes_the_reservation_path(pull_request_double):
+    builder, = make_vllm_builders(small_case(), builder_cls=pull_request_double)
+    assert isinstance(builder, ReservingVllmBuilder)
+    backend = Backend(name="vllm-pr-double", make_builders=lambda case: make_vllm_builders(
+        case, builder_cls=pull_request_double), torch_mode=True)
+    result = run_lifecycle(backend, small_case())
+    assert not result.errors, result.errors[0].traceback
+    assert result.path == PROFILING
+    lease, = result.leases
+    assert lease.lease.released
+    reserved = [a for a in result.allocations if a.phase == RESERVATION and a.owner == builder.name]
+    assert any("_get_workspace_buffer" in (a.stack or "") for a in reserved)
+    assert any("/flashinfer/prefill.py:" in (a.stack or "") for a in reserved)
