@@ -254,7 +254,11 @@ def check_warmup_idempotent(result: LifecycleResult, options: CheckOptions) -> l
 def check_warmup_retryable(result: LifecycleResult, options: CheckOptions) -> list[str]:
     from pytest_kvprofile.lifecycle.probes import warmup_retry_violations
 
-    return warmup_retry_violations(result.probe, tuple(result.builder_names()))
+    names = result.builder_names()
+    allocated = {(a.phase, a.owner) for a in result.allocations if result.alloc_origin.get(a.id) == "warmup"}
+    plan = tuple((state, i, name) for state in (lc.PROFILE_WARMUP, lc.WARMUP) for i, name in enumerate(names)
+                 if (state, name) in allocated)
+    return warmup_retry_violations(result.probe, plan)
 
 
 # -- arena -------------------------------------------------------------------------------------

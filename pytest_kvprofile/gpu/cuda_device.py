@@ -318,10 +318,9 @@ class CudaDeviceFactory:
 
     def release(self, result: Any) -> None:
         """Free the device memory a finished run still holds."""
-        for b in getattr(result, "builders", ()) or ():
-            close = getattr(b, "close", None)
-            if callable(close):
-                close()
+        from pytest_kvprofile.lifecycle.driver import close_parts
+
+        close_parts(result)
         if self.last is not None:
             self.last.close()
             self.last = None

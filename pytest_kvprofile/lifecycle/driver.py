@@ -651,6 +651,24 @@ def _with_ubatch(batch: Batch, ubatch: int) -> Batch:
     return Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, ubatch)
 
 
+def close_parts(result: LifecycleResult) -> None:
+    """Let a finished run's parts drop their device memory (their optional ``close()``), once nothing more
+    will be built on them: the record keeps what the checks read, and a session keeping recent records must
+    not keep every case's workspaces (an engine's real builders hold hundreds of MiB each). A ``close()``
+    that raises is recorded in ``result.errors`` (phase ``teardown``), after every phase the checks read."""
+    for part in result.builders:
+        close = getattr(part, "close", None)
+        if not callable(close):
+            continue
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - the record is complete; the error is kept with it
+            result.errors.append(PhaseError(
+                phase="teardown", who=builder_name(part), exc_type=type(exc).__name__, message=f"close() raised: {exc}",
+                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            ))
+
+
 def make_device(case: Case) -> Device:
     """The CPU tier's device for a case: a simulated GPU of the case's memory, SMs and non-torch bytes."""
     from pytest_kvprofile.memory.device import SimDevice

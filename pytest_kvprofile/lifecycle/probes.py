@@ -68,48 +68,48 @@ def _persistent(device: Any, owner: str) -> Counter:
     return Counter((a.tag, a.nbytes) for a in device.live_allocations() if a.owner == owner and a.kind == "device")
 
 
-def warmup_retry_violations(target: ProbeTarget, names: tuple[str, ...]) -> list[str]:
-    """For each of the builders ``names``, fail its warmup at every allocation and retry.
+def warmup_retry_violations(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[str]:
+    """For each ``(state, builder index, name)`` of ``plan``, fail that builder's warmup in that state at every
+    allocation and retry. The plan lists the states in which the main run saw the builder's warmup allocate (a
+    warmup that allocates nothing there has no fault point to inject).
 
     The probe never reads gpu_memory_utilization, so cases that differ only in it share one answer
     on the simulated device.
     """
+    if not plan:
+        return []
     if target.device_factory is make_device:
         try:
-            return list(_probe_simulated(target.backend, dataclasses.replace(target.case, id="", gmu=0.0), names))
+            return list(_probe_simulated(target.backend, dataclasses.replace(target.case, id="", gmu=0.0), plan))
         except TypeError:  # an unhashable backend: probe without the memo
             pass
-    return _probe(target, names)
+    return _probe(target, plan)
 
 
 @functools.lru_cache(maxsize=256)
-def _probe_simulated(backend: Any, case: Case, names: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(_probe(ProbeTarget(backend, case, make_device), names))
+def _probe_simulated(backend: Any, case: Case, plan: tuple[tuple[str, int, str], ...]) -> tuple[str, ...]:
+    return tuple(_probe(ProbeTarget(backend, case, make_device), plan))
 
 
-def _probe(target: ProbeTarget, names: tuple[str, ...]) -> list[str]:
-    """Every state the engine calls warmup in (inside the window when it warms up there, and after KV sizing),
-    every allocation of each builder's warmup there."""
+def _probe(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[str]:
     out: list[str] = []
-    for state in (lc.PROFILE_WARMUP, lc.WARMUP):
-        for index, name in enumerate(names):
-            try:
-                with _fresh(target, state) as clean:
-                    if clean is None:
-                        break
-                    count = _count_allocations(clean.device, lambda r=clean: _warmup(r, r.builders[index]))
-                    expected = _persistent(clean.device, name)
-            except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
-                cause = exc.__cause__ or exc  # a builder error the run recorded and aborted on
-                detail = f"{type(cause).__name__}: {cause}"
-                return [f"the warmup retry probe could not run: {name} failed before or during its warmup in phase "
-                        f"{state!r}: {detail}"]
-            for k in range(count):
-                with _fresh(target, state) as run:
-                    assert run is not None
-                    out.extend(_fail_and_retry(run, index, name, k, expected, state))
-            if out:
-                return out
+    for state, index, name in plan:
+        try:
+            with _fresh(target, state) as clean:
+                if clean is None:
+                    continue
+                count = _count_allocations(clean.device, lambda r=clean: _warmup(r, r.builders[index]))
+                expected = _persistent(clean.device, name)
+        except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
+            cause = exc.__cause__ or exc  # a builder error the run recorded and aborted on
+            return [f"the warmup retry probe could not run: {name} failed before or during its warmup in phase "
+                    f"{state!r}: {type(cause).__name__}: {cause}"]
+        for k in range(count):
+            with _fresh(target, state) as run:
+                assert run is not None
+                out.extend(_fail_and_retry(run, index, name, k, expected, state))
+        if out:
+            return out
     return out
 
 

@@ -380,6 +380,7 @@ class SimulatedCuda:
             if self in _active:
                 _active.remove(self)
         mode, self._mode = self._mode, None
+        self.owner_resolver = None  # every live storage's finalizer holds this instance: let the resolver's run go
         try:
             self._unpatch()
         finally:

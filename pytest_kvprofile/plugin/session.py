@@ -24,7 +24,7 @@ from pytest_kvprofile.contract.registry import (
     resolve_backends,
 )
 from pytest_kvprofile.contract.support import DeclarationError, resolve_support
-from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
+from pytest_kvprofile.lifecycle.driver import close_parts, make_device, run_lifecycle
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, Matrix
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_matrix
@@ -124,6 +124,7 @@ class KvprofileSession:
         if result is None:
             if self.device_factory is None:
                 result = run_lifecycle(backend, case, make_device)
+                close_parts(result)  # the cache keeps records, not every case's workspaces
             else:
                 result = run_lifecycle(backend, case, self.device_factory)
                 self.device_factory.release(result)  # a real GPU cannot hold every cached case's memory

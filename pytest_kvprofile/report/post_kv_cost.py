@@ -9,6 +9,8 @@ quotes these numbers.
 
 from __future__ import annotations
 
+import os
+import sysconfig
 from dataclasses import dataclass
 
 import pytest_kvprofile.lifecycle.phases as lc
@@ -77,7 +79,7 @@ def post_kv_cost(result: LifecycleResult) -> PostKvCost | None:
             continue
         if a.freed_phase is not None and lc.PHASE_INDEX.get(a.freed_phase, 0) <= lc.PHASE_INDEX[lc.SERVING]:
             continue
-        groups.setdefault((a.owner, a.stack or f"ctx.allocate({a.tag!r})"), []).append(a)
+        groups.setdefault((a.owner, _short(a.stack) if a.stack else f"ctx.allocate({a.tag!r})"), []).append(a)
     sources = sorted(
         (CostSource(owner, source, tuple(sorted({a.tag for a in allocs})), len(allocs), sum(a.nbytes for a in allocs))
          for (owner, source), allocs in groups.items()),
@@ -88,3 +90,11 @@ def post_kv_cost(result: LifecycleResult) -> PostKvCost | None:
     per_token = budget.kv_bytes_per_token
     return PostKvCost(result.case.id, total, tokens_for(total, per_token), overrun, tokens_for(overrun, per_token),
                       tuple(sources))
+
+
+_SITE = os.path.join(sysconfig.get_paths()["purelib"], "")
+
+
+def _short(stack: str) -> str:
+    """A source line relative to its installed package (``vllm/v1/...py:1275``), as a pull request quotes it."""
+    return stack.replace(_SITE, "")

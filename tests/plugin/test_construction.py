@@ -1,9 +1,10 @@
 """When the harness constructs a backend's builders, and how often (contract/registry.py says why).
 
 Per (backend, case): once at collection to classify the pair and once for the lifecycle; once at
-configure, on the first runnable case, to inspect the backend; and once per distinct layout for the
-warmup-retry probe's clean warmup (the probe ignores gmu, so it runs on the case with its id and gmu
-blanked; a warmup that allocates nothing needs no fault points).
+configure, on the first runnable case, to inspect the backend; and, per distinct layout, once for the
+warmup-retry probe's clean warmup and once per allocation of that warmup (its fault points), in each
+state where the main run saw the warmup allocate (the probe ignores gmu, so it runs on the case with its
+id and gmu blanked).
 """
 
 import json
@@ -17,9 +18,16 @@ MADE = collections.Counter()
 
 class Counted:
     name = "counted"
+    warmup_materializes_persistent = True  # warmed inside the window, where its scratch is measured
 
     def __init__(self, case):
         MADE[case.id] += 1
+        self.warmed = False
+
+    def warmup(self, ctx):
+        if not self.warmed:  # one transient scratch: one fault point for the probe
+            ctx.free(ctx.allocate(1 << 20, "tuning scratch"))
+            self.warmed = True
 
     def get_persistent_workspace_memory_profiling_support(self):
         return ProfilingSupport.REQUIRED
@@ -58,5 +66,5 @@ def test_builders_are_made_once_per_pair_for_the_lifecycle(pytester, suite_args)
     first, *rest = made
     assert made[first] == 3, made  # inspect + classify + lifecycle
     assert rest and all(made[c] == 2 for c in rest), made  # classify + lifecycle
-    # one clean run per warmup state (inside the window, after KV sizing) per layout (each case has its own)
+    # per layout (each case here has its own): the clean warmup inside the window and its one fault point
     assert probe == 2 * len(made), made

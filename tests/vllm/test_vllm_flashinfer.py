@@ -9,16 +9,19 @@ import sys
 
 import pytest
 
-from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT
+from pytest_kvprofile.engines import vllm_standins as vs
 
-pytest.importorskip("vllm", reason=f"vLLM is not installed; install it with {VLLM_INSTALL_HINT}")
+try:  # the one guard: vLLM and the dependencies its FlashInfer backend imports
+    vs.import_vllm_flashinfer()
+except vs.VllmUnavailable as exc:
+    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}",
+                allow_module_level=True)
 
 import torch  # noqa: E402
 
 from pytest_kvprofile.contract.backends import Backend  # noqa: E402
 from pytest_kvprofile.contract.support import ProfilingSupport  # noqa: E402
 from pytest_kvprofile.engines import vllm_config as vc  # noqa: E402
-from pytest_kvprofile.engines import vllm_standins as vs  # noqa: E402
 from pytest_kvprofile.engines.vllm_flashinfer import (  # noqa: E402
     VLLM_BACKENDS,
     ReservingVllmBuilder,

@@ -1,0 +1,229 @@
+"""A harness case as vLLM sees it: a local HF ``config.json``, a ``VllmConfig``, a KV-cache spec and the
+attention layers vLLM's metadata builder reads its hyperparameters from.
+
+Why: vLLM's ``FlashInferMetadataBuilder`` takes everything from its config (scheduler limits, CUDA-graph
+capture sizes, TP/DCP, speculative tokens) and from the model's registered attention layers (query heads,
+``sm_scale``, window). The case supplies all of it; nothing is downloaded. The model class is a stand-in
+registered under its own architecture name (vLLM's model inspection imports the real model classes, which
+need the CUDA flash-attention extension); the layers are stand-ins holding vLLM's real ``FlashInferImpl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from pytest_kvprofile.matrix.cases import Case
+
+__all__ = ["STANDIN_ARCHITECTURE", "UnexpressibleCase", "hf_config", "hf_config_dir", "kv_cache_spec",
+           "layer_names", "make_vllm_config", "resolve_kv_cache_layout", "standin_layers", "standin_model_registered"]
+
+STANDIN_ARCHITECTURE = "KvprofileStandinForCausalLM"
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+class UnexpressibleCase(ValueError):
+    """A case this adapter cannot express as a vLLM FlashInfer configuration; the message names it and why."""
+
+
+def check_expressible(case: Case) -> None:
+    """Raise :class:`UnexpressibleCase` for a case vLLM's FlashInfer (non-MLA) builder does not serve."""
+    model = case.model
+    if model.attention == "mla":
+        raise UnexpressibleCase(f"case {case.id}: MLA layouts are served by vLLM's FlashInfer MLA backend "
+                                "(FlashInferMLAMetadataBuilder), not FlashInferMetadataBuilder")
+    if model.kv_dtype not in _DTYPES:
+        raise UnexpressibleCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
+                                f"(it maps the model dtype onto the KV cache: {', '.join(_DTYPES)})")
+    if model.dim_vo != model.head_dim:
+        raise UnexpressibleCase(f"case {case.id}: head_dim_vo {model.dim_vo} != head_dim {model.head_dim}; "
+                                "vLLM's FlashInfer builder plans one head size")
+    if model.heads_q % case.tp:
+        raise UnexpressibleCase(f"case {case.id}: {model.heads_q} query heads do not split over TP={case.tp}")
+
+
+def hf_config(case: Case) -> dict[str, Any]:
+    """The ``config.json`` of a plain GQA decoder with the case's head layout."""
+    model = case.model
+    return {
+        "architectures": [STANDIN_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": model.hidden,
+        "intermediate_size": 4 * model.hidden,
+        "num_attention_heads": model.heads_q,
+        "num_key_value_heads": model.heads_kv,
+        "head_dim": model.head_dim,
+        "num_hidden_layers": model.num_layers,
+        "vocab_size": 32000,
+        "max_position_embeddings": max(case.envelope.max_model_len, 4096),
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "torch_dtype": _DTYPES[model.kv_dtype],
+        "tie_word_embeddings": False,
+    }
+
+
+def _cache_root() -> Path:
+    from pytest_kvprofile.sizing.oracle_build import cache_root
+
+    return cache_root() / "vllm-hf-configs"
+
+
+def hf_config_dir(case: Case, root: Path | None = None) -> Path:
+    """A directory holding the case's ``config.json`` (written once per layout, atomically)."""
+    text = json.dumps(hf_config(case), sort_keys=True, indent=1)
+    folder = (root or _cache_root()) / hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = folder / "config.json"
+    if not path.exists() or path.read_text() != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".config.json.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return folder
+
+
+def _standin_model_cls() -> type:
+    import torch
+
+    class KvprofileStandinForCausalLM(torch.nn.Module):
+        """The interface vLLM's model inspection checks; never instantiated by the harness."""
+
+        def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+            super().__init__()
+
+        def embed_input_ids(self, input_ids: Any) -> Any:
+            raise NotImplementedError
+
+        def forward(self, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
+                    inputs_embeds: Any = None) -> Any:
+            raise NotImplementedError
+
+        def compute_logits(self, hidden_states: Any) -> Any:
+            raise NotImplementedError
+
+    KvprofileStandinForCausalLM.__name__ = STANDIN_ARCHITECTURE
+    return KvprofileStandinForCausalLM
+
+
+@contextlib.contextmanager
+def standin_model_registered() -> Iterator[None]:
+    """vLLM's model registry knows :data:`STANDIN_ARCHITECTURE` for the block."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    models = ModelRegistry.models
+    had = models.get(STANDIN_ARCHITECTURE)
+    if had is None:
+        ModelRegistry.register_model(STANDIN_ARCHITECTURE, _standin_model_cls())
+    try:
+        yield
+    finally:
+        if had is None:
+            models.pop(STANDIN_ARCHITECTURE, None)
+
+
+def _torch_dtype(case: Case) -> Any:
+    import torch
+
+    return getattr(torch, _DTYPES[case.model.kv_dtype])
+
+
+def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
+    """The ``VllmConfig`` of one case's rank: TP/DCP, MTP as ``num_speculative_tokens`` (the n-gram proposer:
+    the builder only reads the count), the envelope's scheduler limits and capture sizes (tokens), full
+    CUDA graphs for decode."""
+    from vllm.config import (
+        CacheConfig,
+        CompilationConfig,
+        ModelConfig,
+        ParallelConfig,
+        PassConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    check_expressible(case)
+    env = case.envelope
+    folder = hf_dir or hf_config_dir(case)
+    with standin_model_registered():
+        model_config = ModelConfig(model=str(folder), tokenizer=str(folder), skip_tokenizer_init=True,
+                                   dtype=_DTYPES[case.model.kv_dtype], max_model_len=env.max_model_len)
+    parallel = ParallelConfig(tensor_parallel_size=case.tp, decode_context_parallel_size=case.dcp)
+    scheduler = SchedulerConfig(max_num_seqs=env.max_num_seqs, max_num_batched_tokens=env.max_num_batched_tokens,
+                                max_model_len=env.max_model_len, is_encoder_decoder=False)
+    passes = {}
+    if "fuse_allreduce_rms" in getattr(PassConfig, "__dataclass_fields__", {}):
+        passes["fuse_allreduce_rms"] = False  # sizing it imports fusion passes bound to vllm._C's CUDA ops
+    compilation = CompilationConfig(cudagraph_capture_sizes=sorted(env.cuda_graph_sizes),
+                                    cudagraph_mode="FULL_AND_PIECEWISE", pass_config=PassConfig(**passes))
+    kwargs: dict[str, Any] = {}
+    if case.mtp:
+        from vllm.config import SpeculativeConfig
+
+        kwargs["speculative_config"] = SpeculativeConfig(method="ngram", num_speculative_tokens=case.mtp,
+                                                         prompt_lookup_max=2, prompt_lookup_min=1)
+    try:
+        return VllmConfig(model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
+                          compilation_config=compilation, cache_config=CacheConfig(block_size=env.page_size), **kwargs)
+    except ValueError as exc:  # pydantic's ValidationError: vLLM's own refusal of the layout
+        reason = " ".join(str(getattr(exc, "errors", lambda: [{"msg": str(exc)}])()[0].get("msg", exc)).split())
+        raise UnexpressibleCase(f"case {case.id}: vLLM rejects this layout: {reason}") from None
+
+
+def resolve_kv_cache_layout(case: Case, vllm_config: Any) -> None:
+    """What vLLM's engine core does once before profiling (``resolve_kv_cache_layout``): the layout the FlashInfer
+    backend prefers on this GPU, recorded on the cache config. Older vLLMs without the field read it lazily."""
+    cache = vllm_config.cache_config
+    if getattr(cache, "kv_cache_layout", "absent") is not None:
+        return
+    from vllm.v1.attention.backends import utils
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    layouts = FlashInferBackend.supported_kv_cache_layouts()
+    names = [layout.name for layout in layouts] if layouts else ["LBNHC"]
+    utils.resolve_kv_cache_layout(vllm_config, [names], [kv_cache_spec(case)])
+
+
+def kv_cache_spec(case: Case) -> Any:
+    """The rank's full-attention KV-cache spec (KV heads per rank, page size, dtype)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=case.envelope.page_size, num_kv_heads=case.heads.heads_kv,
+                             head_size=case.model.head_dim, dtype=_torch_dtype(case))
+
+
+def layer_names(case: Case) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(case.model.num_layers)]
+
+
+def standin_layers(case: Case, vllm_config: Any) -> None:
+    """Register one attention layer per model layer in ``vllm_config``'s forward context, each holding vLLM's
+    real ``FlashInferImpl`` with the rank's heads (what ``get_per_layer_parameters`` and the query-head count
+    read)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend, FlashInferImpl
+
+    heads = case.heads
+    spec = kv_cache_spec(case)
+
+    class StandinAttentionLayer(AttentionLayerBase):
+        def __init__(self) -> None:
+            self.impl = FlashInferImpl(num_heads=heads.heads_q, head_size=case.model.head_dim,
+                                       scale=case.model.head_dim ** -0.5, num_kv_heads=heads.heads_kv,
+                                       alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+
+        def get_attn_backend(self) -> Any:
+            return FlashInferBackend
+
+        def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+            return spec
+
+    from vllm.config import set_current_vllm_config
+
+    context = vllm_config.compilation_config.static_forward_context
+    with set_current_vllm_config(vllm_config):
+        for name in layer_names(case):
+            context[name] = StandinAttentionLayer()
