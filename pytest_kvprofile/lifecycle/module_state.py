@@ -10,6 +10,8 @@ containers deep. What it finds is judged against the run (allocated by it, or us
 
 from __future__ import annotations
 
+import functools
+import gc
 import sys
 import types
 import weakref
@@ -18,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from pytest_kvprofile.memory.device import Allocation
 
+_LRU_WRAPPER = type(functools.lru_cache(maxsize=None)(len))
 MAX_DEPTH = 4
 MAX_ITEMS = 256  # items looked at per container: module state holding device memory is a handful of buffers
 _SKIP = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type(len), str, bytes,
@@ -118,6 +121,14 @@ def _walk(value: Any, where: str, depth: int, memory_of: Callable[[Any], Allocat
 
 
 def _children(value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, _LRU_WRAPPER):
+        # a functools cache keeps its entries out of reach of attributes: its cache dict is a referent (a bounded
+        # lru_cache keeps results in C links the collector cannot walk: those stay unseen)
+        for i, ref in enumerate(gc.get_referents(value)):
+            if isinstance(ref, dict):
+                for j, v in enumerate(list(ref.values())[:MAX_ITEMS]):
+                    yield f".<cache entry {j}>", v  # an unbounded cache (functools.cache) keeps results as values
+        return
     if isinstance(value, dict):
         for i, (k, v) in enumerate(list(value.items())):
             if i >= MAX_ITEMS:

@@ -162,3 +162,51 @@ def test_no_opt_in_without_the_profiling_path(declared, may):
     assert doc["may_opt_in"] is may
     if not may:
         assert any(r.startswith("legacy path: nothing to opt in") for r in doc["reasons"]), doc["reasons"]
+
+
+class _TransientInReserve(FlashInferLikeBuilder):
+    """Correct: a staging buffer made and freed inside the reservation is not part of the lease."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        ctx.free(ctx.allocate(MiB, "zero-fill staging"))
+        return super().reserve_persistent_workspace(ctx)
+
+
+class _GDNKeepsCache(GDNLikeBuilder):
+    """NEUTRAL, but keeps an autotune cache of its own from warmup."""
+
+    warmup_materializes_persistent = True
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if not getattr(self, "cache", None):
+            self.cache = ctx.allocate(16 * MiB, "gdn autotune cache")
+        super().warmup(ctx)
+
+
+def test_a_transient_of_the_reservation_is_not_leased(case):
+    assert _only(_backend("staging", _TransientInReserve), case) == {}
+
+
+def test_a_neutral_builder_that_keeps_memory_of_its_own_fails_its_declaration(case):
+    failed = _only(_backend("hybrid-gdn-cache", FlashInferLikeBuilder, _GDNKeepsCache), case)
+    message = failed["support_declaration"][0]
+    assert "'gdn' declares NEUTRAL" in message and "'gdn autotune cache' 16.00 MiB" in message, message
+    assert _only(STUBS["stub-hybrid"], case) == {}
+
+
+@pytest.mark.parametrize("mutant, check, words", [
+    ("mutant-01c-torch-release-callback-allocates", "persistent_memory_visible_at_closing",
+     ["flashinfer-torch", "16.00 MiB", "from lease.release() in phase 'lease_release'"]),
+    ("mutant-07d-post-kv-warmup-leaks", "warmup_retryable", ["after KV sizing", "'autotune scratch' 64.00 MiB"]),
+    ("mutant-07d-post-kv-warmup-leaks", "no_post_kv_overrun", ["64.00 MiB cached after flashinfer: 'autotune scratch'"]),
+    ("mutant-07e-torch-warmup-keeps-partial", "warmup_retryable", ["inside the profiling window", "extra 'warmup'"]),
+    ("mutant-11b-fixed-default-view", "workspace_covers_planner", ["asks the arena for views of up to 394.00 MiB",
+                                                                   "wasted"]),
+    ("mutant-14-module-global-workspace", "no_state_outlives_case",
+     ["_SHARED_WORKSPACES['trtllm-gen']", "32.00 MiB", "mutants.py"]),
+])
+def test_observed_mutant_fails_naming_what_the_harness_saw(case, mutant, check, words):
+    failed = _only(MUTANTS[mutant], case)
+    message = failed[check][0]
+    for word in words:
+        assert word in message, message
