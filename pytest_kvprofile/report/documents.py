@@ -108,7 +108,7 @@ def verdict_document(session: Any) -> dict:
         cost = costs.get(backend.name, [])
         if legacy:
             worst = f"; up to {cost[0]['mib']:.2f} MiB ({cost[0]['kv_tokens']} KV tokens) appear after KV sizing " \
-                    f"on {cost[0]['case']}" if cost else ""
+                    f"on {cost[0]['case']}" if cost and cost[0]["bytes"] else ""
             reasons.append(f"legacy path: nothing to opt in ({legacy}{worst})")
         doc["backends"].append({
             "name": backend.name,
