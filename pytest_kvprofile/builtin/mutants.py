@@ -187,7 +187,7 @@ class ReleaseCallbackAllocatesBuilder(TorchFlashInferLikeBuilder):
         def release() -> None:
             import torch
 
-            self._drop(made)
+            self._drop(ctx, made)
             self.plan_cache = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
 
         return ctx.lease(made, on_release=release)
@@ -196,6 +196,10 @@ class ReleaseCallbackAllocatesBuilder(TorchFlashInferLikeBuilder):
 class TorchLeakyRetryWarmupBuilder(TorchFlashInferLikeBuilder):
     """Bug 7e (torch mode): appends each tuned kernel's buffer before its scratch is allocated, so a warmup that
     fails part-way keeps a buffer the retry makes again (plain torch tensors: no ctx.allocate to follow)."""
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self.tuned: list[Any] = []
 
     def warmup(self, ctx: BuilderContext) -> None:
         import torch

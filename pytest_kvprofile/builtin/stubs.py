@@ -239,81 +239,36 @@ STUB_BACKENDS: tuple[Backend, ...] = (
 )
 
 
-@dataclass
-class TorchWrapper:
-    """The torch-mode wrapper: its arena view, and an int workspace and pinned mirror made with plain torch."""
-
-    route: str
-    ubatch: int
-    view: Any
-    int_workspace: Any
-    pinned_mirror: Any
-
-
-class TorchFlashInferLikeBuilder:
+class TorchFlashInferLikeBuilder(FlashInferLikeBuilder):
     """REQUIRED, written with plain torch "cuda" tensors (torch mode): what an engine's builder looks like.
 
-    The same behaviour as the FlashInfer-like stub, but nothing goes through ``ctx.allocate``: the simulated
+    The FlashInfer-like stub's behaviour, but nothing it keeps goes through ``ctx.allocate``: the simulated
     device serves and attributes its tensors, so the checks judge what the harness observes of plain torch
-    code (release callbacks, retries, module state), not what a context was told.
+    code (release callbacks, retries, module state), not what a context was told. Dropping the last
+    reference to a tensor frees it.
     """
 
     name = "flashinfer-torch"
-    warmup_materializes_persistent = True
     torch_mode = True
 
-    def __init__(self, case: Any):
-        self.case = case
-        self._routes = routes(case)
-        self.wrappers: dict[tuple[str, int], TorchWrapper] = {}
-        self.tuned: list[Any] = []
-        self.warmed = False
-
-    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
-        return ProfilingSupport.REQUIRED
-
-    def float_bytes(self) -> int:
-        return for_case(self.case).float_bytes
-
-    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
-        return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=INT_WORKSPACE_BYTES)
-
-    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> TorchWrapper:
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         import torch
 
-        view = ctx.get_workspace(self.float_bytes(), ubatch)
-        return TorchWrapper(route, ubatch, view, torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"),
-                            torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
+        view = self._float_view(ctx, ubatch)
+        return Wrapper(route, ubatch, view.ptr, view.nbytes,
+                       torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"),
+                       torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
 
-    def _materialize(self, ctx: BuilderContext) -> list[TorchWrapper]:
-        made = []
-        for route in self._routes:
-            for ub in range(ctx.num_ubatches):
-                if (route, ub) not in self.wrappers:
-                    self.wrappers[(route, ub)] = self._new_wrapper(ctx, route, ub)
-                    made.append(self.wrappers[(route, ub)])
-        return made
-
-    def _drop(self, made: list[TorchWrapper]) -> None:
-        """Let the profiling wrappers go: dropping the last reference frees their tensors."""
-        for key in [k for k, w in self.wrappers.items() if any(w is m for m in made)]:
+    def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
+        for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:
             del self.wrappers[key]
-
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
-        made = self._materialize(ctx)
-        return ctx.lease(made, on_release=lambda: self._drop(made))
-
-    def rebind(self, ctx: BuilderContext) -> None:
-        self._materialize(ctx)
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
         import torch
 
-        route = "decode" if batch.kind == "decode" and "decode" in self._routes else "prefill"
-        w = self.wrappers.get((route, batch.ubatch))
-        if w is None:
-            w = self.wrappers[(route, batch.ubatch)] = self._new_wrapper(ctx, route, batch.ubatch)
-        w.int_workspace[:64].copy_(torch.arange(64, dtype=torch.uint8))  # the plan lands in the int workspace
+        super().build(ctx, batch)
+        plan = self._wrapper_for(ctx, batch).int_workspace
+        plan[:64].copy_(torch.arange(64, dtype=torch.uint8))  # the plan lands in the int workspace
 
     def warmup(self, ctx: BuilderContext) -> None:
         import torch
@@ -321,14 +276,17 @@ class TorchFlashInferLikeBuilder:
         if self.warmed:
             return
         scratch = torch.empty(AUTOTUNE_SCRATCH_BYTES, dtype=torch.uint8, device="cuda")
-        if not self.tuned:
-            self.tuned.append(torch.empty(MODULE_GLOBAL_BYTES, dtype=torch.uint8, device="cuda"))
+        if self.module_global is None:
+            self.module_global = torch.empty(MODULE_GLOBAL_BYTES, dtype=torch.uint8, device="cuda")
         del scratch
         self.warmed = True
 
-    def bound_workspaces(self) -> list[BoundWorkspace]:
-        return [BoundWorkspace(w.ubatch, f"{w.route} float workspace", w.view.ptr, w.view.nbytes)
-                for w in self.wrappers.values()]
+    def dummy_run(self, ctx: BuilderContext) -> None:
+        import torch
+
+        if ctx.dummy and not ctx.capturing:
+            synthetic = torch.empty(self._synthetic_bytes(), dtype=torch.uint8, device="cuda")
+            del synthetic
 
 
 TORCH_STUB_BACKENDS: tuple[Backend, ...] = (

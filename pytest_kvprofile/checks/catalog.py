@@ -15,6 +15,7 @@ from typing import Any, Callable
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
 from pytest_kvprofile.contract.workspace import ArenaView
+from pytest_kvprofile.lifecycle.module_state import made_by
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.memory.budget import tokens_for
 from pytest_kvprofile.units import MiB
@@ -498,8 +499,6 @@ def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions)
     used = {id(f.alloc): f for f in result.foreign_uses}
     held = {id(h.alloc): h.where for h in result.module_held}
     culprits: dict[tuple, list[str]] = {}
-    from pytest_kvprofile.lifecycle.module_state import made_by
-
     mine = {id(a) for a in result.allocations}
     for h in result.module_held:
         a = h.alloc
@@ -528,7 +527,7 @@ def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> 
     budget = result.budget
     out = []
     oom = [e for e in result.errors if e.exc_type == "DeviceOutOfMemory" and e.phase in lc.POST_KV_PHASES]
-    overrun = result.post_kv_peak_used - budget.limit
+    overrun = result.post_kv_overrun
     if overrun > 0 or oom:
         names = _builder_names(result) | {"workspace-manager"}
         culprits = [a for a in result.post_kv_peak_live if a.owner in names]

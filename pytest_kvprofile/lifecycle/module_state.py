@@ -63,29 +63,21 @@ def modules_of(parts: Iterable[Any], files: Iterable[str]) -> list[types.ModuleT
     by_file = _modules_by_file()
     for f in files:
         mod = by_file.get(f)
-        if mod is None and f not in _misses:
-            _modules_by_file.cache = None  # a module imported since: look again once
-            mod = _modules_by_file().get(f)
-            if mod is None:
-                _misses.add(f)
         if mod is not None:
             names[mod.__name__] = None
     return [sys.modules[n] for n in names if n in sys.modules]
 
 
-_misses: set[str] = set()
+_by_file: tuple[int, dict[str, types.ModuleType]] = (-1, {})
 
 
 def _modules_by_file() -> dict[str, types.ModuleType]:
-    cache = getattr(_modules_by_file, "cache", None)
-    if cache is None:
-        cache = {}
-        for mod in list(sys.modules.values()):
-            f = getattr(mod, "__file__", None)
-            if isinstance(f, str):
-                cache[f] = mod
-        _modules_by_file.cache = cache  # type: ignore[attr-defined]
-    return cache
+    """Loaded modules by source file, looked up again only when the set of loaded modules changes."""
+    global _by_file
+    if _by_file[0] != len(sys.modules):
+        _by_file = (len(sys.modules), {m.__file__: m for m in list(sys.modules.values())
+                                       if isinstance(getattr(m, "__file__", None), str)})
+    return _by_file[1]
 
 
 def held_in_modules(modules: Iterable[types.ModuleType], memory_of: Callable[[Any], Allocation | None]) -> list[ModuleHeld]:

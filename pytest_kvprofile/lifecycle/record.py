@@ -160,5 +160,10 @@ class LifecycleResult:
                 return rec
         return None
 
+    @property
+    def post_kv_overrun(self) -> int:
+        """Bytes the device peaked at after KV sizing beyond total x gmu (negative: headroom; 0 without a budget)."""
+        return self.post_kv_peak_used - self.budget.limit if self.budget is not None else 0
+
     def builder_names(self) -> list[str]:
         return [builder_name(b) for b in self.builders]

@@ -537,20 +537,7 @@ class SimulatedCuda:
         except DeviceOutOfMemory as err:
             if isinstance(err, torch.OutOfMemoryError):
                 raise
-            raise SimulatedCudaOutOfMemory(
-                requested=err.requested,
-                segment=err.segment,
-                free=err.free,
-                capacity=err.capacity,
-                allocated=err.allocated,
-                reserved=err.reserved,
-                nontorch=err.nontorch,
-                owner=err.owner,
-                tag=err.tag,
-                phase=err.phase,
-                device_name=err.device_name,
-                injected=err.injected,
-            ) from None
+            raise SimulatedCudaOutOfMemory(**vars(err)) from None  # the same fields, as torch's OOM type
         self._registry[ptr] = alloc
         _live_storages[ptr] = alloc
         weakref.finalize(storage, self._release, ptr, alloc)

@@ -86,7 +86,7 @@ def post_kv_cost(result: LifecycleResult) -> PostKvCost | None:
         key=lambda s: (-s.nbytes, s.owner, s.source),
     )
     total = sum(s.nbytes for s in sources)
-    overrun = max(0, result.post_kv_peak_used - budget.limit)
+    overrun = max(0, result.post_kv_overrun)
     per_token = budget.kv_bytes_per_token
     return PostKvCost(result.case.id, total, tokens_for(total, per_token), overrun, tokens_for(overrun, per_token),
                       tuple(sources))

@@ -170,8 +170,7 @@ def outcomes(backend: Any, cases: Iterable[Case]) -> dict[str, Outcome]:
     out = {}
     for case in cases:
         result = run_lifecycle(backend, case)
-        overrun = result.post_kv_peak_used - result.budget.limit if result.budget else 0
-        out[case.id] = Outcome(failing_checks(result), overrun)
+        out[case.id] = Outcome(failing_checks(result), result.post_kv_overrun)
     return out
 
 
