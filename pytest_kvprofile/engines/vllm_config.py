@@ -169,7 +169,8 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
         return VllmConfig(model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
                           compilation_config=compilation, cache_config=CacheConfig(block_size=env.page_size), **kwargs)
     except ValueError as exc:  # pydantic's ValidationError: vLLM's own refusal of the layout
-        reason = " ".join(str(getattr(exc, "errors", lambda: [{"msg": str(exc)}])()[0].get("msg", exc)).split())
+        errors = exc.errors() if callable(getattr(exc, "errors", None)) else [{"msg": str(exc)}]
+        reason = " ".join(str(errors[0].get("msg", exc)).split())
         raise UnexpressibleCase(f"case {case.id}: vLLM rejects this layout: {reason}") from None
 
 

@@ -185,7 +185,7 @@ def test_vllms_builder_runs_every_phase_on_the_legacy_path(backend):
     builder = result.builders[0]
     assert set(builder.built) == {"prefill", "mixed", "decode"}
     stacks = [a.stack for a in _post_kv(result)]
-    assert any(f"vllm/v1/attention/backends/flashinfer.py:" in s for s in stacks)
+    assert any("vllm/v1/attention/backends/flashinfer.py:" in s for s in stacks)
     assert any("/flashinfer/prefill.py:" in s for s in stacks) and any("/flashinfer/decode.py:" in s for s in stacks)
     assert all(a.phase not in ("reservation", "profile_run") or a.owner != builder.name for a in result.allocations)
 
