@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from pytest_kvprofile.checks.catalog import CheckOptions, check_workspace_covers_planner
+from pytest_kvprofile.checks.base import CheckOptions
+from pytest_kvprofile.checks.workspace import check_workspace_covers_planner
 from pytest_kvprofile.cli import main
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.protocol import WorkspaceDeclaration

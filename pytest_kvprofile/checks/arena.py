@@ -1,0 +1,138 @@
+"""Checks of the shared float arena: stable after the closing measurement, locked, one per micro-batch."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.checks.base import Check, CheckOptions, aborted_before
+from pytest_kvprofile.contract.workspace import ArenaView
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.units import MiB
+
+
+def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    closing = result.phase(lc.CLOSING)
+    out = []
+    for phase in (lc.LEASE_RELEASE, lc.GRAPH_PROFILING, lc.KV_SIZING, lc.REBIND, lc.WARMUP, lc.CAPTURE, lc.LOCK,
+                  lc.SERVING):
+        rec = result.phase(phase)
+        if rec is None:
+            continue
+        if rec.arena != closing.arena:
+            out.append(
+                f"the float arena moved or resized in phase {phase!r}: {_fmt_arena(closing.arena)} at the closing "
+                f"measurement, {_fmt_arena(rec.arena)} now (captured CUDA graphs hold the old pointer)"
+            )
+            break
+    capture = result.phase(lc.CAPTURE)
+    serving = result.phase(lc.SERVING)
+    if capture is not None and serving is not None and capture.bound != serving.bound:
+        moved = sorted(set(capture.bound) ^ set(serving.bound), key=lambda b: (b.owner, b.workspace.ubatch))
+        detail = "; ".join(
+            f"{b.owner} {b.workspace.role} [ubatch {b.workspace.ubatch}] ptr {b.workspace.ptr:#x} "
+            f"{b.workspace.nbytes} bytes ({'at capture' if b in capture.bound else 'at serving'})"
+            for b in moved[:4])
+        out.append(f"workspace pointers bound at capture changed before replay: {detail}")
+    return out
+
+
+def _fmt_arena(arena: tuple[ArenaView, ...]) -> str:
+    return ", ".join(f"ubatch {v.ubatch}: ptr {v.ptr:#x} size {v.nbytes / MiB:.2f} MiB" for v in arena) or "none"
+
+
+def check_arena_not_grown_after_lock(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """Every refusal the manager recorded fails, caught by the builder or not: the request itself is the bug."""
+    out = []
+    refused = {(r.phase, r.requester) for r in result.refusals}
+    counts = Counter(result.refusals)
+    for r, n in counts.items():
+        times = f" ({n} times)" if n > 1 else ""
+        out.append(f"arena_not_grown_after_lock: {r.describe()}{times}; the locked arena refused to grow (whether "
+                   "or not the builder caught the WorkspaceLockedError and fell back on its own buffer)")
+    for err in result.errors:
+        if err.exc_type == "WorkspaceLockedError" and (err.phase, err.who) not in refused:
+            out.append(f"{err.who} asked the locked arena to grow in phase {err.phase!r}: {err.message}")
+    if result.phase(lc.LOCK) is not None:
+        probe = result.lock_probe_error
+        if probe is None:
+            out.append("the workspace manager let the arena grow after lock()")
+        elif "kvprofile-lock-probe" not in probe or "bytes" not in probe:
+            out.append(f"the growth-after-lock error does not name the requester and sizes: {probe!r}")
+    if out:
+        return out
+    aborted = aborted_before(result, lc.SERVING)
+    return [aborted] if aborted else []
+
+
+def _several_ubatches(case: Any, parts: list[Any]) -> bool:
+    return case.envelope.num_ubatches >= 2
+
+
+def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    out = []
+    for rec in result.phases:
+        arenas = {v.ubatch: (v.ptr, v.end) for v in rec.arena if v.nbytes}
+        spans = sorted(arenas.items(), key=lambda kv: kv[1])
+        for (u1, (_s1, e1)), (u2, (s2, _e2)) in zip(spans, spans[1:]):
+            if s2 < e1:
+                out.append(f"phase {rec.name!r}: the arenas of ubatch {u1} and ubatch {u2} overlap")
+        for bound in rec.bound:
+            ub, ptr, nbytes = bound.workspace.ubatch, bound.workspace.ptr, bound.workspace.nbytes
+            if ub not in arenas:
+                continue
+            start, end = arenas[ub]
+            if not (start <= ptr and ptr + nbytes <= end):
+                other = [u for u, (s, e) in arenas.items() if u != ub and s <= ptr < e]
+                where = f"inside ubatch {other[0]}'s arena" if other else "outside its arena"
+                out.append(
+                    f"phase {rec.name!r}: {bound.owner}'s {bound.workspace.role} for ubatch {ub} points {where} "
+                    f"(ptr {ptr:#x}, {nbytes / MiB:.2f} MiB)"
+                )
+        if out:
+            break
+    return out + _observed_ubatch_violations(result)
+
+
+def _observed_ubatch_violations(result: LifecycleResult) -> list[str]:
+    """What the manager saw, whatever the builder reports: the views it handed to each builder.
+
+    A build for micro-batch u that asks for another micro-batch's arena plans into memory the other
+    micro-batch uses concurrently; a builder that asks for arena views but never for u's while the
+    engine builds u's batches through it plans u into another micro-batch's arena.
+    """
+    out = []
+    wrong: dict[tuple, int] = {}
+    asked: dict[str, set[int]] = {}
+    for g in result.grants:
+        asked.setdefault(g.requester, set()).add(g.ubatch)
+        if g.for_ubatch is not None and g.ubatch != g.for_ubatch:
+            key = (g.requester, g.method, g.phase, g.for_ubatch, g.ubatch, g.nbytes)
+            wrong[key] = wrong.get(key, 0) + 1
+    for (who, method, phase, mine, other, nbytes), n in wrong.items():
+        times = f" ({n} times)" if n > 1 else ""
+        out.append(
+            f"ubatch_arenas_disjoint: in phase {phase!r} {who} {method}() for micro-batch {mine} asked for "
+            f"{nbytes} bytes of micro-batch {other}'s arena{times}: both micro-batches would plan into the same memory"
+        )
+    built = {c.builder for c in result.calls if c.method == "build"}
+    count = result.case.envelope.num_ubatches
+    for who in sorted(asked.keys() & built):
+        missing = sorted(set(range(count)) - asked[who])
+        if missing:
+            out.append(
+                f"ubatch_arenas_disjoint: {who} asked only for the arenas of micro-batch(es) {sorted(asked[who])} but "
+                f"the engine builds micro-batch(es) {missing} through it: their plans use another micro-batch's arena"
+            )
+    return out
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("arena_stable_after_closing", "the arena's pointer and size never change after the closing "
+          "measurement", PROFILING, lc.SERVING, (4,), check_arena_stable_after_closing),
+    Check("arena_not_grown_after_lock", "growth after lock raises, naming the requester and sizes", PROFILING,
+          lc.LOCK, (4,), check_arena_not_grown_after_lock),
+    Check("ubatch_arenas_disjoint", "micro-batch arenas never overlap and wrappers stay in their own",
+          PROFILING, lc.SERVING, (5,), check_ubatch_arenas_disjoint, _several_ubatches),
+)

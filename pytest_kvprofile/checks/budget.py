@@ -1,0 +1,76 @@
+"""Checks of the engine's budget after KV sizing: the overrun and the graph pool's accounting."""
+
+from __future__ import annotations
+
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.checks.base import Check, CheckOptions
+from pytest_kvprofile.checks.evidence import (
+    builder_names,
+    grouped,
+    lease_released_sites,
+)
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.memory.budget import tokens_for
+from pytest_kvprofile.units import MiB
+
+
+def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    budget = result.budget
+    out = []
+    oom = [e for e in result.errors if e.exc_type == "DeviceOutOfMemory" and e.phase in lc.POST_KV_PHASES]
+    overrun = result.post_kv_overrun
+    if overrun > 0 or oom:
+        names = builder_names(result) | {"workspace-manager"}
+        culprits = [a for a in result.post_kv_peak_live if a.owner in names]
+        culprits.sort(key=lambda a: -a.nbytes)
+        tokens = tokens_for(max(overrun, 0), budget.kv_bytes_per_token)
+        head = (
+            f"after KV sizing the device peaked at {result.post_kv_peak_used / MiB:.1f} MiB, "
+            f"{max(overrun, 0) / MiB:.2f} MiB ({max(overrun, 0)} bytes) over total x gmu = {budget.limit / MiB:.1f} MiB"
+        )
+        if oom:
+            head += f"; out of memory: {oom[0].message}"
+        released = set().union(*(lease_released_sites(result, o) for o in names))
+        detail = grouped(result, culprits, first=lambda a: (a.owner, a.tag, a.nbytes) not in released)
+        cached = _cached_left_behind(result, names)
+        if cached:
+            cached = f"reserved but free at the peak (cached segments a freed allocation left behind): {cached}"
+            detail = f"{cached}; alive: {detail}" if detail else cached
+        detail = detail or "no builder allocation (engine accounting)"
+        out.append(
+            f"{head}. Responsible allocations: {detail}. The case would have to give up {tokens} KV tokens. "
+            f"Budget: {' | '.join(budget.lines())}"
+        )
+    return out
+
+
+def _cached_left_behind(result: LifecycleResult, names: set[str]) -> str:
+    """Cached free blocks at the post-KV peak, each named by the post-KV builder allocations that last used it."""
+    freed = [a for a in result.allocations
+             if a.owner in names and a.kind == "device" and a.phase in lc.POST_KV_PHASES and not a.alive]
+    parts = []
+    for ptr, size in sorted(result.post_kv_peak_cached, key=lambda b: (-b[1], b[0])):
+        users = [a for a in freed if a.ptr < ptr + size and ptr < a.ptr + a.size]
+        if users:
+            parts.append(f"{size / MiB:.2f} MiB cached after " + grouped(result, users))
+    return "; ".join(parts)
+
+
+def check_graph_pool_full_high_water(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    budget = result.budget
+    if budget.graph_pool_estimate < result.graph_pool_high_water:
+        missing = result.graph_pool_high_water - budget.graph_pool_estimate
+        return [
+            f"the CUDA-graph pool was estimated at {budget.graph_pool_estimate / MiB:.2f} MiB but its high-water mark "
+            f"is {result.graph_pool_high_water / MiB:.2f} MiB ({result.graph_pool_retained / MiB:.2f} MiB retained): "
+            f"{missing / MiB:.2f} MiB of live reserved pages omitted (gross - retained accounting)"
+        ]
+    return []
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("no_post_kv_overrun", "peak usage after KV allocation stays within total x gmu", PROFILING,
+          lc.WARMUP_REPEAT, (1, 2, 3, 4, 7, 8, 10), check_no_post_kv_overrun),
+    Check("graph_pool_full_high_water", "the CUDA-graph pool is accounted at its full high-water mark",
+          PROFILING, lc.KV_SIZING, (10,), check_graph_pool_full_high_water),
+)

@@ -1,0 +1,53 @@
+"""The check of what is allocated while a CUDA graph is captured."""
+
+from __future__ import annotations
+
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.checks.base import Check, CheckOptions
+from pytest_kvprofile.checks.evidence import (
+    builder_names,
+    grouped,
+    resource_names,
+    site,
+)
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+
+
+def check_no_synthetic_workspace_in_capture(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """Judge every allocation made while a graph is captured by the method it came from, not by its tag.
+
+    Resources allocate nothing in capture (README); a builder's ``dummy_run``, ``warmup`` or any other
+    method allocates nothing in capture either. ``build`` plans the captured batch, so a transient it
+    also makes for real traffic (the same owner, tag and source line when serving) is plan scratch;
+    one it makes only in dummy forwards is synthetic profiling workspace.
+    """
+    resources = resource_names(result)
+    names = builder_names(result)
+    captured = [
+        a for a in result.allocations
+        if a.phase in (lc.GRAPH_PROFILING, lc.CAPTURE) and a.pool != "default" and a.owner in names
+    ]
+    if not captured:
+        return []
+    served = {
+        site(a) for a in result.allocations
+        if a.phase in (lc.SERVING, lc.WARMUP_REPEAT) and result.alloc_origin.get(a.id) == "build"
+    }
+    bad = []
+    for a in captured:
+        method = result.alloc_origin.get(a.id)
+        transient = a.freed_phase == a.phase
+        if a.owner in resources or method != "build" or (transient and site(a) not in served):
+            bad.append(a)
+    if bad:
+        return [
+            "no_synthetic_workspace_in_capture: builder or resource memory that real traffic never needs was "
+            "allocated while a CUDA graph was being captured: " + grouped(result, bad)
+        ]
+    return []
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("no_synthetic_workspace_in_capture", "nothing allocates synthetic profiling workspace (or resource "
+          "memory) during graph capture", PROFILING, lc.CAPTURE, (9, 13), check_no_synthetic_workspace_in_capture),
+)

@@ -1,0 +1,89 @@
+"""How checks read and describe a record: live bytes, sites, allocations grouped for a message."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.lifecycle.record import LifecycleResult
+from pytest_kvprofile.units import MiB
+
+
+def fmt_alloc(a: Any) -> str:
+    where = f" at {a.stack}" if getattr(a, "stack", None) else ""
+    return f"{a.owner}: {a.tag!r} {a.nbytes / MiB:.2f} MiB ({a.nbytes} bytes) in phase {a.phase!r}{where}"
+
+
+def builder_names(result: LifecycleResult) -> set[str]:
+    return set(result.builder_names())
+
+
+def live_device_bytes(result: LifecycleResult, owner: str, at_phase: str) -> int:
+    """Device bytes owned by ``owner`` alive at the end of ``at_phase``."""
+    order = lc.PHASE_ORDER
+    limit = order.index(at_phase)
+    total = 0
+    for a in result.allocations:
+        if a.owner != owner or a.kind != "device" or a.phase not in order or order.index(a.phase) > limit:
+            continue
+        freed = a.freed_phase
+        if freed is None or (freed in order and order.index(freed) > limit):
+            total += a.nbytes
+    return total
+
+
+def lease_released_sites(result: LifecycleResult, owner: str) -> set[tuple[str, str, int]]:
+    """(owner, tag, bytes) of the owner's leased allocations freed at lease release: what rebind may re-create."""
+    ids = {aid for rec in result.leases if rec.owner == owner for aid in rec.allocation_ids}
+    return {(a.owner, a.tag, a.nbytes) for a in result.allocations
+            if a.id in ids and a.freed_phase == lc.LEASE_RELEASE}
+
+
+def site(a: Any) -> tuple[str, str, str | None]:
+    """Where an allocation comes from: owner, tag and (torch mode) source line."""
+    return (a.owner, a.tag, getattr(a, "stack", None))
+
+
+_RESOURCE_METHODS = {"build": "use", "reserve_persistent_workspace": "materialize"}
+
+
+def grouped(result: LifecycleResult, allocs: list[Any], first: Callable[[Any], bool] | None = None) -> str:
+    """Allocations grouped by (owner, tag, bytes, method, phase, source line), each with its count and total.
+
+    Groups for which ``first`` holds come first, then the largest totals. Every group is shown.
+    """
+    resources = resource_names(result)
+    groups: dict[tuple, list[Any]] = {}
+    for a in allocs:
+        method = result.alloc_origin.get(a.id) or "-"
+        if a.owner in resources:
+            method = _RESOURCE_METHODS.get(method, method)
+        key = (a.owner, a.tag, a.nbytes, method, a.phase, getattr(a, "stack", None) or "")
+        groups.setdefault(key, []).append(a)
+
+    def order(item: tuple[tuple, list[Any]]) -> tuple:
+        key, members = item
+        lead = 0 if first is None or first(members[0]) else 1
+        return (lead, -key[2] * len(members), key)
+
+    parts = []
+    for (owner, tag, nbytes, method, phase, stack), members in sorted(groups.items(), key=order):
+        times = f" x {len(members)} = {nbytes * len(members) / MiB:.2f} MiB" if len(members) > 1 else ""
+        where = f" at {stack}" if stack else ""
+        parts.append(f"{owner}: {tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){times} from {method}() in phase "
+                     f"{phase!r}{where}")
+    return "; ".join(parts)
+
+
+def resource_names(result: LifecycleResult) -> set[str]:
+    from pytest_kvprofile.contract.resources import is_resource
+
+    return {b.name for b in result.builders if is_resource(b)}
+
+
+def fmt_batch(batch: Any) -> str:
+    try:
+        qo, kv, graph = batch
+        return f"({len(qo)} requests, {sum(qo)} q tokens, max kv {max(kv) if kv else 0}, cuda_graph={graph})"
+    except (TypeError, ValueError):
+        return repr(batch)

@@ -1,0 +1,47 @@
+"""The check of a non-builder resource's declared capacity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.checks.base import Check, CheckOptions
+from pytest_kvprofile.checks.evidence import (
+    fmt_alloc,
+    live_device_bytes,
+)
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.units import MiB
+
+
+def _has_capacity_resource(case: Any, parts: list[Any]) -> bool:
+    from pytest_kvprofile.contract.resources import is_resource
+
+    return any(is_resource(p) and getattr(p, "capacity_bytes", None) is not None for p in parts)
+
+
+def check_resource_capacity_honoured(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    from pytest_kvprofile.contract.resources import is_resource
+
+    out = []
+    for part in result.builders:
+        capacity = getattr(part, "capacity_bytes", None) if is_resource(part) else None
+        if capacity is None:
+            continue
+        for rec in result.phases:
+            live = live_device_bytes(result, part.name, rec.name)
+            if live > capacity:
+                mine = [a for a in result.allocations if a.owner == part.name and a.kind == "device"]
+                out.append(
+                    f"resource {part.name!r} declared an exact capacity of {capacity / MiB:.2f} MiB ({capacity} bytes) "
+                    f"but holds {live / MiB:.2f} MiB ({live} bytes) in phase {rec.name!r}: "
+                    + "; ".join(fmt_alloc(a) for a in mine[:4])
+                )
+                break
+    return out
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("resource_capacity_honoured", "a resource never holds more device memory than the exact capacity "
+          "it declared", PROFILING, lc.WARMUP_REPEAT, (13,), check_resource_capacity_honoured, _has_capacity_resource),
+)

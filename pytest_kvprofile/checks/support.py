@@ -1,0 +1,72 @@
+"""Checks of the fail-closed support declaration and of the legacy path it keeps."""
+
+from __future__ import annotations
+
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
+from pytest_kvprofile.checks.evidence import (
+    builder_names,
+    fmt_alloc,
+    grouped,
+    resource_names,
+)
+from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
+from pytest_kvprofile.units import MiB
+
+
+def check_support_declaration(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    if result.declaration_error:
+        return [result.declaration_error]
+    res = result.resolution
+    out = []
+    decls = [s for _, s in res.declarations]
+    expect = all(s is not ProfilingSupport.UNSUPPORTED for s in decls) and ProfilingSupport.REQUIRED in decls
+    if res.enabled != expect:
+        out.append(f"resolver answered enabled={res.enabled} for {res.declarations}; the rule says {expect}")
+    if result.path != (PROFILING if res.enabled else LEGACY):
+        out.append(f"the engine took the {result.path} path although the resolver said enabled={res.enabled}")
+    if not res.enabled:
+        calls = [(c.phase, c.builder) for c in result.calls if c.method == "reserve_persistent_workspace"]
+        if calls:
+            out.append(f"reserve_persistent_workspace() was called on the legacy path: {calls}")
+    resources = resource_names(result)
+    for name, support in res.declarations:
+        if support is not ProfilingSupport.NEUTRAL or name in resources:
+            continue
+        kept = [a for a in result.allocations if a.owner == name and a.kind == "device" and a.freed_phase is None]
+        if kept:
+            out.append(
+                f"builder {name!r} declares NEUTRAL (it reserves nothing of its own) but keeps "
+                f"{sum(a.nbytes for a in kept) / MiB:.2f} MiB of its own device memory: {grouped(result, kept)}. "
+                "Declare REQUIRED and reserve it inside the profiling window, or plan into arena views"
+            )
+    return out
+
+
+def check_legacy_path_unchanged(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    out = []
+    if result.leases:
+        out.append(f"leases were taken on the legacy path: {[r.owner for r in result.leases]}")
+    ran = [p.name for p in result.phases]
+    for phase in (lc.RESERVATION, lc.PROFILE_WARMUP, lc.PROFILE_REPLAY, lc.LEASE_RELEASE):
+        if phase in ran:
+            out.append(f"phase {phase!r} ran although the model is on the legacy path ({result.resolution.reason})")
+    names = builder_names(result)
+    for a in result.allocations:
+        if a.owner in names and a.phase in lc.WINDOW_PHASES and a.kind == "device":
+            freed = a.freed_phase
+            if freed is None or freed not in lc.WINDOW_PHASES:
+                out.append(
+                    "a builder on the legacy path kept memory from the profiling window, which changes legacy "
+                    f"KV sizing: {fmt_alloc(a)}"
+                )
+    return out
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("support_declaration", "a builder declares a ProfilingSupport member; REQUIRED+NEUTRAL enables, any "
+          "UNSUPPORTED disables, all-NEUTRAL does not", BOTH, lc.SETUP, (6,), check_support_declaration),
+    Check("legacy_path_unchanged", "a model off the new path runs the legacy lifecycle and keeps nothing from "
+          "the profiling window", LEGACY, lc.CLOSING, (6,), check_legacy_path_unchanged),
+)
