@@ -17,6 +17,7 @@ from pytest_kvprofile.contract.protocol import (
     BuilderContext,
     WorkspaceDeclaration,
 )
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import (
     DeclarationError,
     ProfilingSupport,
@@ -64,6 +65,7 @@ __all__ = [
     "MatrixError",
     "ModelSpec",
     "ProfilingSupport",
+    "Role",
     "SimDevice",
     "SupportResolution",
     "WorkspaceDeclaration",

@@ -16,6 +16,7 @@ from pytest_kvprofile.contract.protocol import (
     BuilderContext,
     WorkspaceDeclaration,
 )
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.sizing.case import for_case, routes
 from pytest_kvprofile.units import MiB
@@ -81,8 +82,9 @@ class FlashInferCore:
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         view = self._float_view(ctx, ubatch)
-        int_ws = ctx.allocate(INT_WORKSPACE_BYTES, f"{route} int workspace [ubatch {ubatch}]")
-        mirror = ctx.allocate(INT_WORKSPACE_BYTES, f"{route} int workspace pinned mirror [ubatch {ubatch}]", pinned_host=True)
+        int_ws = ctx.allocate(INT_WORKSPACE_BYTES, f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
+        mirror = ctx.allocate(INT_WORKSPACE_BYTES, f"{route} int workspace pinned mirror [ubatch {ubatch}]", pinned_host=True,
+                              role=Role.PINNED_MIRROR)
         return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror)
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from pytest_kvprofile.contract.lease import Lease
+from pytest_kvprofile.contract.roles import Role
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
@@ -111,8 +112,9 @@ class BuilderContext:
     def num_ubatches(self) -> int:
         return self._run.manager.num_ubatches
 
-    def allocate(self, nbytes: int, tag: str, *, pinned_host: bool = False) -> Any:
-        return self._run.device.allocate(int(nbytes), owner=self.owner, tag=tag, pinned_host=pinned_host)
+    def allocate(self, nbytes: int, tag: str, *, pinned_host: bool = False, role: Role | str = Role.OTHER) -> Any:
+        """Device (or pinned host) memory in the ledger, attributed to this builder; ``role`` says what it is for."""
+        return self._run.device.allocate(int(nbytes), owner=self.owner, tag=tag, pinned_host=pinned_host, role=role)
 
     def free(self, alloc: Any) -> None:
         self._run.device.free(alloc)

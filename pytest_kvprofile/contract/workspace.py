@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_kvprofile.contract.roles import Role
+
 from pytest_kvprofile.units import MiB
 
 OWNER = "workspace-manager"
@@ -107,7 +109,7 @@ class WorkspaceManager:
 
             with SimulatedCuda(self.device) as sim:
                 return _arena_tensor(sim, nbytes, tag)
-        return self.device.allocate(nbytes, owner=OWNER, tag=tag), None
+        return self.device.allocate(nbytes, owner=OWNER, tag=tag, role=Role.FLOAT_ARENA), None
 
     def _view(self, ubatch: int, nbytes: int) -> Any:
         backing = self._tensors[ubatch]
@@ -143,4 +145,7 @@ def _arena_tensor(sim: Any, nbytes: int, tag: str) -> tuple[Any, Any]:
 
     with sim.owner_scope(OWNER, tag):
         tensor = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return sim.allocation_of(tensor), tensor
+    alloc = sim.allocation_of(tensor)
+    if alloc is not None:
+        alloc.role = Role.FLOAT_ARENA
+    return alloc, tensor

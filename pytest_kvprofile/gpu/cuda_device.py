@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pytest_kvprofile.contract.roles import Role, as_role
 from pytest_kvprofile.memory.allocator import round_size, segment_size
 from pytest_kvprofile.memory.device import (
     Allocation,
@@ -101,7 +102,7 @@ class CudaDevice(EventSource):
         return self._capture[0].id if self._capture is not None else "default"
 
     def allocate(self, nbytes: int, *, owner: str, tag: str = "", pinned_host: bool = False,
-                 stack: str | None = None) -> Allocation:
+                 stack: str | None = None, role: Role | str = Role.OTHER) -> Allocation:
         """A ``uint8`` tensor of ``nbytes`` (pinned host memory with ``pinned_host``), in the ledger."""
         stack = self._admit(nbytes, owner, tag, stack)
         torch = self._torch
@@ -121,7 +122,8 @@ class CudaDevice(EventSource):
             kind, pool = "device", self._pool_id()
         self._next_id += 1
         ptr = int(tensor.data_ptr()) if nbytes else 0
-        alloc = Allocation(self._next_id, ptr, nbytes, size, owner, tag, kind, pool, self._phase, stack)
+        alloc = Allocation(self._next_id, ptr, nbytes, size, owner, tag, kind, pool, self._phase, stack,
+                           role=as_role(role))
         alloc._tensor = tensor  # not a field: asdict()/replace() must not copy device memory
         self._live[alloc.id] = alloc
         if self._capture is not None and kind == "device":

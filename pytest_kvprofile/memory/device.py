@@ -24,6 +24,7 @@ from typing import (
     runtime_checkable,
 )
 
+from pytest_kvprofile.contract.roles import Role, as_role
 from pytest_kvprofile.memory.allocator import (
     CachingAllocator,
     GraphPool,
@@ -132,6 +133,7 @@ class Allocation:
     stack: str | None = None
     alive: bool = True
     freed_phase: str | None = None
+    role: Role = Role.OTHER  # what it is for (contract/roles.py); torch mode may set it when a wrapper takes it
 
     @property
     def end(self) -> int:
@@ -182,7 +184,8 @@ class Device(Protocol):
 
     @property
     def capturing(self) -> bool: ...
-    def allocate(self, nbytes: int, *, owner: str, tag: str = "", pinned_host: bool = False) -> Allocation: ...
+    def allocate(self, nbytes: int, *, owner: str, tag: str = "", pinned_host: bool = False,
+                 role: Role | str = Role.OTHER) -> Allocation: ...
     def free(self, alloc: Allocation) -> None: ...
     def live_allocations(self) -> list[Allocation]: ...
     def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]: ...
@@ -425,6 +428,7 @@ class SimDevice(EventSource):
         tag: str = "",
         pinned_host: bool = False,
         stack: str | None = None,
+        role: Role | str = Role.OTHER,
     ) -> Allocation:
         """Allocate ``nbytes`` for ``owner``; raises ``DeviceOutOfMemory`` when the allocator cannot
         reserve a segment even after releasing its cache. ``stack`` overrides the recorded frame."""
@@ -449,6 +453,7 @@ class SimDevice(EventSource):
             pool = block.segment.pool.id
             alloc = Allocation(self._next_id, block.ptr, nbytes, block.size, owner, tag, "device", pool, self._phase, stack)
             alloc._block = block  # not a field: asdict()/replace() must not walk the allocator's lists
+        alloc.role = as_role(role)
         self._live[alloc.id] = alloc
         self._emit("alloc", alloc)
         return alloc
