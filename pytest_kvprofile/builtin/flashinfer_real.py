@@ -33,7 +33,7 @@ from pytest_kvprofile.contract.protocol import (
 )
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 __all__ = [
     "FLASHINFER_INT_WORKSPACE_BYTES",
@@ -43,7 +43,6 @@ __all__ = [
     "RealFlashInferBuilder",
 ]
 
-FLASHINFER_INT_WORKSPACE_BYTES = 8 * MiB  # what every FlashInfer wrapper allocates for itself
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
 
 

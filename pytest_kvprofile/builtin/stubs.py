@@ -19,9 +19,9 @@ from pytest_kvprofile.contract.protocol import (
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.sizing.case import for_case, routes
+from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.units import MiB
 
-INT_WORKSPACE_BYTES = 8 * MiB  # FlashInfer's default int workspace per wrapper, plus a pinned host mirror
 MODULE_GLOBAL_BYTES = 32 * MiB  # a trtllm-gen-like module-global workspace, created by kernel warmup
 AUTOTUNE_SCRATCH_BYTES = 64 * MiB  # transient scratch of warmup's autotuning
 GDN_WORKSPACE_BYTES = 16 * MiB
@@ -71,7 +71,7 @@ class FlashInferCore:
         return for_case(self.case).float_bytes
 
     def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
-        return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=INT_WORKSPACE_BYTES)
+        return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=FLASHINFER_INT_WORKSPACE_BYTES)
 
     def routes(self) -> tuple[str, ...]:
         return self._routes
@@ -82,8 +82,8 @@ class FlashInferCore:
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         view = self._float_view(ctx, ubatch)
-        int_ws = ctx.allocate(INT_WORKSPACE_BYTES, f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
-        mirror = ctx.allocate(INT_WORKSPACE_BYTES, f"{route} int workspace pinned mirror [ubatch {ubatch}]", pinned_host=True,
+        int_ws = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
+        mirror = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, f"{route} int workspace pinned mirror [ubatch {ubatch}]", pinned_host=True,
                               role=Role.PINNED_MIRROR)
         return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror)
 
@@ -258,8 +258,8 @@ class TorchFlashInferLikeBuilder(FlashInferLikeBuilder):
 
         view = self._float_view(ctx, ubatch)
         return Wrapper(route, ubatch, view.ptr, view.nbytes,
-                       torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"),
-                       torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
+                       torch.empty(FLASHINFER_INT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"),
+                       torch.empty(FLASHINFER_INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
         for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:

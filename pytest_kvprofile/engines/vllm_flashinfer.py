@@ -27,7 +27,11 @@ import math
 from typing import Any, Iterator
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.protocol import (
+    Batch,
+    BuilderContext,
+    WorkspaceDeclaration,
+)
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.vllm_config import (
     check_expressible,
@@ -38,7 +42,7 @@ from pytest_kvprofile.engines.vllm_config import (
     standin_layers,
 )
 from pytest_kvprofile.engines.vllm_standins import import_vllm_flashinfer, vllm_standins
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 __all__ = ["DECLARATION_NAMES", "RESERVATION_NAMES", "VLLM_BACKENDS", "ReservationApi", "ReservingVllmBuilder", "VllmBuildError",
            "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "make_vllm_builders", "reservation_api"]
@@ -46,7 +50,6 @@ __all__ = ["DECLARATION_NAMES", "RESERVATION_NAMES", "VLLM_BACKENDS", "Reservati
 DECLARATION_NAMES = ("get_persistent_workspace_memory_profiling_support",  # the contract's
                      "persistent_workspace_profiling_support")  # the pull request's earlier name
 RESERVATION_NAMES = ("reserve_persistent_workspace", "prepare_workspace_for_profiling")
-FLASHINFER_INT_WORKSPACE_BYTES = 8 * MiB
 
 
 @dataclasses.dataclass(frozen=True)

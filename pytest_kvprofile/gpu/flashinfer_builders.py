@@ -32,7 +32,7 @@ from pytest_kvprofile.gpu.reference import (
 )
 from pytest_kvprofile.gpu.wrappers import make_wrapper, plan_args, run_checked
 from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case, routes
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 __all__ = [
     "FlashInferCudaBuilder",
@@ -42,7 +42,6 @@ __all__ = [
     "gpu_mutant_backends",
 ]
 
-INT_WORKSPACE_BYTES = 8 * MiB  # FlashInfer's default int workspace per wrapper
 WARMUP_KV_LEN = 4096  # long enough that a single decode request is split across CTAs
 
 
@@ -79,7 +78,7 @@ class FlashInferCudaBuilder:
         return for_case(self.case).float_bytes
 
     def int_bytes(self) -> int:
-        return max(INT_WORKSPACE_BYTES, for_case(self.case).int_bytes)
+        return max(FLASHINFER_INT_WORKSPACE_BYTES, for_case(self.case).int_bytes)
 
     def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
         return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=self.int_bytes())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.sizing.planner import (
     FAMILY_07,
     PlannerDevice,
@@ -36,9 +37,8 @@ from pytest_kvprofile.sizing.planner import (
     prefill_int_bytes,
     prefill_plan,
 )
-from pytest_kvprofile.units import MiB
 
-DEFAULT_INT_WORKSPACE = 8 * MiB  # per wrapper, FlashInfer's default
+DEFAULT_INT_WORKSPACE = FLASHINFER_INT_WORKSPACE_BYTES  # per wrapper
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,20 @@ shown to catch them.
 
 from __future__ import annotations
 
+from pytest_kvprofile.sizing.facts import (
+    FLASHINFER_RECOMMENDED_FLOAT_BYTES,
+    SGLANG_FLOAT_BYTES,
+    TENSORRT_LLM_FLOAT_BYTES,
+    VLLM_DEFAULT_FLOAT_BYTES,
+)
 from pytest_kvprofile.sizing.planner import ceil_div
 from pytest_kvprofile.units import MiB
 
 FIXED_SIZES: dict[str, int] = {
-    "flashinfer-default": 128 * MiB,
-    "vllm-default": 394 * MiB,
-    "sglang": 384 * MiB,
-    "tensorrt-llm": 320 * MiB,
+    "flashinfer-default": FLASHINFER_RECOMMENDED_FLOAT_BYTES,
+    "vllm-default": VLLM_DEFAULT_FLOAT_BYTES,
+    "sglang": SGLANG_FLOAT_BYTES,
+    "tensorrt-llm": TENSORRT_LLM_FLOAT_BYTES,
 }
 
 
