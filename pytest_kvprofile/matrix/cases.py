@@ -48,7 +48,7 @@ class Envelope:
         a uniform decode step, so they are not captured (vLLM drops them the same way); two sizes
         that plan the same requests are one capture.
         """
-        memo = self.__dict__.setdefault("_decode_captures", {})
+        memo: dict[int, tuple[DecodeCapture, ...]] = self.__dict__.setdefault("_decode_captures", {})
         if mtp in memo:
             return memo[mtp]
         q = 1 + mtp
@@ -101,7 +101,7 @@ class Case:
         return (self.envelope.nontorch_mib + (256 if self.tp > 1 else 0)) << 20
 
     @property
-    def layout_key(self) -> tuple:
+    def layout_key(self) -> tuple[object, ...]:
         """Everything but gmu: cases equal under this key run identical pre-KV phases."""
         return (self.matrix, self.model.name, self.gpu.name, self.tp, self.dcp, self.mtp, self.envelope)
 

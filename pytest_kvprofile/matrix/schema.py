@@ -78,7 +78,7 @@ def _in_range(path: str, key: str, value: Any) -> None:
         raise MatrixError(path, key, f"{value!r} is out of range (at most {MAX_NUMBER})")
 
 
-def _mapping(path: str, key: str, value: Any) -> dict:
+def _mapping(path: str, key: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise MatrixError(path, key, f"expected a mapping, got {type(value).__name__}")
     for k in value:
@@ -203,7 +203,7 @@ def _parse_gmu(path: str, value: Any) -> list[float]:
     return out
 
 
-def _parse_excludes(path: str, raw: Any) -> list[dict]:
+def _parse_excludes(path: str, raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise MatrixError(path, "exclude", f"expected a list of mappings, got {type(raw).__name__}")
     out = []
@@ -221,7 +221,7 @@ _RULE_TYPES = {"model": str, "gpu": (str, int), "tp": int, "dcp": int, "mtp": in
                "interconnect": str, "min_tp": int}
 
 
-def _rule_values(path: str, where: str, rule: dict) -> None:
+def _rule_values(path: str, where: str, rule: dict[str, Any]) -> None:
     """An exclude/when value is a scalar of the axis's type or a non-empty list of them."""
     for key, want in rule.items():
         if key == "min_tp":
@@ -234,7 +234,7 @@ def _rule_values(path: str, where: str, rule: dict) -> None:
             _check_type(path, f"{where}.{key}", w, _RULE_TYPES[key])
 
 
-def _parse_resources(path: str, raw: Any) -> list[tuple[dict, Resource]]:
+def _parse_resources(path: str, raw: Any) -> list[tuple[dict[str, Any], Resource]]:
     if not isinstance(raw, list):
         raise MatrixError(path, "resources", f"expected a list of mappings, got {type(raw).__name__}")
     out = []
@@ -252,7 +252,7 @@ def _parse_resources(path: str, raw: Any) -> list[tuple[dict, Resource]]:
     return out
 
 
-def _matches(rule: dict, model: str, gpu: GpuSpec, tp: int, dcp: int, mtp: int, gmu: float) -> bool:
+def _matches(rule: dict[str, Any], model: str, gpu: GpuSpec, tp: int, dcp: int, mtp: int, gmu: float) -> bool:
     for key, want in rule.items():
         wants = want if isinstance(want, list) else [want]
         if key == "model" and model not in wants:
@@ -353,7 +353,7 @@ class _StrictLoader(yaml.SafeLoader):
     """SafeLoader (no Python object tags) that also rejects duplicate keys."""
 
 
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     seen = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
@@ -364,7 +364,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+    mapping: dict[Any, Any] = yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+    return mapping
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
