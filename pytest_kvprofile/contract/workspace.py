@@ -79,6 +79,11 @@ class WorkspaceManager:
 
     def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
         """Return a view of at least ``nbytes`` in ``ubatch``'s arena, growing it if unlocked."""
+        if not isinstance(requester, str) or isinstance(nbytes, str):
+            raise TypeError(
+                f"WorkspaceManager.get_workspace(requester, nbytes, ubatch) takes the requester's name first, got "
+                f"({requester!r}, {nbytes!r}, {ubatch!r}); a builder asks through its context: "
+                "ctx.get_workspace(nbytes, ubatch), which names the builder for it")
         self._check_ubatch(ubatch)
         if nbytes < 0:
             raise ValueError(f"{requester!r} asked for a negative workspace ({nbytes} bytes)")
