@@ -65,3 +65,10 @@ def test_close_frees_every_arena(device):
     assert device.memory_allocated() == 8 * MiB
     mgr.close()
     assert device.memory_allocated() == 0
+
+
+def test_the_manager_called_the_ctx_way_says_how_to_call_it(device):
+    manager = WorkspaceManager(device, num_ubatches=2)
+    with pytest.raises(TypeError, match=r"requester's name first.*ctx.get_workspace\(nbytes, ubatch\)"):
+        manager.get_workspace(4 * MiB, 1)
+    assert manager.size(0) == 0 and manager.size(1) == 0
