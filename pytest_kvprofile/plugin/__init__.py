@@ -42,6 +42,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     as a module (``--pyargs``, which leaves path arguments paths), and not twice if already named.
     """
     ns = early_config.known_args_namespace
+    _rootdir_without_option_values(early_config)
     gpu, wanted = getattr(ns, "kvprofile_gpu", None), getattr(ns, "kvprofile", None)
     gpu = gpu if gpu is not None else early_config.getini("kvprofile_gpu")
     wanted = wanted if wanted is not None else early_config.getini("kvprofile")
@@ -52,6 +53,34 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     if added:
         args.extend(["--pyargs", *added])
         ns.pyargs = True
+
+
+
+def _rootdir_without_option_values(config: pytest.Config) -> None:
+    """``--kvprofile-matrix PATH`` as two arguments behaves like ``--kvprofile-matrix=PATH``.
+
+    pytest picks the rootdir and ini file before it loads this plugin, when it does not yet know our options: it
+    takes PATH for a test path and may pick the matrix's checkout and its config. Now that the options are known,
+    pick them again from the real test paths; nothing changes when they agree (pytest's private fields, guarded).
+    """
+    from _pytest.config.findpaths import determine_setup
+
+    ns = config.known_args_namespace
+    if not all(hasattr(config, f) for f in ("_rootpath", "_inipath", "_inicfg", "_inicache")):
+        return
+    try:
+        rootpath, inipath, inicfg, _ignored = determine_setup(
+            inifile=ns.inifilename, override_ini=ns.override_ini, args=ns.file_or_dir,
+            rootdir_cmd_arg=ns.rootdir or None, invocation_dir=config.invocation_params.dir)
+    except Exception:  # noqa: BLE001 - pytest's own choice stands when it cannot be made again
+        return
+    if (rootpath, inipath) == (config._rootpath, config._inipath):
+        return
+    old_cut = str(config._inipath.parent if config._inipath is not None else config._rootpath)
+    config._rootpath, config._inipath, config._inicfg = rootpath, inipath, inicfg
+    config._inicache.clear()
+    if ns.confcutdir == old_cut:
+        ns.confcutdir = str(inipath.parent if inipath is not None else rootpath)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,5 +1,7 @@
 """Malformed matrices and backends end the session with a usage error that names the culprit."""
 
+import os
+
 import pytest
 
 
@@ -80,3 +82,18 @@ def test_unknown_backend_name_lists_the_choices(pytester):
                                 "--kvprofile-matrix", str(pytester.makefile(".yaml", m=BASE)))
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--kvprofile-backend 'nope'*stub-flashinfer*"])
+
+
+def test_a_matrix_given_as_a_separate_argument_does_not_choose_the_rootdir(pytester):
+    """pytest reads ``--kvprofile-matrix PATH`` before it knows the option; the matrix's checkout is not the rootdir."""
+    checkout = pytester.mkdir("checkout")
+    (checkout / "pyproject.toml").write_text("[tool.pytest.ini_options]\nmarkers = ['from_the_checkout: no']\n")
+    matrix = checkout / "tiny.yaml"
+    matrix.write_text(BASE)
+    project = pytester.mkdir("project")
+    (project / "pytest.ini").write_text("[pytest]\n")
+    os.chdir(project)
+    for args in (["--kvprofile-matrix", str(matrix)], [f"--kvprofile-matrix={matrix}"]):
+        result = pytester.runpytest("--kvprofile", *args, "--co", "-k", "support_declaration")
+        assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+        result.stdout.fnmatch_lines([f"rootdir: {project}", "configfile: pytest.ini"])
