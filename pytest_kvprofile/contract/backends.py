@@ -23,12 +23,15 @@ class EnginePolicy:
 
     ``warmup_in_window``: None means "when any builder says its warmup materializes persistent
     resources". ``graph_estimate``: "high_water" (the pool's full high-water mark) or
-    "gross_minus_retained" (the older accounting that omits live reserved pages).
+    "gross_minus_retained" (the older accounting that omits live reserved pages). ``profile_max_split_mib``:
+    the caching allocator's ``max_split_size_mb`` while weights load and the profile runs (vLLM 0.33 scopes it to
+    20, so large freed blocks stay releasable at the closing measurement); None leaves the allocator unlimited.
     """
 
     warmup_in_window: bool | None = None
     replay_after_warmup: bool = True
     graph_estimate: str = "high_water"
+    profile_max_split_mib: int | None = 20
 
 
 @dataclass(frozen=True)

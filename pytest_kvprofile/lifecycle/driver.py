@@ -396,7 +396,8 @@ class LifecycleRun:
         self._enter(SETUP)
         self._resolve()
         profiling = self.result.path == PROFILING
-        self._alloc_engine(case.weights_bytes, "model", "weights")
+        with self._max_split():
+            self._alloc_engine(case.weights_bytes, "model", "weights")
         self._record_phase(SETUP)
 
         self._enter(BASELINE)
@@ -433,7 +434,8 @@ class LifecycleRun:
             self._record_phase(RESERVATION)
 
         self._enter(PROFILE_RUN)
-        self._dummy_forward(case.envelope.max_num_batched_tokens, None)
+        with self._max_split():
+            self._dummy_forward(case.envelope.max_num_batched_tokens, None)
         self._record_phase(PROFILE_RUN)
 
         if profiling and self._warmup_in_window():
@@ -443,7 +445,8 @@ class LifecycleRun:
             self._record_phase(PROFILE_WARMUP)
             if self.policy.replay_after_warmup:
                 self._enter(PROFILE_REPLAY)
-                self._dummy_forward(case.envelope.max_num_batched_tokens, None)
+                with self._max_split():
+                    self._dummy_forward(case.envelope.max_num_batched_tokens, None)
                 self._record_phase(PROFILE_REPLAY)
 
         self._enter(CLOSING)
@@ -510,6 +513,22 @@ class LifecycleRun:
         for b in self.builders:
             self._call(b, "warmup", self.ctx(b))
         self._record_phase(WARMUP_REPEAT)
+
+    @contextlib.contextmanager
+    def _max_split(self) -> Any:
+        """The allocator's split limit where the engine scopes it (``EnginePolicy.profile_max_split_mib``); a device
+        without the caching-allocator model (the GPU tier's) keeps its own configuration."""
+        allocator = getattr(self.device, "allocator", None)
+        limit = self.policy.profile_max_split_mib
+        if limit is None or not hasattr(allocator, "set_max_split_size"):
+            yield
+            return
+        previous = allocator.max_split_size
+        allocator.set_max_split_size(limit << 20)
+        try:
+            yield
+        finally:
+            allocator.set_max_split_size(previous)
 
     def _captures(self) -> tuple[DecodeCapture, ...]:
         """The decode steps captured in CUDA graphs, largest first (capture sizes are tokens)."""

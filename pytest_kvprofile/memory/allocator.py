@@ -17,6 +17,7 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer: segment size for the small pool
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: segment size for large requests below MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: requests >= this get a segment of their own
 ROUND_LARGE = 2 << 20  # kRoundLarge: those segments are rounded up to a multiple of 2 MiB
+MIN_MAX_SPLIT_SIZE = LARGE_BUFFER  # max_split_size_mb below 20 is refused by PyTorch's allocator config
 
 # Simulated addresses: monotonic, never reused, so a reallocated buffer always changes pointer.
 DEVICE_ADDRESS_BASE = 0x7F00_0000_0000
@@ -106,6 +107,12 @@ class _FreeList:
             return None
         return self.blocks[keys[i][1]]
 
+    def whole_segments_from(self, size: int) -> list[Block]:
+        """Free blocks of at least ``size`` that are a whole segment, largest first."""
+        keys = self.keys
+        found = [self.blocks[ptr] for _, ptr in keys[bisect_left(keys, (size, 0)):]]
+        return [b for b in reversed(found) if not b.is_split]
+
 
 class MemPool:
     """A set of segments with their own free lists: the default pool or a CUDA-graph private pool."""
@@ -190,6 +197,9 @@ class CachingAllocator:
         self.allocation = _stat_array()
         self.segment = _stat_array()
         self.inactive_split = _stat_array()
+        self.oversize_allocations = _Stat()
+        self.oversize_segments = _Stat()
+        self.max_split_size: int | None = None  # PYTORCH_CUDA_ALLOC_CONF max_split_size_mb; None: unlimited
         self.num_alloc_retries = 0
         self.num_ooms = 0
         self.num_device_alloc = 0
@@ -210,6 +220,8 @@ class CachingAllocator:
         for arr in self._all_arrays().values():
             for stat in arr:
                 stat.peak = stat.current
+        for stat in (self.oversize_allocations, self.oversize_segments):
+            stat.peak = stat.current
         for pool in (self.default_pool, *self.graph_pools.values()):
             pool.high_water_reserved = pool.reserved
             pool.high_water_allocated = pool.allocated
@@ -240,21 +252,27 @@ class CachingAllocator:
                 out[prefix + "current"] = stat.current
                 out[prefix + "freed"] = stat.freed
                 out[prefix + "peak"] = stat.peak
-        out["max_split_size"] = -1
+        out["max_split_size"] = -1 if self.max_split_size is None else self.max_split_size
         out["num_alloc_retries"] = self.num_alloc_retries
         out["num_device_alloc"] = self.num_device_alloc
         out["num_device_free"] = self.num_device_free
         out["num_ooms"] = self.num_ooms
         out["num_sync_all_streams"] = 0
-        out["oversize_allocations.allocated"] = 0
-        out["oversize_allocations.current"] = 0
-        out["oversize_allocations.freed"] = 0
-        out["oversize_allocations.peak"] = 0
-        out["oversize_segments.allocated"] = 0
-        out["oversize_segments.current"] = 0
-        out["oversize_segments.freed"] = 0
-        out["oversize_segments.peak"] = 0
+        for name, stat in (("oversize_allocations", self.oversize_allocations),
+                           ("oversize_segments", self.oversize_segments)):
+            for field in ("allocated", "current", "freed", "peak"):
+                out[f"{name}.{field}"] = getattr(stat, field)
         return dict(sorted(out.items()))
+
+    def set_max_split_size(self, nbytes: int | None) -> None:
+        """``max_split_size_mb``: blocks of at least this size are never split, and requests below it never take
+        one, so large freed blocks stay whole and releasable (None: unlimited, PyTorch's default)."""
+        if nbytes is not None and nbytes < MIN_MAX_SPLIT_SIZE:
+            raise ValueError(f"max_split_size must be at least {MIN_MAX_SPLIT_SIZE >> 20} MiB, got {nbytes} bytes")
+        self.max_split_size = nbytes
+
+    def _oversize(self, size: int) -> bool:
+        return self.max_split_size is not None and size >= self.max_split_size
 
     def segments(self) -> list[Segment]:
         """Every reserved segment, in address order."""
@@ -333,7 +351,7 @@ class CachingAllocator:
         pool = self.capture_pool or self.default_pool
         small = size <= SMALL_SIZE
         free_list = pool.small if small else pool.large
-        block = free_list.best_fit(size)
+        block = self._free_block(free_list, size)
         if block is not None:
             free_list.remove(block)
             if block.is_split:
@@ -341,6 +359,8 @@ class CachingAllocator:
         else:
             alloc_size = segment_size(size)
             block = self._new_segment(alloc_size, small, pool)
+            if block is None and not small and self._release_oversize(pool, size):
+                block = self._new_segment(alloc_size, small, pool)
             if block is None and self.capture_pool is None:
                 # release_cached_blocks() then alloc_block(isRetry=true); not allowed while capturing.
                 self.release_cached()
@@ -350,7 +370,7 @@ class CachingAllocator:
                 self.num_ooms += 1
                 return None
         remaining_size = block.size - size
-        if remaining_size >= MIN_BLOCK_SIZE if small else remaining_size > SMALL_SIZE:
+        if remaining_size >= MIN_BLOCK_SIZE if small else (remaining_size > SMALL_SIZE and not self._oversize(size)):
             remaining = block
             block = Block(remaining.ptr, size, remaining.segment)
             block.prev = remaining.prev
@@ -364,6 +384,8 @@ class CachingAllocator:
             self._inactive_split(remaining, 1)
         block.allocated = True
         block.requested = nbytes
+        if self._oversize(block.size):
+            self.oversize_allocations.inc(1)
         self.active_blocks[block.ptr] = block
         idx = _SMALL if small else _LARGE
         bsize = block.size
@@ -392,6 +414,8 @@ class CachingAllocator:
         self.allocation[_ALL].dec(1)
         self.allocation[idx].dec(1)
         pool.allocated -= bsize
+        if self._oversize(bsize):
+            self.oversize_allocations.dec(1)
         del self.active_blocks[block.ptr]
         block.allocated = False
         block.requested = 0
@@ -418,6 +442,37 @@ class CachingAllocator:
             self._inactive_split(block, 1)
         elif isinstance(pool, GraphPool) and pool.released:
             self._release_segment(block)
+
+    def _free_block(self, free_list: _FreeList, size: int) -> Block | None:
+        """``get_free_block``: the best fit, except that with a split limit a request below it never takes an
+        oversize block, and one above it takes none larger than itself plus 20 MiB (the non-split rounding)."""
+        block = free_list.best_fit(size)
+        if block is None or self.max_split_size is None:
+            return block
+        if size < self.max_split_size and block.size >= self.max_split_size:
+            return None
+        if size >= self.max_split_size and block.size >= size + LARGE_BUFFER:
+            return None
+        return block
+
+    def _release_oversize(self, pool: MemPool, size: int) -> bool:
+        """``release_available_cached_blocks``: with a split limit, before dropping the whole cache, release one
+        cached oversize segment large enough for the request, or else the largest ones until enough is free."""
+        if self.max_split_size is None or self.capture_pool is not None:
+            return False
+        want = max(size, self.max_split_size)
+        candidates = pool.large.whole_segments_from(self.max_split_size)
+        fits = [b for b in candidates if b.size >= want]
+        if fits:
+            self._release_segment(min(fits, key=lambda b: (b.size, b.ptr)))
+            return True
+        released = 0
+        for block in candidates:
+            if released >= want:
+                break
+            self._release_segment(block)
+            released += block.size
+        return released >= want
 
     def _inactive_split(self, block: Block, sign: int) -> None:
         idx = _SMALL if block.segment.small else _LARGE
@@ -450,6 +505,8 @@ class CachingAllocator:
         self.reserved_bytes[idx].inc(size)
         self.segment[_ALL].inc(1)
         self.segment[idx].inc(1)
+        if self._oversize(size):
+            self.oversize_segments.inc(1)
         self.num_device_alloc += 1
         if self.on_segment is not None:
             self.on_segment("segment_alloc", segment)
@@ -467,6 +524,8 @@ class CachingAllocator:
         self.reserved_bytes[idx].dec(segment.size)
         self.segment[_ALL].dec(1)
         self.segment[idx].dec(1)
+        if self._oversize(segment.size):
+            self.oversize_segments.dec(1)
         self.num_device_free += 1
         if isinstance(pool, GraphPool) and pool.released and not pool.segments:
             self.graph_pools.pop(pool.id, None)

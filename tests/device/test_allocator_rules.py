@@ -210,3 +210,62 @@ def test_live_allocations_never_overlap(dev: SimDevice) -> None:
     dev.empty_cache()
     assert dev.memory_reserved() == 0
     assert dev.memory_stats()["inactive_split_bytes.all.current"] == 0
+
+
+# -- max_split_size (PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb, which vLLM scopes to 20 over the profile run) ----
+def test_without_a_split_limit_a_small_request_is_carved_from_a_freed_large_block(dev: SimDevice) -> None:
+    big = dev.allocate(512 * MiB, owner="t")
+    dev.free(big)
+    small = dev.allocate(3 * MiB, owner="t")
+    assert small.ptr == big.ptr  # the 512 MiB segment is now pinned by 3 MiB
+    dev.empty_cache()
+    assert dev.memory_reserved() == 512 * MiB
+    assert dev.memory_stats()["max_split_size"] == -1
+
+
+def test_a_split_limit_keeps_large_freed_blocks_whole_and_releasable(dev: SimDevice) -> None:
+    dev.allocator.set_max_split_size(20 * MiB)
+    big = dev.allocate(512 * MiB, owner="t")
+    assert dev.memory_stats()["oversize_allocations.current"] == 1
+    assert dev.memory_stats()["oversize_segments.current"] == 1
+    dev.free(big)
+    small = dev.allocate(3 * MiB, owner="t")
+    assert small.ptr != big.ptr  # a request below the limit never takes an oversize block
+    dev.empty_cache()
+    assert dev.memory_reserved() == 20 * MiB  # the 512 MiB segment went back; the 3 MiB one's segment stays
+    stats = dev.memory_stats()
+    assert stats["max_split_size"] == 20 * MiB
+    # the 20 MiB segment (kLargeBuffer) serving 3 MiB is itself at the limit, as PyTorch counts it
+    assert (stats["oversize_allocations.current"], stats["oversize_segments.current"]) == (0, 1)
+    assert stats["oversize_segments.peak"] == 2
+
+
+def test_a_large_request_takes_an_oversize_block_only_within_twenty_mib(dev: SimDevice) -> None:
+    dev.allocator.set_max_split_size(20 * MiB)
+    a = dev.allocate(100 * MiB, owner="t")
+    dev.free(a)
+    near = dev.allocate(90 * MiB, owner="t")
+    assert near.ptr == a.ptr and near.size == 100 * MiB  # within 20 MiB: taken whole, not split
+    dev.free(near)
+    far = dev.allocate(60 * MiB, owner="t")
+    assert far.ptr != a.ptr  # 40 MiB too large: a segment of its own
+
+
+def test_a_split_limit_releases_cached_oversize_segments_before_the_whole_cache() -> None:
+    dev = SimDevice(name="sim", total_memory=1 * GiB, num_sm=132)
+    dev.allocator.set_max_split_size(20 * MiB)
+    keep = dev.allocate(MiB // 2, owner="t")  # a small segment that stays cached
+    olds = [dev.allocate(300 * MiB, owner="t") for _ in range(3)]
+    for a in olds:
+        dev.free(a)
+    dev.free(keep)
+    retries = dev.memory_stats()["num_alloc_retries"]
+    b = dev.allocate(400 * MiB, owner="t")  # needs two of the cached 300 MiB segments released
+    assert b.size == 400 * MiB
+    assert dev.memory_stats()["num_alloc_retries"] == retries  # no full cache flush
+    assert dev.memory_reserved() == 300 * MiB + 400 * MiB + 2 * MiB
+
+
+def test_the_split_limit_is_at_least_twenty_mib(dev: SimDevice) -> None:
+    with pytest.raises(ValueError, match="at least 20 MiB"):
+        dev.allocator.set_max_split_size(8 * MiB)
