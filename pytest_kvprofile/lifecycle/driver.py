@@ -12,11 +12,10 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
-from pytest_kvprofile.contract.resources import ResourceAdapter
 from pytest_kvprofile.contract.protocol import (
     Batch,
     BoundWorkspace,
@@ -24,6 +23,7 @@ from pytest_kvprofile.contract.protocol import (
     WorkspaceDeclaration,
     call_optional,
 )
+from pytest_kvprofile.contract.resources import ResourceAdapter
 from pytest_kvprofile.contract.support import (
     DeclarationError,
     ProfilingSupport,
@@ -64,6 +64,7 @@ from pytest_kvprofile.lifecycle.record import (
     Refusal,
     ViewGrant,
 )
+from pytest_kvprofile.lifecycle.window import WindowObserver
 from pytest_kvprofile.matrix.cases import Case, DecodeCapture
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.memory.budget import (
@@ -73,7 +74,6 @@ from pytest_kvprofile.memory.budget import (
     tokens_for,
 )
 from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
-
 
 LOCK_PROBE = "kvprofile-lock-probe"
 
@@ -110,7 +110,8 @@ class RecordingWorkspaceManager(WorkspaceManager):
 class LifecycleRun:
     """Drives one backend over one case on one device. Use ``run_lifecycle``."""
 
-    def __init__(self, target: ProbeTarget, device: Device):
+    def __init__(self, target: ProbeTarget, device: Device, observers: Sequence[WindowObserver] = ()):
+        self.observers = tuple(observers)
         self.backend = target.backend
         self.case = target.case
         self.device = device
@@ -396,6 +397,8 @@ class LifecycleRun:
         self._enter(SETUP)
         self._resolve()
         profiling = self.result.path == PROFILING
+        for observer in self.observers:
+            observer.before_instance(dev)
         with self._max_split():
             self._alloc_engine(case.weights_bytes, "model", "weights")
         self._record_phase(SETUP)
@@ -406,6 +409,8 @@ class LifecycleRun:
         baseline_reserved = dev.memory_reserved()
         self._baseline_allocated = dev.memory_allocated()
         self.in_window = True
+        for observer in self.observers:
+            observer.window_opens(dev)
         self._record_phase(BASELINE)
 
         if profiling:
@@ -450,6 +455,8 @@ class LifecycleRun:
                 self._record_phase(PROFILE_REPLAY)
 
         self._enter(CLOSING)
+        for observer in self.observers:
+            self.result.observed_non_kv[observer.name] = observer.window_closes(dev)
         peak_allocated = dev.max_memory_allocated()
         dev.empty_cache()
         self.result.window = ProfileWindow(
@@ -698,7 +705,9 @@ def make_device(case: Case) -> Device:
     )
 
 
-def run_lifecycle(backend: Any, case: Case, device_factory: Callable[[Case], Device] = make_device) -> LifecycleResult:
-    """Build the backend's builders for ``case`` on a fresh device and drive them through every phase."""
+def run_lifecycle(backend: Any, case: Case, device_factory: Callable[[Case], Device] = make_device,
+                  observers: Sequence[WindowObserver] = ()) -> LifecycleResult:
+    """Build the backend's builders for ``case`` on a fresh device and drive them through every phase;
+    ``observers`` (``lifecycle/window.py``) measure the profiling window beside the harness."""
     target = ProbeTarget(backend, case, device_factory)
-    return LifecycleRun(target, device_factory(case)).run()
+    return LifecycleRun(target, device_factory(case), observers).run()

@@ -153,6 +153,7 @@ class LifecycleResult:
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     module_held: list[ModuleHeld] = field(default_factory=list)  # device memory reachable from module state
     aborted_in: str | None = None
+    observed_non_kv: dict[str, int] = field(default_factory=dict)  # an engine's own profiler's non-KV bytes, by name
 
     def phase(self, name: str) -> PhaseRecord | None:
         for rec in self.phases:

@@ -477,6 +477,37 @@ class SimulatedCuda:
                     continue
                 self._saved.append((module, name, module.__dict__.get(name, _MISSING)))
                 setattr(module, name, value)
+        self._patch_accelerator(replacements)
+
+    def _patch_accelerator(self, cuda: dict[str, Any]) -> None:
+        """``torch.accelerator`` answers the simulated GPU too: vLLM measures memory (``memory_profiling``) and
+        empties the cache (its ``WorkspaceManager``) through it, and on a CPU-only build it has no accelerator."""
+        import torch
+
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is None:
+            return
+        same = ("empty_cache", "memory_stats", "memory_allocated", "memory_reserved", "max_memory_allocated",
+                "max_memory_reserved", "reset_peak_memory_stats", "synchronize", "device_count", "current_stream",
+                "set_stream")
+        replacements: dict[str, Any] = {name: cuda[name] for name in same}
+        replacements.update({
+            "get_memory_info": cuda["mem_get_info"],
+            "is_available": lambda: True,
+            "current_accelerator": lambda check_available=False: torch.device("cuda"),
+            "current_device_index": lambda: 0,
+            "current_device_idx": lambda: 0,
+            "set_device_index": lambda device: None,
+            "set_device_idx": lambda device: None,
+        })
+        for module in (accelerator, getattr(accelerator, "memory", None)):
+            if module is None:
+                continue
+            for name, value in replacements.items():
+                if module is not accelerator and not hasattr(module, name):
+                    continue
+                self._saved.append((module, name, module.__dict__.get(name, _MISSING)))
+                setattr(module, name, value)
 
     def _unpatch(self) -> None:
         while self._saved:
