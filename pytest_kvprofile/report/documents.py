@@ -96,13 +96,14 @@ def verdict_document(session: Any) -> dict:
         if rec.get("backend"):
             by_backend[rec["backend"]].append(rec)
     costs = legacy_costs(session.records)
+    refused_pairs = session.refused_pairs()
     for backend in session.backends:
         results = [
             {"check": r["check"], "case": r["case"], "outcome": r["outcome"], "message": r.get("message")}
             for r in by_backend.get(backend.name, [])
         ]
         refused = [{"case": case.id, "reason": reason}
-                   for b, case, reason in session.refused_pairs() if b.name == backend.name]
+                   for b, case, reason in refused_pairs if b.name == backend.name]
         doc["backends"].append(backend_verdict({
             "name": backend.name,
             "version": backend.version,
