@@ -1,7 +1,8 @@
 """The ``kvprofile`` console script.
 
 Subcommands register themselves in ``_SUBCOMMANDS``; ``size`` answers "how much FlashInfer
-workspace does this layout need on this GPU, and for which batch" on a CPU machine.
+workspace does this layout need on this GPU, and for which batch" on a CPU machine; ``verdict merge``
+combines the verdicts of several runners of one matrix into one.
 """
 
 from __future__ import annotations
@@ -254,7 +255,51 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_size]
+def _add_verdict(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verdict", help="work with opt-in verdict documents",
+                       description="Combine the verdicts (--kvprofile-verdict) of several runners of one matrix.")
+    actions = p.add_subparsers(dest="verdict_command", required=True)
+    merge = actions.add_parser(
+        "merge", help="merge the verdicts of several runners of one matrix digest and backend version",
+        description="One verdict from several runners of one matrix (xdist shards, the CPU tier, each GPU "
+                    "runner). A backend may opt in only when the union of the runners' results covers every case "
+                    "of its matrix and nothing failed. Different matrix digests or backend versions are an error.")
+    merge.add_argument("verdicts", nargs="+", metavar="VERDICT.json")
+    merge.add_argument("-o", "--output", required=True, metavar="OUT.json", help="where to write the merged verdict")
+    merge.set_defaults(func=_cmd_verdict_merge)
+
+
+def _cmd_verdict_merge(args: argparse.Namespace) -> int:
+    from pytest_kvprofile.report.documents import MergeError, merge_verdicts
+
+    docs: dict[str, dict] = {}
+    for path in args.verdicts:
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return _verdict_error(f"cannot read the verdict {path}: {exc}")
+        if not isinstance(doc, dict) or "backends" not in doc:
+            return _verdict_error(f"{path} is not a kvprofile verdict (no 'backends')")
+        docs[path] = doc
+    try:
+        merged = merge_verdicts(docs)
+    except MergeError as exc:
+        return _verdict_error(str(exc))
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    for b in merged["backends"]:
+        verdict = "may opt in" if b["may_opt_in"] else "may NOT opt in"
+        print(f"{b['name']}: {verdict}" + "".join(f"\n    - {r}" for r in b["reasons"]))
+    return 0
+
+
+def _verdict_error(message: str) -> int:
+    print(f"kvprofile verdict merge: error: {message}", file=sys.stderr)
+    return 2
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_size, _add_verdict]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
-    fmt_alloc,
+    grouped,
     live_device_bytes,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
@@ -34,8 +34,8 @@ def check_resource_capacity_honoured(result: LifecycleResult, options: CheckOpti
                 mine = [a for a in result.allocations if a.owner == part.name and a.kind == "device"]
                 out.append(
                     f"resource {part.name!r} declared an exact capacity of {capacity / MiB:.2f} MiB ({capacity} bytes) "
-                    f"but holds {live / MiB:.2f} MiB ({live} bytes) in phase {rec.name!r}: "
-                    + "; ".join(fmt_alloc(a) for a in mine[:4])
+                    f"but holds {live / MiB:.2f} MiB ({live} bytes) in phase {rec.name!r}: {grouped(result, mine)}. "
+                    "Declare the capacity it really holds, or allocate within it"
                 )
                 break
     return out

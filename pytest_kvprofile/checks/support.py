@@ -6,7 +6,6 @@ import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
     builder_names,
-    fmt_alloc,
     grouped,
     resource_names,
 )
@@ -53,14 +52,18 @@ def check_legacy_path_unchanged(result: LifecycleResult, options: CheckOptions) 
         if phase in ran:
             out.append(f"phase {phase!r} ran although the model is on the legacy path ({result.resolution.reason})")
     names = builder_names(result)
-    for a in result.allocations:
-        if a.owner in names and a.phase in lc.WINDOW_PHASES and a.kind == "device":
-            freed = a.freed_phase
-            if freed is None or freed not in lc.WINDOW_PHASES:
-                out.append(
-                    "a builder on the legacy path kept memory from the profiling window, which changes legacy "
-                    f"KV sizing: {fmt_alloc(a)}"
-                )
+    kept = [
+        a for a in result.allocations
+        if a.owner in names and a.phase in lc.WINDOW_PHASES and a.kind == "device"
+        and (a.freed_phase is None or a.freed_phase not in lc.WINDOW_PHASES)
+    ]
+    if kept:
+        total = sum(a.nbytes for a in kept)
+        out.append(
+            f"builders on the legacy path kept {total / MiB:.2f} MiB ({total} bytes) from the profiling window, "
+            f"which changes legacy KV sizing: {grouped(result, kept)}. Free what the window made before it closes, "
+            "or declare REQUIRED and reserve it under a lease"
+        )
     return out
 
 

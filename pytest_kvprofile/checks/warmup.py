@@ -6,7 +6,6 @@ import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
     builder_names,
-    fmt_alloc,
     grouped,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
@@ -21,9 +20,9 @@ def check_profile_replayed_after_warmup(result: LifecycleResult, options: CheckO
     if warmed and result.phase(lc.PROFILE_REPLAY) is None:
         total = sum(a.nbytes for a in warmed)
         return [
-            f"warmup inside the window made {total / MiB:.2f} MiB persistent but the profile was not replayed, so "
-            "the closing measurement never saw the persistent baseline and the activation peak together: "
-            + "; ".join(fmt_alloc(a) for a in warmed[:6])
+            (f"warmup inside the window made {total / MiB:.2f} MiB ({total} bytes) persistent but the profile was not "
+            "replayed, so the closing measurement never saw the persistent baseline and the activation peak together: "
+            f"{grouped(result, warmed)}. Replay the profile run after an in-window warmup")
         ]
     return []
 

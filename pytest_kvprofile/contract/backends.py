@@ -7,6 +7,7 @@ Where backends come from (entry points, ``--kvprofile-backend``, the hook, the b
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -40,6 +41,13 @@ class Backend:
 
     ``make_builders(case)`` returns fresh builder instances for one case. ``expected_failures``
     maps check names to reasons; those checks become strict xfails and block the opt-in.
+
+    ``refuses_layout(case)`` returns the engine's own reason when the engine itself refuses the case's
+    layout (vLLM rejects DCP unless TP is above the KV heads), else None: such a pair is listed as skipped
+    with that reason at collection and is not part of the backend's matrix in the verdict. It is asked
+    before any builder is made; a factory that raises on a layout the backend accepts is a failure.
+    ``requires`` names the top-level modules the backend's engine needs; when one is not installed the
+    run is a usage error naming ``install_hint``, before collection.
     """
 
     name: str
@@ -52,6 +60,9 @@ class Backend:
     bug_class: int | None = None
     torch_mode: bool = False  # builders allocate with plain torch "cuda" calls, served by the simulated device
     make_resources: Callable[[Any], Iterable[Any]] | None = None  # None: the resources the case carries
+    refuses_layout: Callable[[Any], str | None] | None = None
+    requires: tuple[str, ...] = ()
+    install_hint: str = ""
 
     @property
     def xfails(self) -> dict[str, str]:
@@ -76,6 +87,8 @@ def coerce_backend(obj: Any, origin: str) -> Backend:
             name=str(name), make_builders=make, policy=policy, version=str(obj.get("version", "")),
             description=str(obj.get("description", "")), expected_failures=tuple(sorted(dict(xfail).items())),
             origin=origin, torch_mode=bool(obj.get("torch_mode", False)),
+            refuses_layout=obj.get("refuses_layout"), requires=tuple(obj.get("requires", ())),
+            install_hint=str(obj.get("install_hint", "")),
         )
     if obj is None:
         raise BackendError(f"backend from {origin}: the factory returned nothing (expected a Backend)")
@@ -100,3 +113,32 @@ def validate_builders(backend: Backend, builders: list[Any]) -> None:
         names.append(b.name)
     if len(set(names)) != len(names):
         raise BackendError(f"backend {backend.name!r}: builder names are not unique: {names}")
+
+
+def layout_refusal(backend: Backend, case: Any) -> str | None:
+    """The engine's reason for refusing ``case`` (``Backend.refuses_layout``), or None when it accepts it.
+
+    A ``refuses_layout`` that raises refuses nothing: the factory then runs, and its error is a failure.
+    """
+    if backend.refuses_layout is None or case.skip_reason is not None:
+        return None
+    try:
+        reason = backend.refuses_layout(case)
+    except Exception:  # noqa: BLE001 - the backend's own factory reports the error per case
+        return None
+    return str(reason) if reason else None
+
+
+def check_requirements(backend: Backend) -> None:
+    """Raise BackendError naming the install when a module the backend's engine needs is not importable."""
+    missing = [name for name in backend.requires if not _importable(name)]
+    if missing:
+        how = f"; install it with {backend.install_hint}" if backend.install_hint else ""
+        raise BackendError(f"backend {backend.name!r} needs {', '.join(missing)}, which is not installed{how}")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module made unimportable in sys.modules
+        return False

@@ -220,4 +220,5 @@ def _neutral_alone(backend: Backend, neutral: frozenset[str]) -> Backend:
         name=f"{backend.name}-neutral-alone", make_builders=make_neutral, policy=backend.policy,
         version=backend.version, description=f"the NEUTRAL builders of {backend.name} without the rest",
         origin=backend.origin, torch_mode=backend.torch_mode, make_resources=backend.make_resources,
+        refuses_layout=backend.refuses_layout, requires=backend.requires, install_hint=backend.install_hint,
     )

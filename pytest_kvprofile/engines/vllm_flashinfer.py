@@ -34,6 +34,7 @@ from pytest_kvprofile.contract.protocol import (
 )
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.vllm_config import (
+    UnexpressibleCase,
     check_expressible,
     kv_cache_spec,
     layer_names,
@@ -41,11 +42,15 @@ from pytest_kvprofile.engines.vllm_config import (
     resolve_kv_cache_layout,
     standin_layers,
 )
-from pytest_kvprofile.engines.vllm_standins import import_vllm_flashinfer, vllm_standins
+from pytest_kvprofile.engines.vllm_standins import (
+    VLLM_INSTALL_HINT,
+    import_vllm_flashinfer,
+    vllm_standins,
+)
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 __all__ = ["DECLARATION_NAMES", "RESERVATION_NAMES", "VLLM_BACKENDS", "ReservationApi", "ReservingVllmBuilder", "VllmBuildError",
-           "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "make_vllm_builders", "reservation_api"]
+           "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal", "make_vllm_builders", "reservation_api"]
 
 DECLARATION_NAMES = ("get_persistent_workspace_memory_profiling_support",  # the contract's
                      "persistent_workspace_profiling_support")  # the pull request's earlier name
@@ -387,11 +392,25 @@ def _version() -> str:
         return ""
 
 
+def engine_refusal(case: Any) -> str | None:
+    """Why vLLM (or this adapter, for MLA and other layouts ``FlashInferMetadataBuilder`` does not serve) refuses
+    ``case``, from vLLM's own config validation on the stand-in platform; None when it accepts the layout."""
+    try:
+        check_expressible(case)
+        with vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp):
+            make_vllm_config(case)
+    except UnexpressibleCase as exc:
+        return str(exc)
+    return None
+
+
 VLLM_BACKENDS: tuple[Backend, ...] = (
     Backend(name="vllm-flashinfer", make_builders=_make_v1, origin="builtin", torch_mode=True,
+            refuses_layout=engine_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
             description="vLLM's own FlashInferMetadataBuilder (V1 runner: per-builder lazy float workspace), "
                         "unmodified, on the simulated GPU"),
     Backend(name="vllm-flashinfer-v2", make_builders=_make_v2, origin="builtin", torch_mode=True,
+            refuses_layout=engine_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
             description="vLLM's own FlashInferMetadataBuilder (V2 runner: one eager float workspace shared "
                         "with set_workspace_buffer), unmodified, on the simulated GPU"),
 )

@@ -32,6 +32,10 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 SUITES = ("pytest_kvprofile.suite", "pytest_kvprofile.gpu_suite")
+# FlashInfer's own modules use deprecated CuTe-DSL names when imported (16 warnings a run, none a user can act on):
+# ignored only when raised from FlashInfer's own code. A deprecated FlashInfer API called from a builder is
+# attributed to the builder's line and still shown; ``-W`` on the command line still overrides this.
+FLASHINFER_IMPORT_WARNINGS = r"ignore::DeprecationWarning:flashinfer(\.|$)"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -143,6 +147,7 @@ def _ini_float(config: pytest.Config, name: str) -> float:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvprofile_check(name): a pytest-kvprofile conformance check")
     config.addinivalue_line("markers", "kvprofile_gpu: needs a CUDA device; skipped unless --kvprofile-gpu")
+    config.addinivalue_line("filterwarnings", FLASHINFER_IMPORT_WARNINGS)
     settings = _settings(config)
     tier = "gpu" if settings.gpu else "cpu"
     if settings.gpu:
@@ -212,6 +217,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             for case in session.skipped_cases
         ]
         metafunc.parametrize("kvprofile_impossible_case", params)
+    elif "kvprofile_refused_pair" in metafunc.fixturenames:
+        params = [
+            pytest.param((backend, case), id=f"{backend.name}-{case.id}",
+                         marks=pytest.mark.skip(reason=f"the engine refuses this layout: {reason}"))
+            for backend, case, reason in session.refused_pairs()
+        ]
+        metafunc.parametrize("kvprofile_refused_pair", params)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -227,6 +239,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     from pytest_kvprofile.checks.catalog import CHECKS
 
     has_impossible = bool(state.skipped_cases)
+    has_refused = bool(state.refused_pairs())
     nonempty = {c.name for c in CHECKS if state.pairs_for(c)}
 
     def unparametrized(item: pytest.Item) -> bool:
@@ -234,6 +247,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         fixtures = getattr(item, "fixturenames", ())
         if "kvprofile_impossible_case" in fixtures:
             return not has_impossible
+        if "kvprofile_refused_pair" in fixtures:
+            return not has_refused
         if "kvprofile_pair" in fixtures:
             return item.function.kvprofile_check not in nonempty
         return False
@@ -249,9 +264,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     def key(pair: tuple[int, pytest.Item]) -> tuple:
         index, item = pair
         callspec = getattr(item, "callspec", None)
-        if callspec is None or "kvprofile_pair" not in callspec.params:
+        pair = None if callspec is None else callspec.params.get("kvprofile_pair")
+        if pair is None:
             return (0, index, 0, 0, 0)
-        backend, case = callspec.params["kvprofile_pair"]
+        backend, case = pair
         return (1, state.case_index[case.id], state.backend_index[backend.name],
                 order.get(item.function.kvprofile_check, 0), index)
 
@@ -260,7 +276,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 def _is_suite_item(item: pytest.Item) -> bool:
     fixtures = getattr(item, "fixturenames", ())
-    return "kvprofile_pair" in fixtures or "kvprofile_impossible_case" in fixtures
+    return any(f in fixtures for f in ("kvprofile_pair", "kvprofile_impossible_case", "kvprofile_refused_pair"))
 
 
 @pytest.fixture(scope="session")
@@ -274,6 +290,11 @@ def kvprofile_session(request: pytest.FixtureRequest) -> KvprofileSession:
 
 @pytest.fixture
 def kvprofile_impossible_case(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+@pytest.fixture
+def kvprofile_refused_pair(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
@@ -320,19 +341,35 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if state is None or not _is_controller(config) or not state.records:
         return
     from pytest_kvprofile.report.documents import verdict_document
-    from pytest_kvprofile.report.summary import legacy_cost_lines, summarize, table_lines, verdict_lines
+    from pytest_kvprofile.report.summary import (
+        legacy_cost_lines,
+        partial_lines,
+        summarize,
+        table_lines,
+        verdict_lines,
+    )
 
     terminalreporter.section("kvprofile summary")
     for line in table_lines(summarize(state.records)):
         terminalreporter.write_line(line)
     if state.skipped_cases:
         terminalreporter.write_line(f"{len(state.skipped_cases)} impossible layouts skipped (reasons in the id list)")
+    refused = state.refused_pairs()
+    if refused:
+        terminalreporter.write_line(f"{len(refused)} (backend, case) layouts refused by their engine skipped, not "
+                                    "counted against the opt-in (reasons in the id list and the verdict)")
     legacy = legacy_cost_lines(state.records)
     if legacy:
         terminalreporter.section("kvprofile legacy-path cost (what KV sizing does not see; information)")
         for line in legacy:
             terminalreporter.write_line(line)
+    verdict = verdict_document(state)
+    partial = partial_lines(verdict)
+    if partial:
+        terminalreporter.section("kvprofile partial run (no verdict may opt in)")
+        for line in partial:
+            terminalreporter.write_line(line)
     if state.settings.verdict_path:
         terminalreporter.section("kvprofile verdict")
-        for line in verdict_lines(verdict_document(state)):
+        for line in verdict_lines(verdict):
             terminalreporter.write_line(line)

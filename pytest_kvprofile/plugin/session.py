@@ -16,7 +16,11 @@ from typing import Any, Iterable
 import pytest
 
 from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.backends import (
+    Backend,
+    check_requirements,
+    layout_refusal,
+)
 from pytest_kvprofile.contract.registry import (
     BackendProfile,
     inspect_backend,
@@ -68,6 +72,7 @@ class KvprofileSession:
         self.tier = tier
         self.cases: list[Case] = [c for m in matrices for c in m.cases]
         self._plans: dict[tuple[str, str], PairPlan] = {}
+        self._refusals: dict[tuple[str, str], str | None] = {}
         self._results: OrderedDict[tuple[str, str], LifecycleResult] = OrderedDict()
         self.records: list[dict] = []
         self.hardware: dict | None = None
@@ -112,10 +117,30 @@ class KvprofileSession:
             plan = self._plans[key] = PairPlan(path, checks)
         return plan
 
+    def refusal(self, backend: Backend, case: Case) -> str | None:
+        """The engine's reason for refusing the pair's layout (``Backend.refuses_layout``), asked once."""
+        key = (backend.name, case.id)
+        if key not in self._refusals:
+            self._refusals[key] = layout_refusal(backend, case)
+        return self._refusals[key]
+
+    def accepted_cases(self, backend: Backend) -> list[Case]:
+        """The backend's matrix: the runnable cases its engine does not refuse."""
+        return [c for c in self.runnable_cases if self.refusal(backend, c) is None]
+
+    def refused_pairs(self) -> list[tuple[Backend, Case, str]]:
+        """Every (backend, case) whose layout the backend's engine refuses, with the engine's reason, in run order."""
+        return [(b, c, reason) for c in self.runnable_cases for b in self.backends
+                if (reason := self.refusal(b, c)) is not None]
+
+    def planned(self, backend: Backend) -> dict[str, list[str]]:
+        """{case id: the checks that apply} over the backend's whole matrix: what a complete run records."""
+        return {c.id: sorted(self.classify(backend, c).checks) for c in self.accepted_cases(backend)}
+
     def pairs_for(self, check: Check) -> list[tuple[Backend, Case]]:
         return [
             (backend, case) for case in self.runnable_cases for backend in self.backends
-            if check.name in self.classify(backend, case).checks
+            if self.refusal(backend, case) is None and check.name in self.classify(backend, case).checks
         ]
 
     def result_for(self, backend: Backend, case: Case) -> LifecycleResult:
@@ -155,15 +180,18 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
                     raise MatrixError(matrix.path, "resources", f"unknown resource kind {res.kind!r} "
                                       f"(known: {', '.join(RESOURCE_KINDS)})")
     backends = resolve_backends(settings.backend_specs, hooked)
-    first = next((c for m in matrices for c in m.cases if c.skip_reason is None), None)
-    profiles: list[BackendProfile] = []
-    if first is None:
-        profiles = [BackendProfile(b, {}, None) for b in backends]
-    else:
-        profiles = [inspect_backend(b, first) for b in backends]
-        derived = [inspect_backend(p.neutral_alone, first) for p in profiles if p.neutral_alone is not None]
-        profiles += derived
+    for backend in backends:
+        check_requirements(backend)
+    runnable = [c for m in matrices for c in m.cases if c.skip_reason is None]
+    profiles = [_profile(b, runnable) for b in backends]
+    profiles += [_profile(p.neutral_alone, runnable) for p in profiles if p.neutral_alone is not None]
     return KvprofileSession(settings, profiles, matrices, tier)
+
+
+def _profile(backend: Backend, runnable: list[Case]) -> BackendProfile:
+    """The backend inspected on the first case its engine accepts (none: nothing to inspect)."""
+    first = next((c for c in runnable if layout_refusal(backend, c) is None), None)
+    return BackendProfile(backend, {}, None) if first is None else inspect_backend(backend, first)
 
 
 __all__ = ["SESSION_KEY", "KvprofileSession", "PairPlan", "Settings", "build_session"]

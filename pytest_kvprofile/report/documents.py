@@ -76,7 +76,12 @@ def _legacy_reason(declared: dict[str, str]) -> str | None:
 
 
 def verdict_document(session: Any) -> dict:
-    """Per backend: declared support, results per check x case, and whether it may opt in."""
+    """Per backend: declared support, results per check x case, coverage of its matrix, and whether it may opt in.
+
+    A backend's matrix is every runnable case its engine accepts, each with the checks that apply
+    (``session.planned``); a run that did not record all of them (``-k``, ``--deselect``, ``-x``, ``--lf``,
+    ``--sw``, an interrupt) is ``partial`` and may not opt in.
+    """
     doc = {
         "schema": SCHEMA_VERSION,
         "tier": session.tier,
@@ -91,38 +96,156 @@ def verdict_document(session: Any) -> dict:
         if rec.get("backend"):
             by_backend[rec["backend"]].append(rec)
     costs = legacy_costs(session.records)
+    refused_pairs = session.refused_pairs()
     for backend in session.backends:
-        recs = sorted(by_backend.get(backend.name, []), key=lambda r: (r["check"], r["case"]))
-        failed = [r for r in recs if r["outcome"] == "failed"]
-        xfailed = [r for r in recs if r["outcome"] == "xfailed"]
-        reasons = []
-        if not recs:
-            reasons.append("no check ran for this backend")
-        if failed:
-            checks = sorted({r["check"] for r in failed})
-            reasons.append(f"{len(failed)} check results failed: {', '.join(checks)}")
-        if xfailed:
-            reasons.append(f"{len(xfailed)} expected failures declared: {', '.join(sorted({r['check'] for r in xfailed}))}")
-        declared = session.profiles[backend.name].declared_support
-        legacy = _legacy_reason(declared)
-        cost = costs.get(backend.name, [])
-        if legacy:
-            worst = f"; up to {cost[0]['mib']:.2f} MiB ({cost[0]['kv_tokens']} KV tokens) appear after KV sizing " \
-                    f"on {cost[0]['case']}" if cost and cost[0]["bytes"] else ""
-            reasons.append(f"legacy path: nothing to opt in ({legacy}{worst})")
-        doc["backends"].append({
+        results = [
+            {"check": r["check"], "case": r["case"], "outcome": r["outcome"], "message": r.get("message")}
+            for r in by_backend.get(backend.name, [])
+        ]
+        refused = [{"case": case.id, "reason": reason}
+                   for b, case, reason in refused_pairs if b.name == backend.name]
+        doc["backends"].append(backend_verdict({
             "name": backend.name,
             "version": backend.version,
             "origin": backend.origin,
-            "declared_support": declared,
+            "declared_support": session.profiles[backend.name].declared_support,
             "expected_failures": backend.xfails,
-            "results": [
-                {"check": r["check"], "case": r["case"], "outcome": r["outcome"], "message": r.get("message")}
-                for r in recs
-            ],
-            "counts": dict(Counter(r["outcome"] for r in recs)),
-            "may_opt_in": not reasons,
-            "reasons": reasons,
-            "legacy_cost": cost,
-        })
+            "results": results,
+            "planned": session.planned(backend),
+            "refused_layouts": refused,
+            "legacy_cost": costs.get(backend.name, []),
+        }))
+    doc["partial"] = any(b["partial"] for b in doc["backends"])
     return doc
+
+
+def coverage(planned: dict[str, list[str]], results: list[dict]) -> dict:
+    """How much of the backend's matrix the results cover: a case is run when every check planned for it has a result."""
+    ran = {(r["check"], r["case"]) for r in results}
+    want = [(check, case) for case, checks in sorted(planned.items()) for check in checks]
+    missing = [key for key in want if key not in ran]
+    return {
+        "cases_in_matrix": len(planned),
+        "cases_run": sum(1 for case, checks in planned.items() if all((c, case) in ran for c in checks)),
+        "results_in_matrix": len(want),
+        "results_run": len(want) - len(missing),
+        "missing": [f"{check}[{case}]" for check, case in missing[:10]],
+    }
+
+
+def backend_verdict(entry: dict) -> dict:
+    """One backend's verdict from its facts (results, planned matrix, refused layouts, declarations, legacy cost).
+
+    The one computation of ``may_opt_in`` and its reasons, for a run's verdict and for a merged one alike.
+    """
+    recs = sorted(entry["results"], key=lambda r: (r["check"], r["case"], r["outcome"]))
+    failed = [r for r in recs if r["outcome"] == "failed"]
+    xfailed = [r for r in recs if r["outcome"] == "xfailed"]
+    cover = coverage(entry["planned"], recs)
+    partial = cover["results_run"] < cover["results_in_matrix"]
+    reasons = []
+    if not recs:
+        reasons.append("no check ran for this backend")
+    elif partial:
+        reasons.append(
+            f"partial run: {cover['cases_run']} of {cover['cases_in_matrix']} cases ({cover['results_run']} of "
+            f"{cover['results_in_matrix']} check results) ran; only a run over the whole matrix may opt in (the run "
+            "was narrowed by -k, --deselect, -x, --lf or --sw, or interrupted; merge the runners' verdicts with "
+            "`kvprofile verdict merge`)")
+    if failed:
+        checks = sorted({r["check"] for r in failed})
+        reasons.append(f"{len(failed)} check results failed: {', '.join(checks)}")
+    if xfailed:
+        reasons.append(f"{len(xfailed)} expected failures declared: {', '.join(sorted({r['check'] for r in xfailed}))}")
+    legacy = _legacy_reason(entry["declared_support"])
+    cost = entry["legacy_cost"]
+    if legacy:
+        worst = f"; up to {cost[0]['mib']:.2f} MiB ({cost[0]['kv_tokens']} KV tokens) appear after KV sizing " \
+                f"on {cost[0]['case']}" if cost and cost[0]["bytes"] else ""
+        reasons.append(f"legacy path: nothing to opt in ({legacy}{worst})")
+    return dict(
+        entry,
+        results=recs,
+        refused_layouts=sorted(entry["refused_layouts"], key=lambda r: r["case"]),
+        counts=dict(Counter(r["outcome"] for r in recs)),
+        coverage=cover,
+        partial=partial,
+        may_opt_in=not reasons,
+        reasons=reasons,
+    )
+
+
+class MergeError(ValueError):
+    """Verdicts that cannot be merged; the message names the files and the values that differ."""
+
+
+def merge_verdicts(docs: dict[str, dict]) -> dict:
+    """One verdict from the verdicts of several runners of one matrix (xdist shards, the CPU tier, each GPU runner).
+
+    ``docs`` maps a source name (its path) to its verdict. Every document must have the same matrix digest,
+    and a backend the same version in each. A backend's matrix is the union of what the runners planned;
+    it may opt in only when the union of their results covers all of it and nothing failed.
+    """
+    if not docs:
+        raise MergeError("no verdicts to merge")
+    for key in ("schema", "matrix_digest"):
+        values = {name: doc.get(key) for name, doc in docs.items()}
+        if len(set(map(str, values.values()))) > 1:
+            raise MergeError(f"the verdicts differ in {key}: " + ", ".join(f"{n}: {v}" for n, v in values.items()))
+    entries: dict[str, list[tuple[str, dict]]] = defaultdict(list)
+    for name, doc in docs.items():
+        for b in doc.get("backends", []):
+            entries[b["name"]].append((name, b))
+    for backend, found in entries.items():
+        versions_seen = {name: b.get("version") for name, b in found}
+        if len(set(versions_seen.values())) > 1:
+            raise MergeError(f"backend {backend!r} has different versions: "
+                             + ", ".join(f"{n}: {v!r}" for n, v in versions_seen.items()))
+    first = next(iter(docs.values()))
+    merged = {
+        "schema": first.get("schema"),
+        "tier": "+".join(sorted({str(d.get("tier")) for d in docs.values()})),
+        "versions": first.get("versions"),
+        "hardware": [d.get("hardware") for d in docs.values() if d.get("hardware")] or None,
+        "matrix_digest": first.get("matrix_digest"),
+        "matrices": first.get("matrices"),
+        "merge": {"sources": [{"path": name, "tier": d.get("tier"), "partial": d.get("partial"),
+                               "versions": d.get("versions"), "hardware": d.get("hardware")}
+                              for name, d in docs.items()]},
+        "backends": [_merge_backend(found) for _, found in sorted(entries.items())],
+    }
+    merged["partial"] = any(b["partial"] for b in merged["backends"])
+    return merged
+
+
+def _merge_backend(found: list[tuple[str, dict]]) -> dict:
+    """A backend's facts from several runners, judged again by :func:`backend_verdict`."""
+    name, first = found[0]
+    planned: dict[str, set[str]] = defaultdict(set)
+    refused: dict[str, str] = {}
+    declared = dict(first.get("declared_support") or {})
+    results, costs, disagreements = [], [], []
+    for source, b in found:
+        for case, checks in (b.get("planned") or {}).items():
+            planned[case].update(checks)
+        for r in b.get("refused_layouts") or []:
+            refused.setdefault(r["case"], r["reason"])
+        results += [dict(r, source=source) for r in b.get("results") or []]
+        costs += b.get("legacy_cost") or []
+        if (b.get("declared_support") or {}) != declared:
+            disagreements.append(source)
+    entry = backend_verdict({
+        "name": first["name"],
+        "version": first.get("version"),
+        "origin": first.get("origin"),
+        "declared_support": declared,
+        "expected_failures": first.get("expected_failures") or {},
+        "results": results,
+        "planned": {case: sorted(checks) for case, checks in sorted(planned.items()) if case not in refused},
+        "refused_layouts": [{"case": c, "reason": r} for c, r in refused.items()],
+        "legacy_cost": sorted(costs, key=lambda c: (-c["bytes"], c["case"])),
+    })
+    if disagreements:
+        entry["reasons"].append(f"the runners disagree on declared support ({name} vs {', '.join(disagreements)})")
+        entry["may_opt_in"] = False
+    return entry

@@ -95,3 +95,17 @@ def budget_record(budget: Any, case_id: str) -> dict:
     d["limit"] = budget.limit
     d["available_kv_mib"] = round(budget.available_kv / MiB, 2)
     return d
+
+
+def partial_lines(doc: dict) -> list[str]:
+    """Why a narrowed or interrupted run's verdict cannot opt in: the coverage of each backend's matrix."""
+    lines = []
+    for b in doc["backends"]:
+        if b["partial"]:
+            c = b["coverage"]
+            lines.append(f"{b['name']}: partial run, {c['cases_run']} of {c['cases_in_matrix']} cases "
+                         f"({c['results_run']} of {c['results_in_matrix']} check results): no opt-in from this run")
+    if lines:
+        lines.append("only a run over the whole matrix may opt in; merge several runners' verdicts with "
+                     "`kvprofile verdict merge A.json B.json -o OUT.json`")
+    return lines

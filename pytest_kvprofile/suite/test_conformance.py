@@ -56,3 +56,9 @@ for _check in CHECKS:
 def test_layout_is_possible(kvprofile_impossible_case: Any) -> None:
     """Impossible layouts are listed (and skipped) with their reason rather than silently dropped."""
     pytest.fail(f"{kvprofile_impossible_case.id} should have been skipped: {kvprofile_impossible_case.skip_reason}")
+
+
+def test_engine_accepts_layout(kvprofile_refused_pair: Any) -> None:
+    """Layouts a backend's engine refuses (``Backend.refuses_layout``) are listed, skipped with the engine's reason."""
+    backend, case = kvprofile_refused_pair
+    pytest.fail(f"{backend.name} / {case.id} should have been skipped: its engine refuses the layout")

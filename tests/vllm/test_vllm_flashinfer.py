@@ -4,8 +4,10 @@ config a case becomes, both runner integrations, the reservation mapping, and ca
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -168,6 +170,34 @@ def test_a_dcp_layout_vllm_rejects_is_an_error_naming_the_case_not_a_crash():
     result = run_lifecycle(VLLM_BACKENDS[0], case)
     assert len(result.errors) == 1
     assert case.id in result.errors[0].message and "vLLM rejects this layout" in result.errors[0].message
+
+
+def test_the_backends_name_the_layouts_vllm_refuses_so_the_suite_skips_them():
+    """vLLM's own DCP rule (TP above the KV heads) and the adapter's MLA refusal are refusals, not failures."""
+    refuses = VLLM_BACKENDS[0].refuses_layout
+    assert all(b.refuses_layout is refuses and b.requires == ("vllm",) for b in VLLM_BACKENDS)
+    reason = refuses(small_case(tp=4, dcp=2))  # 8 KV heads: vLLM refuses DCP
+    assert "vLLM rejects this layout" in reason and "Decode context parallelism" in reason
+    assert refuses(small_case(model=GLM, tp=4, dcp=2)) is None  # 2 KV heads < TP=4: accepted
+    assert refuses(small_case()) is None
+    assert "FlashInferMLAMetadataBuilder" in refuses(small_case(model=dataclasses.replace(QWEN, name="mla",
+                                                                                          attention="mla")))
+
+
+def test_the_suite_lists_a_refused_layout_as_skipped_and_the_verdict_does_not_count_it(pytester):
+    ci = Path(__file__).resolve().parents[2] / "matrices" / "ci.yaml"
+    refused = "qwen3-8b-tp4-dcp2-mtp0-l40s-gmu0.90"
+    out = pytester.path / "verdict.json"
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(ci), "-p", "no:cacheprovider", "-rs",
+        "--kvprofile-backend", "vllm-flashinfer", "-k", refused, "--kvprofile-verdict", str(out))
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines([f"SKIPPED*the engine refuses this layout: case {refused}: vLLM rejects this layout: "
+                                 "*Decode context parallelism*", "*1 skipped*"])
+    (b,) = json.loads(out.read_text())["backends"]
+    assert b["results"] == [] and "failed" not in b["counts"]
+    assert len(b["refused_layouts"]) == 8 and refused in {r["case"] for r in b["refused_layouts"]}
+    assert b["coverage"]["cases_in_matrix"] == 40  # 48 ci cases, 8 refused
 
 
 # -- the two runner integrations ------------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""Layouts a backend's engine refuses are skipped with its reason (issue 21.7); a missing engine is one usage error
+naming its install, before collection (issue 21.9); FlashInfer's import-time deprecations do not flood the summary."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pytest_kvprofile.contract.backends import Backend, BackendError, check_requirements, layout_refusal
+
+BACKENDS = """
+from pytest_kvprofile import Backend
+from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder
+
+def refuse_dcp(case):
+    return "my engine rejects DCP" if case.dcp > 1 else None
+
+def raise_on_dcp(case):
+    if case.dcp > 1:
+        raise ValueError("my engine rejects DCP")
+    return [FlashInferLikeBuilder(case)]
+
+def refusal_that_raises(case):
+    raise RuntimeError("the refusal itself is broken")
+
+def pytest_kvprofile_backends(config):
+    return [
+        Backend(name="refuser", make_builders=lambda case: [FlashInferLikeBuilder(case)], refuses_layout=refuse_dcp),
+        Backend(name="raiser", make_builders=raise_on_dcp),
+        Backend(name="broken-refusal", make_builders=raise_on_dcp, refuses_layout=refusal_that_raises),
+    ]
+"""
+DCP_CASE = "qwen3-8b-tp2-dcp2-mtp0-l40s-gmu0.98"
+
+
+def test_a_refused_layout_is_skipped_with_the_engine_reason_and_not_counted(pytester, suite_args):
+    pytester.makeconftest(BACKENDS)
+    out = pytester.path / "verdict.json"
+    result = pytester.runpytest(*suite_args, "-v", "-rs", "--kvprofile-verdict", str(out))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        f"*test_engine_accepts_layout[[]refuser-{DCP_CASE}[]] SKIPPED*",
+        "*1 (backend, case) layouts refused by their engine skipped, not counted against the opt-in*",
+        "SKIPPED [[]1[]] *: the engine refuses this layout: my engine rejects DCP",
+    ])
+    assert f"[refuser-{DCP_CASE}]" not in result.stdout.str().replace("test_engine_accepts_layout[", "")
+    verdict = {b["name"]: b for b in json.loads(out.read_text())["backends"]}
+    refuser = verdict["refuser"]
+    assert refuser["may_opt_in"] is True and refuser["reasons"] == []
+    assert refuser["refused_layouts"] == [{"case": DCP_CASE, "reason": "my engine rejects DCP"}]
+    assert refuser["coverage"]["cases_in_matrix"] == refuser["coverage"]["cases_run"] == 2
+    # a backend that raises stays a failure, and so does one whose refusal raises (it refuses nothing)
+    for name in ("raiser", "broken-refusal"):
+        b = verdict[name]
+        assert b["may_opt_in"] is False and b["refused_layouts"] == []
+        assert {r["case"] for r in b["results"] if r["outcome"] == "failed"} == {DCP_CASE}
+
+
+def test_layout_refusal_asks_only_runnable_cases_and_keeps_the_reason():
+    backend = Backend(name="b", make_builders=lambda case: [], refuses_layout=lambda case: "no")
+    assert layout_refusal(backend, SimpleNamespace(skip_reason=None)) == "no"
+    assert layout_refusal(backend, SimpleNamespace(skip_reason="impossible")) is None
+    assert layout_refusal(Backend(name="c", make_builders=lambda case: []), SimpleNamespace(skip_reason=None)) is None
+
+
+def test_a_missing_engine_module_is_named_with_its_install():
+    check_requirements(Backend(name="ok", make_builders=lambda case: [], requires=("json",)))
+    with pytest.raises(BackendError, match=r"backend 'eng' needs no_such_engine_kv, which is not installed; "
+                                           r"install it with pip install no-such-engine"):
+        check_requirements(Backend(name="eng", make_builders=lambda case: [], requires=("no_such_engine_kv",),
+                                   install_hint="pip install no-such-engine"))
+
+
+def test_vllm_backend_without_vllm_is_one_usage_error_before_collection(pytester, suite_args):
+    pytester.makeconftest("import sys\nsys.modules['vllm'] = None  # vLLM's import fails, as where it is not installed\n")
+    result = pytester.runpytest_subprocess(*suite_args, "--kvprofile-backend", "vllm-flashinfer")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    err = result.stderr.str()
+    assert err.count("scripts/install_vllm_cpu.sh") == 1 and "vllm-flashinfer" in err
+    assert "Traceback" not in err + result.stdout.str()
+    assert "collected" not in result.stdout.str() and "failed" not in result.stdout.str()
+
+
+def test_a_registered_backend_whose_engine_is_missing_is_a_usage_error(pytester, suite_args):
+    pytester.makeconftest("""
+from pytest_kvprofile import Backend
+
+def pytest_kvprofile_backends(config):
+    return Backend(name="needs-engine", make_builders=lambda case: [], requires=("no_such_engine_kv",),
+                   install_hint="pip install no-such-engine")
+""")
+    result = pytester.runpytest_subprocess(*suite_args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*backend 'needs-engine' needs no_such_engine_kv, which is not installed; install it "
+                                 "with pip install no-such-engine*"])
+
+
+def test_flashinfers_import_deprecations_do_not_reach_the_warnings_summary(pytester):
+    """FlashInfer's own modules' DeprecationWarnings (raised when it is imported) are filtered; others still show."""
+    pytester.makepyfile(test_imports="""
+import warnings
+
+def test_import_flashinfer():
+    import flashinfer.decode  # noqa: F401
+
+def test_a_deprecation_of_ours_still_shows():
+    warnings.warn("ours is deprecated", DeprecationWarning)
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == 0
+    text = result.stdout.str()
+    assert "ours is deprecated" in text and "1 warning" in text
+    assert "flashinfer/" not in text.split("warnings summary")[-1]
