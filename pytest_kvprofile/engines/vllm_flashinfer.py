@@ -112,6 +112,7 @@ class VllmFlashInferBuilder:
         self.builders: dict[int, Any] = {}
         self.inputs: Any = None
         self.built: dict[str, int] = {}  # batches built per route, for reports and tests
+        self.last_metadata: Any = None  # what vLLM's last build() returned (its routes: native or trtllm-gen)
         if _device_active():
             self._make_inputs()
 
@@ -174,9 +175,9 @@ class VllmFlashInferBuilder:
             metadata = self.inputs.metadata(self.inputs.padded(batch))
             try:
                 if batch.cuda_graph and batch.kind == "decode":  # vLLM captures full graphs of uniform decode only
-                    builder.build_for_cudagraph_capture(metadata)
+                    self.last_metadata = builder.build_for_cudagraph_capture(metadata)
                 else:
-                    builder.build(common_prefix_len=0, common_attn_metadata=metadata)
+                    self.last_metadata = builder.build(common_prefix_len=0, common_attn_metadata=metadata)
             except Exception as exc:  # noqa: BLE001 - named with the case and batch; the driver records it
                 raise VllmBuildError(f"case {self.case.id}: vLLM's FlashInferMetadataBuilder.build() of {batch.label} "
                                      f"(ubatch {batch.ubatch}) failed on the simulated {self.case.gpu.name}: "
@@ -195,6 +196,7 @@ class VllmFlashInferBuilder:
     def close(self) -> None:
         self.builders.clear()
         self.inputs = None
+        self.last_metadata = None
 
 
 class VllmFlashInferV2Builder(VllmFlashInferBuilder):
