@@ -87,7 +87,7 @@ def coerce_backend(obj: Any, origin: str) -> Backend:
             name=str(name), make_builders=make, policy=policy, version=str(obj.get("version", "")),
             description=str(obj.get("description", "")), expected_failures=tuple(sorted(dict(xfail).items())),
             origin=origin, torch_mode=bool(obj.get("torch_mode", False)),
-            refuses_layout=obj.get("refuses_layout"), requires=tuple(obj.get("requires", ())),
+            refuses_layout=obj.get("refuses_layout"), requires=_names(obj.get("requires", ())),
             install_hint=str(obj.get("install_hint", "")),
         )
     if obj is None:
@@ -96,6 +96,11 @@ def coerce_backend(obj: Any, origin: str) -> Backend:
         f"backend from {origin}: the factory returned {type(obj).__name__}, expected a "
         "pytest_kvprofile.Backend or a mapping with 'name' and 'make_builders'"
     )
+
+
+def _names(value: str | Iterable[str]) -> tuple[str, ...]:
+    """One module name or several (a mapping's ``requires``)."""
+    return (value,) if isinstance(value, str) else tuple(str(v) for v in value)
 
 
 def validate_builders(backend: Backend, builders: list[Any]) -> None:

@@ -264,10 +264,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     def key(pair: tuple[int, pytest.Item]) -> tuple:
         index, item = pair
         callspec = getattr(item, "callspec", None)
-        pair = None if callspec is None else callspec.params.get("kvprofile_pair")
-        if pair is None:
+        checked = None if callspec is None else callspec.params.get("kvprofile_pair")
+        if checked is None:
             return (0, index, 0, 0, 0)
-        backend, case = pair
+        backend, case = checked
         return (1, state.case_index[case.id], state.backend_index[backend.name],
                 order.get(item.function.kvprofile_check, 0), index)
 

@@ -202,7 +202,8 @@ def merge_verdicts(docs: dict[str, dict]) -> dict:
             raise MergeError(f"backend {backend!r} has different versions: "
                              + ", ".join(f"{n}: {v!r}" for n, v in versions_seen.items()))
     first = next(iter(docs.values()))
-    merged = {
+    backends = [_merge_backend(found) for _, found in sorted(entries.items())]
+    return {
         "schema": first.get("schema"),
         "tier": "+".join(sorted({str(d.get("tier")) for d in docs.values()})),
         "versions": first.get("versions"),
@@ -212,10 +213,9 @@ def merge_verdicts(docs: dict[str, dict]) -> dict:
         "merge": {"sources": [{"path": name, "tier": d.get("tier"), "partial": d.get("partial"),
                                "versions": d.get("versions"), "hardware": d.get("hardware")}
                               for name, d in docs.items()]},
-        "backends": [_merge_backend(found) for _, found in sorted(entries.items())],
+        "backends": backends,
+        "partial": any(b["partial"] for b in backends),
     }
-    merged["partial"] = any(b["partial"] for b in merged["backends"])
-    return merged
 
 
 def _merge_backend(found: list[tuple[str, dict]]) -> dict:
@@ -224,7 +224,9 @@ def _merge_backend(found: list[tuple[str, dict]]) -> dict:
     planned: dict[str, set[str]] = defaultdict(set)
     refused: dict[str, str] = {}
     declared = dict(first.get("declared_support") or {})
-    results, costs, disagreements = [], [], []
+    results: list[dict] = []
+    costs: list[dict] = []
+    disagreements: list[str] = []
     for source, b in found:
         for case, checks in (b.get("planned") or {}).items():
             planned[case].update(checks)

@@ -8,7 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_kvprofile.contract.backends import Backend, BackendError, check_requirements, layout_refusal
+from pytest_kvprofile.contract.backends import (
+    Backend,
+    BackendError,
+    check_requirements,
+    layout_refusal,
+)
 
 BACKENDS = """
 from pytest_kvprofile import Backend
@@ -93,8 +98,9 @@ def pytest_kvprofile_backends(config):
 """)
     result = pytester.runpytest_subprocess(*suite_args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*backend 'needs-engine' needs no_such_engine_kv, which is not installed; install it "
-                                 "with pip install no-such-engine*"])
+    expected = ("*backend 'needs-engine' needs no_such_engine_kv, which is not installed; install it "
+                "with pip install no-such-engine*")
+    result.stderr.fnmatch_lines([expected])
 
 
 def test_flashinfers_import_deprecations_do_not_reach_the_warnings_summary(pytester):
@@ -113,3 +119,13 @@ def test_a_deprecation_of_ours_still_shows():
     text = result.stdout.str()
     assert "ours is deprecated" in text and "1 warning" in text
     assert "flashinfer/" not in text.split("warnings summary")[-1]
+
+
+def test_a_mapping_backend_declares_its_refusals_and_requirements():
+    from pytest_kvprofile.contract.backends import coerce_backend
+
+    backend = coerce_backend({"name": "m", "make_builders": lambda case: [], "requires": "vllm",
+                              "install_hint": "scripts/install_vllm_cpu.sh", "refuses_layout": lambda case: "no"},
+                             "test")
+    assert backend.requires == ("vllm",) and backend.install_hint == "scripts/install_vllm_cpu.sh"
+    assert layout_refusal(backend, SimpleNamespace(skip_reason=None)) == "no"
