@@ -36,8 +36,12 @@ if TYPE_CHECKING:
 _LRU_WRAPPER = type(functools.lru_cache(maxsize=None)(len))
 MAX_DEPTH = 4
 MAX_ITEMS = 256  # items looked at per container: module state holding device memory is a handful of buffers
-_SKIP = (types.ModuleType, types.BuiltinFunctionType, type(len), str, bytes, int, float, bool, type(None), range)
-_IMMUTABLE = (tuple, frozenset)  # an item of these is cleared through the slot that holds the container
+_SKIP = (types.ModuleType, types.BuiltinFunctionType, str, bytes, int, float, type(None), range)
+_SKIP_TYPES = frozenset((*_SKIP, bool, type(len), types.GetSetDescriptorType, types.MemberDescriptorType,
+                         types.WrapperDescriptorType, types.MethodDescriptorType, staticmethod, property))
+_IMMUTABLE = frozenset((tuple, frozenset))  # an item of these is cleared through the slot that holds the container
+_MUTABLE = frozenset((dict, list, set))
+_CONTAINERS = frozenset((dict, list, set, tuple, frozenset, types.FunctionType, types.MethodType, _LRU_WRAPPER))
 
 MemoryOf = Callable[[Any], "Allocation | None"]
 # where a value is held, as (kind, container, key): "attr" an attribute, "item" a dict key, "member" a list or set
@@ -111,26 +115,27 @@ def fresh_view(memory_of: MemoryOf) -> int:
         return 0
     modules = [sys.modules[n] for n in _stateful if n in sys.modules]
     cleared = 0
-    for _held, slot in _found(modules, memory_of).values():
-        if slot is not None and _clear(slot):
-            cleared += 1
+    for _held, slots in _found(modules, memory_of).values():
+        cleared += any([_clear(slot) for slot in slots if slot is not None])
     return cleared
 
 
 def held_in_modules(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> list[ModuleHeld]:
     """Every allocation ``memory_of`` recognises in the modules' process-wide state, with the path to it."""
-    return sorted((h for h, _slot in _found(modules, memory_of).values()),
+    return sorted((h for h, _slots in _found(modules, memory_of).values()),
                   key=lambda h: (h.where, h.alloc.tag, h.alloc.nbytes))
 
 
-def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int, tuple[ModuleHeld, Slot | None]]:
-    found: dict[int, tuple[ModuleHeld, Slot | None]] = {}
+def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int, tuple[ModuleHeld, list[Slot | None]]]:
+    """Each allocation found: the first path to it, and every slot that holds it."""
+    found: dict[int, tuple[ModuleHeld, list[Slot | None]]] = {}
     seen: set[int] = set()
+    memory: dict[int, int] = {}
     for mod in modules:
-        walk = _Walk(mod.__name__, memory_of, found, seen)
+        walk = _Walk(mod.__name__, memory_of, found, seen, memory)
         for name, value in list(vars(mod).items()):
             if not name.startswith("__"):
-                walk.visit(value, f"{mod.__name__}.{name}", 0, ("attr", mod, name))
+                walk.visit(value, (mod.__name__, "attr", name), 0, ("attr", mod, name))
     return found
 
 
@@ -142,76 +147,109 @@ def _dynamic(cls: type) -> bool:
     return obj is not cls
 
 
+_Path = tuple  # (parent path, label kind, key): rendered only for what is found
+
+
+def _render(path: _Path | str) -> str:
+    labels = []
+    while isinstance(path, tuple):
+        path, kind, key = path
+        labels.append(f"[{key!r}]" if kind == "item" else f"[{key}]" if kind == "index" else
+                      f".{key}" if kind == "attr" else f".<{kind} {key}>")
+    return path + "".join(reversed(labels))
+
+
 @dataclass
 class _Walk:
     module: str
     memory_of: MemoryOf
-    found: dict[int, tuple[ModuleHeld, Slot | None]]
+    found: dict[int, tuple[ModuleHeld, list[Slot | None]]]
     seen: set[int]
+    memory: dict[int, int]  # id of a value holding memory -> id of its allocation
 
-    def visit(self, value: Any, where: str, depth: int, slot: Slot | None) -> None:
-        if isinstance(value, _SKIP) or id(value) in self.seen:
+    def visit(self, value: Any, path: _Path | str, depth: int, slot: Slot | None) -> None:
+        tp = type(value)
+        if tp in _SKIP_TYPES:
             return
-        if isinstance(value, type) and not (value.__module__ == self.module or _dynamic(value)):
-            return  # a class of another module: looked at there, when the backend's memory comes from there
+        if id(value) in self.seen:
+            key = self.memory.get(id(value))
+            if key is not None:  # memory held in one more place: a fresh view clears each
+                self.found[key][1].append(slot)
+            return
+        if tp is types.FunctionType and not (value.__closure__ or value.__defaults__ or value.__dict__):
+            return  # most functions: nothing they hold can change
         self.seen.add(id(value))
-        alloc = self.memory_of(value)
-        if alloc is not None:
-            if alloc.alive:
-                self.found.setdefault(id(alloc), (ModuleHeld(where, alloc, self.module), slot))
-            return
+        if tp not in _CONTAINERS:
+            if isinstance(value, _SKIP):
+                return
+            if isinstance(value, type) and not (value.__module__ == self.module or _dynamic(value)):
+                return  # a class of another module: looked at there, when the backend's memory comes from there
+            alloc = self.memory_of(value)
+            if alloc is not None:
+                if alloc.alive:
+                    entry = self.found.setdefault(id(alloc), (ModuleHeld(_render(path), alloc, self.module), []))
+                    entry[1].append(slot)
+                    self.memory[id(value)] = id(alloc)
+                return
         if depth >= MAX_DEPTH:
             return
-        immutable = isinstance(value, _IMMUTABLE)
-        for key, item, item_slot in _children(value):
-            self.visit(item, f"{where}{key}", depth + 1, slot if immutable else item_slot)
+        immutable = tp in _IMMUTABLE
+        for kind, key, item, item_slot in _children(value, tp):
+            self.visit(item, (path, kind, key), depth + 1, slot if immutable else item_slot)
 
 
-def _children(value: Any) -> Iterator[tuple[str, Any, Slot | None]]:
-    """A container's items, a class's or object's attributes, a function's closure and defaults, a cache's
-    results: each with the slot that holds it."""
-    if isinstance(value, _LRU_WRAPPER):
+def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None]]:
+    """A container's items, a class's or object's attributes, a function's closure and mutable defaults, a
+    cache's results: each as (label kind, key, item, the slot that holds it)."""
+    if tp is dict:
+        for k, v in list(value.items())[:MAX_ITEMS]:
+            yield "item", k, v, ("item", value, k)
+    elif tp is list or tp is set:
+        for i, v in enumerate(list(value)[:MAX_ITEMS]):
+            yield "index", i, v, ("member", value, v)
+    elif tp in _IMMUTABLE:
+        for i, v in enumerate(list(value)[:MAX_ITEMS]):
+            yield "index", i, v, None
+    elif tp is types.FunctionType:
+        closure = value.__closure__
+        if closure:
+            for name, cell in zip(value.__code__.co_freevars, closure):
+                try:
+                    yield "closure", name, cell.cell_contents, ("cell", cell, None)
+                except ValueError:  # an empty cell
+                    continue
+        for i, v in enumerate(value.__defaults__ or ()):
+            if type(v) in _MUTABLE:  # a mutable default (``def f(cache={})``) is process-wide state
+                yield "default", i, v, None
+        if value.__dict__:
+            yield from _attributes(value, value.__dict__)
+    elif tp is _LRU_WRAPPER:
         # a functools cache keeps its results out of reach of attributes: the collector's referents reach them
         # (an unbounded cache's dict of results, a bounded one's links' keys and results)
         j = 0
         for ref in gc.get_referents(value):
-            for item in (list(ref.values()) if isinstance(ref, dict) else [ref])[:MAX_ITEMS]:
-                yield f".<cache entry {j}>", item, ("cache", value, None)
+            for item in (list(ref.values()) if type(ref) is dict else [ref])[:MAX_ITEMS]:
+                yield "cache entry", j, item, ("cache", value, None)
                 j += 1
-        return
-    if isinstance(value, dict):
-        for k, v in list(value.items())[:MAX_ITEMS]:
-            yield f"[{k!r}]", v, ("item", value, k)
+    elif tp is types.MethodType:
+        yield "attr", "__self__", value.__self__, None
+        yield "attr", "__func__", value.__func__, None
+    elif isinstance(value, dict):
+        yield from _children(value, dict)
     elif isinstance(value, (list, set)):
-        for i, v in enumerate(list(value)[:MAX_ITEMS]):
-            yield f"[{i}]", v, ("member", value, v)
-    elif isinstance(value, _IMMUTABLE):
-        for i, v in enumerate(list(value)[:MAX_ITEMS]):
-            yield f"[{i}]", v, None
-    elif isinstance(value, types.FunctionType):
-        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
-            try:
-                yield f".<closure {name}>", cell.cell_contents, ("cell", cell, None)
-            except ValueError:  # an empty cell
-                continue
-        for i, v in enumerate(value.__defaults__ or ()):
-            yield f".<default {i}>", v, None
-        for k, v in (value.__kwdefaults__ or {}).items():
-            yield f".<default {k}>", v, None
-        yield from _attributes(value)
-    elif isinstance(value, types.MethodType):
-        yield ".__self__", value.__self__, None
-        yield ".__func__", value.__func__, None
+        yield from _children(value, list)
+    elif isinstance(value, type):
+        yield from _attributes(value, vars(value))
     else:
-        yield from _attributes(value)
+        attrs = getattr(value, "__dict__", None)
+        if type(attrs) is dict and attrs:
+            yield from _attributes(value, attrs)
 
 
-def _attributes(value: Any) -> Iterator[tuple[str, Any, Slot | None]]:
-    attrs = vars(value) if isinstance(value, type) else getattr(value, "__dict__", None)
-    if isinstance(attrs, (dict, types.MappingProxyType)):
-        for k, v in list(attrs.items())[:MAX_ITEMS]:
-            if not (isinstance(k, str) and k.startswith("__")):
-                yield f".{k}", v, ("attr", value, k)
+def _attributes(value: Any, attrs: Any) -> Iterator[tuple[str, Any, Any, Slot | None]]:
+    for k, v in list(attrs.items())[:MAX_ITEMS]:
+        if not (type(k) is str and k.startswith("__")):
+            yield "attr", k, v, ("attr", value, k)
 
 
 def _clear(slot: Slot) -> bool:
