@@ -40,6 +40,14 @@ def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions)
             f"{_held(result, late)}. Make it inside the profiling window (in reserve_persistent_workspace) or keep "
             "it on the builder under its lease."
         )
+    kept = [h for h in ours if not h.resettable and h not in late]
+    if kept:
+        out.append(
+            "no_state_outlives_case: process-wide state keeps device memory where the harness cannot put it back "
+            "to a fresh process's state (a frozen object, a function's default), so a later case would reuse it "
+            f"and what its KV sizing sees would depend on the order cases run in: {_held(result, kept)}. Keep it "
+            "in a module global, dict, list, class attribute, cache or closure, or on the builder."
+        )
     second = result.second_engine
     if second is not None and second.remade:
         out.append(

@@ -20,13 +20,15 @@ The ``no_state_outlives_case`` check judges the record.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import sys
 import threading
 import types
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.memory.device import Allocation
 
@@ -47,6 +49,7 @@ MemoryOf = Callable[[Any], "Allocation | None"]
 # where a value is held, as (kind, container, key): "attr" an attribute, "item" a dict key, "member" a list or set
 # member (key: the value), "cell" a closure cell, "cache" a functools cache; None where nothing can be cleared
 Slot = tuple[str, Any, Any]
+_Held = tuple["Slot | None", "Slot | None"]  # a slot holding an allocation, and the slot holding that container
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class ModuleHeld:
     where: str
     alloc: Allocation
     module: str = ""
+    resettable: bool = True  # whether a fresh view can take it out of every place that holds it
 
 
 @dataclass
@@ -116,19 +120,23 @@ def fresh_view(memory_of: MemoryOf) -> int:
     modules = [sys.modules[n] for n in _stateful if n in sys.modules]
     cleared = 0
     for _held, slots in _found(modules, memory_of).values():
-        cleared += any([_clear(slot) for slot in slots if slot is not None])
+        done = False
+        for slot, outer in slots:  # every place that holds it (or, frozen, the place that holds that)
+            done = (_clear(slot) or _clear(outer)) or done
+        cleared += done
     return cleared
 
 
 def held_in_modules(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> list[ModuleHeld]:
     """Every allocation ``memory_of`` recognises in the modules' process-wide state, with the path to it."""
-    return sorted((h for h, _slots in _found(modules, memory_of).values()),
-                  key=lambda h: (h.where, h.alloc.tag, h.alloc.nbytes))
+    held = (dataclasses.replace(h, resettable=all(_resettable(s) or _resettable(o) for s, o in slots))
+            for h, slots in _found(modules, memory_of).values())
+    return sorted(held, key=lambda h: (h.where, h.alloc.tag, h.alloc.nbytes))
 
 
-def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int, tuple[ModuleHeld, list[Slot | None]]]:
-    """Each allocation found: the first path to it, and every slot that holds it."""
-    found: dict[int, tuple[ModuleHeld, list[Slot | None]]] = {}
+def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int, tuple[ModuleHeld, list[_Held]]]:
+    """Each allocation found: the first path to it, and every slot that holds it with the slot outside that."""
+    found: dict[int, tuple[ModuleHeld, list[tuple[Slot | None, Slot | None]]]] = {}
     seen: set[int] = set()
     memory: dict[int, int] = {}
     for mod in modules:
@@ -163,18 +171,18 @@ def _render(path: _Path | str) -> str:
 class _Walk:
     module: str
     memory_of: MemoryOf
-    found: dict[int, tuple[ModuleHeld, list[Slot | None]]]
+    found: dict[int, tuple[ModuleHeld, list[_Held]]]
     seen: set[int]
     memory: dict[int, int]  # id of a value holding memory -> id of its allocation
 
-    def visit(self, value: Any, path: _Path | str, depth: int, slot: Slot | None) -> None:
+    def visit(self, value: Any, path: _Path | str, depth: int, slot: Slot | None, outer: Slot | None = None) -> None:
         tp = type(value)
         if tp in _SKIP_TYPES:
             return
         if id(value) in self.seen:
             key = self.memory.get(id(value))
             if key is not None:  # memory held in one more place: a fresh view clears each
-                self.found[key][1].append(slot)
+                self.found[key][1].append((slot, outer))
             return
         if tp is types.FunctionType and not (value.__closure__ or value.__defaults__ or value.__dict__):
             return  # most functions: nothing they hold can change
@@ -188,14 +196,14 @@ class _Walk:
             if alloc is not None:
                 if alloc.alive:
                     entry = self.found.setdefault(id(alloc), (ModuleHeld(_render(path), alloc, self.module), []))
-                    entry[1].append(slot)
+                    entry[1].append((slot, outer))
                     self.memory[id(value)] = id(alloc)
                 return
         if depth >= MAX_DEPTH:
             return
         immutable = tp in _IMMUTABLE
         for kind, key, item, item_slot in _children(value, tp):
-            self.visit(item, (path, kind, key), depth + 1, slot if immutable else item_slot)
+            self.visit(item, (path, kind, key), depth + 1, slot if immutable else item_slot, slot)
 
 
 def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None]]:
@@ -252,8 +260,24 @@ def _attributes(value: Any, attrs: Any) -> Iterator[tuple[str, Any, Any, Slot | 
             yield "attr", k, v, ("attr", value, k)
 
 
-def _clear(slot: Slot) -> bool:
+def _resettable(slot: Slot | None) -> bool:
+    """Whether ``_clear`` can change the slot: not an immutable default, not a frozen object's attribute."""
+    if slot is None:
+        return False
+    kind, container, key = slot
+    if kind != "attr" or isinstance(container, (types.ModuleType, type, threading.local)):
+        return True
+    try:
+        setattr(container, key, getattr(container, key))  # the same value back: only a frozen object refuses
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def _clear(slot: Slot | None) -> bool:
     """Put one slot back to what a fresh process holds there; False where it cannot be changed."""
+    if slot is None:
+        return False
     kind, container, key = slot
     try:
         if kind == "item":

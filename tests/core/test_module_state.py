@@ -5,6 +5,7 @@ on every case, in any order and alone; its twins made after KV sizing or made an
 case, the first one a process runs included, in every place process-wide state lives.
 """
 
+import dataclasses
 import functools
 import threading
 import types
@@ -104,6 +105,26 @@ def test_a_fresh_view_puts_every_place_back_to_what_a_fresh_process_holds(monkey
     assert mod.HOLDERS["trtllm"].ws is None and mod.UNRELATED == (1, "x", None)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    ws: Allocation
+
+
+def test_memory_a_fresh_view_cannot_take_back_is_marked_so(monkeypatch):
+    device = SimDevice(name="x", total_memory=1 << 34, num_sm=100)
+    mod = types.ModuleType("kvprofile_state_frozen")
+    a, b = (device.allocate(1 << 20, owner="b", tag=t) for t in "ab")
+    mod.FROZEN = {"k": _Frozen(a)}  # the frozen object cannot change, the dict item holding it can go
+    mod.ALSO = _Frozen(b)  # the module attribute can be set to None
+    assert {h.alloc.tag: h.resettable for h in held_in_modules([mod], _memory)} == {"a": True, "b": True}
+    mod.PINNED = [_Frozen(_Frozen(b))]  # two frozen levels: no place the harness may change holds it
+    assert {h.alloc.tag: h.resettable for h in held_in_modules([mod], _memory)} == {"a": True, "b": False}
+    monkeypatch.setitem(__import__("sys").modules, mod.__name__, mod)
+    monkeypatch.setattr(module_state, "_stateful", {mod.__name__: None})
+    fresh_view(_memory)
+    assert mod.FROZEN == {} and mod.ALSO is None and len(mod.PINNED) == 1
+
+
 def test_a_process_that_never_met_such_state_looks_nowhere(monkeypatch):
     monkeypatch.setattr(module_state, "_stateful", {})
     assert fresh_view(lambda v: pytest.fail("looked")) == 0
@@ -185,3 +206,26 @@ def test_the_first_engine_made_the_workspace_in_its_window_and_the_second_reused
     assert held.where.endswith("_ALLOCATIONS['trtllm-gen']") and held.alloc.phase == "reservation"
     assert str(held.alloc.role) == "trtllm-workspace"
     assert result.second_engine is not None and result.second_engine.remade == [] and not result.second_engine.error
+
+
+_PINNED: list = []  # process-wide state of the builder below
+
+
+class _FrozenKeeper(process_state.ProcessWorkspaceBuilder):
+    """Keeps its process-wide workspace inside frozen objects: no place a fresh view may change holds it."""
+
+    def reserve_persistent_workspace(self, ctx):
+        if not _PINNED:
+            _PINNED.append(_Frozen(_Frozen(ctx.allocate(1 << 20, "pinned workspace"))))
+        return super().reserve_persistent_workspace(ctx)
+
+
+def test_memory_kept_where_a_fresh_view_cannot_reach_fails_on_the_first_case(fresh_process):
+    from pytest_kvprofile.contract.backends import Backend
+
+    _PINNED.clear()
+    backend = Backend(name="frozen-keeper", make_builders=lambda case: [_FrozenKeeper(case)])
+    failed = _failing(backend, LAST)
+    assert "cannot put it back" in failed["no_state_outlives_case"][0], failed
+    assert "_PINNED[0].ws.ws" in failed["no_state_outlives_case"][0]
+    _PINNED.clear()
