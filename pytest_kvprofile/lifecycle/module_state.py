@@ -49,7 +49,7 @@ MemoryOf = Callable[[Any], "Allocation | None"]
 # where a value is held, as (kind, container, key): "attr" an attribute, "item" a dict key, "member" a list or set
 # member (key: the value), "cell" a closure cell, "cache" a functools cache; None where nothing can be cleared
 Slot = tuple[str, Any, Any]
-_Held = tuple["Slot | None", "Slot | None"]  # a slot holding an allocation, and the slot holding that container
+_Held = tuple[Slot | None, Slot | None]  # a slot holding an allocation, and the slot holding that container
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,8 @@ def fresh_view(memory_of: MemoryOf) -> int:
     """Put what earlier runs left in process-wide state back to what a fresh process starts from; the count.
 
     Only modules where a run was found keeping memory are looked at, so a process that never met such state
-    pays nothing. Memory the harness finds but cannot clear (a frozen object) stays; a run that uses it is
-    still noticed (``LifecycleResult.foreign_uses``).
+    pays nothing. Memory no place the harness may change holds (frozen objects) stays: such memory is marked
+    (``ModuleHeld.resettable``) and refused on the case that makes it.
     """
     if not _stateful:
         return 0
@@ -136,7 +136,7 @@ def held_in_modules(modules: Iterable[types.ModuleType], memory_of: MemoryOf) ->
 
 def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int, tuple[ModuleHeld, list[_Held]]]:
     """Each allocation found: the first path to it, and every slot that holds it with the slot outside that."""
-    found: dict[int, tuple[ModuleHeld, list[tuple[Slot | None, Slot | None]]]] = {}
+    found: dict[int, tuple[ModuleHeld, list[_Held]]] = {}
     seen: set[int] = set()
     memory: dict[int, int] = {}
     for mod in modules:
@@ -169,6 +169,8 @@ def _render(path: _Path | str) -> str:
 
 @dataclass
 class _Walk:
+    """One module's walk; ``found``, ``seen`` and ``memory`` are shared by the modules of one look."""
+
     module: str
     memory_of: MemoryOf
     found: dict[int, tuple[ModuleHeld, list[_Held]]]

@@ -229,3 +229,27 @@ def test_memory_kept_where_a_fresh_view_cannot_reach_fails_on_the_first_case(fre
     assert "cannot put it back" in failed["no_state_outlives_case"][0], failed
     assert "_PINNED[0].ws.ws" in failed["no_state_outlives_case"][0]
     _PINNED.clear()
+
+
+_ONE_PER_PROCESS: dict = {}
+
+
+class _SecondEngineRaises(process_state.ProcessWorkspaceBuilder):
+    """Made in the window, but assumes one engine per process: a second one raises instead of reusing it."""
+
+    def reserve_persistent_workspace(self, ctx):
+        if _ONE_PER_PROCESS:
+            raise RuntimeError("the trtllm-gen workspace was already made")
+        _ONE_PER_PROCESS["ws"] = ctx.allocate(1 << 20, "trtllm-gen workspace")
+        return super().reserve_persistent_workspace(ctx)
+
+
+def test_a_second_engine_that_fails_on_the_state_the_first_left_fails_the_case(fresh_process):
+    from pytest_kvprofile.contract.backends import Backend
+
+    _ONE_PER_PROCESS.clear()
+    backend = Backend(name="one-engine-only", make_builders=lambda case: [_SecondEngineRaises(case)])
+    for case in (LAST, FIRST):  # alone, and after another case: the fresh view gives each its own first engine
+        message = _failing(backend, case)["no_state_outlives_case"][0]
+        assert "second engine" in message and "already made" in message, message
+    _ONE_PER_PROCESS.clear()
