@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytest_kvprofile.builtin.process_state import (
+    AFTER_KV,
+    PER_ENGINE,
+    ProcessWorkspaceBuilder,
+    TorchProcessWorkspaceBuilder,
+)
 from pytest_kvprofile.builtin.stubs import (
     AUTOTUNE_SCRATCH_BYTES,
     MODULE_GLOBAL_BYTES,
@@ -16,7 +22,7 @@ from pytest_kvprofile.builtin.stubs import (
     TorchFlashInferLikeBuilder,
 )
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
-from pytest_kvprofile.contract.protocol import Batch, BuilderContext
+from pytest_kvprofile.contract.protocol import BuilderContext
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError
 from pytest_kvprofile.units import MiB
 
@@ -212,23 +218,30 @@ class TorchLeakyRetryWarmupBuilder(TorchFlashInferLikeBuilder):
         self.warmed = True
 
 
-_SHARED_WORKSPACES: dict[str, Any] = {}  # module state: what mutant 14 keeps across cases
+class GlobalAfterKvSizingBuilder(ProcessWorkspaceBuilder):
+    """Bug 14: the process's trtllm-gen workspace (a module global) made on the first real plan, after KV sizing,
+    as vLLM makes it on first forward today: no engine's KV sizing counted it."""
+
+    when = AFTER_KV
 
 
-class ModuleGlobalWorkspaceBuilder(TorchFlashInferLikeBuilder):
-    """Bug 14 (torch mode): a trtllm-gen-like workspace kept in a module global, made inside the window by the first
-    case a process runs and reused, never allocated again, by every later one."""
+class GlobalPerEngineBuilder(ProcessWorkspaceBuilder):
+    """Bug 14b: the process's trtllm-gen workspace made again by every engine of the process, inside its window,
+    replacing the global the first engine's wrappers still hold: that engine's KV sizing never saw the copy."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
-        import torch
+    when = PER_ENGINE
 
-        if "trtllm-gen" not in _SHARED_WORKSPACES:
-            _SHARED_WORKSPACES["trtllm-gen"] = torch.zeros(MODULE_GLOBAL_BYTES, dtype=torch.uint8, device="cuda")
-        return super().reserve_persistent_workspace(ctx)
 
-    def build(self, ctx: BuilderContext, batch: Batch) -> None:
-        super().build(ctx, batch)
-        _SHARED_WORKSPACES["trtllm-gen"][:64].zero_()
+class TorchGlobalAfterKvSizingBuilder(TorchProcessWorkspaceBuilder):
+    """Bug 14 (torch mode): the trtllm-gen workspace kept in a module dict is made by ``build``, after KV sizing."""
+
+    when = AFTER_KV
+
+
+class TorchGlobalPerEngineBuilder(TorchProcessWorkspaceBuilder):
+    """Bug 14b (torch mode): every engine caches a new trtllm-gen workspace in a module dict, inside its window."""
+
+    when = PER_ENGINE
 
 
 class FixedDefaultViewBuilder(FlashInferLikeBuilder):
@@ -323,7 +336,10 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-11-decode-heuristic-sizing", 11, DecodeHeuristicSizingBuilder),
     _mutant("mutant-11b-fixed-default-view", 11, FixedDefaultViewBuilder),
     _mutant("mutant-12-wrong-version-formula", 12, WrongVersionFormulaBuilder),
-    _mutant("mutant-14-module-global-workspace", 14, ModuleGlobalWorkspaceBuilder),
+    _mutant("mutant-14a-global-after-kv-sizing", 14, GlobalAfterKvSizingBuilder),
+    _mutant("mutant-14b-global-per-engine", 14, GlobalPerEngineBuilder),
+    _mutant("mutant-14c-torch-global-after-kv-sizing", 14, TorchGlobalAfterKvSizingBuilder),
+    _mutant("mutant-14d-torch-global-per-engine", 14, TorchGlobalPerEngineBuilder),
 )
 
 

@@ -1,57 +1,83 @@
-"""The check of device memory that module or class state keeps beyond its case."""
+"""The check of device memory that process-wide state keeps: made once, before the closing measurement, reused."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
-from pytest_kvprofile.checks.evidence import (
-    builder_names,
-    site,
-)
-from pytest_kvprofile.lifecycle.module_state import made_by
+from pytest_kvprofile.checks.evidence import builder_names, fmt_alloc, grouped
+from pytest_kvprofile.lifecycle.module_state import ModuleHeld
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
-from pytest_kvprofile.units import MiB
+
+_COUNTED = lc.PHASE_INDEX[lc.CLOSING]  # made before the closing measurement: KV sizing counts it
+
+
+def _held(result: LifecycleResult, held: list[ModuleHeld]) -> str:
+    paths = sorted({h.where for h in held})
+    return f"{grouped(result, [h.alloc for h in held])}; held by {', '.join(paths)}"
 
 
 def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions) -> list[str]:
-    """Device memory a builder keeps in module or class state, allocated by this case or reused from an earlier one.
+    """Process-wide state judged as the first engine of a fresh process meets it, and as a second engine does.
 
-    The first case a process runs creates the buffer (module state holds it past the case); every later one of
-    the same backend finds it there (the harness remembers which backend's run made it), and in torch mode is
-    seen using it (the simulated device knows
-    another case's storage), where it would otherwise allocate nothing KV sizing could see. So a buffer the
-    builder keeps on every case fails every case, in any order, under ``-n`` and ``-k``. What the harness cannot
-    tell apart: on a case whose code path would not create the buffer, one an earlier case left behind is still
-    reported (the state is there either way).
+    The run starts from a fresh view of the state (``module_state.fresh_view``), so a buffer kept there is made
+    by this case on every case, in any order. It is safe when made before the closing measurement (KV sizing
+    counts it) and reused by a later engine in the same process: ``SecondEngine`` must make none of it again.
+    Memory of an earlier case that this run uses anyway (state the harness could not find or put back) fails:
+    what the case's KV sizing sees then depends on what ran before it.
     """
     names = builder_names(result)
-    used = {id(f.alloc): f for f in result.foreign_uses}
-    held = {id(h.alloc): h.where for h in result.module_held}
-    culprits: dict[tuple, list[str]] = {}
     mine = {id(a) for a in result.allocations}
-    for h in result.module_held:
-        a = h.alloc
-        ours = id(a) in mine or id(a) in used or made_by(a) == result.backend
-        if ours and a.owner in names and a.kind == "device" and a.alive:
-            culprits.setdefault(site(a) + (a.nbytes,), []).append(h.where)
-    for key, f in used.items():
-        a = f.alloc
-        if a.kind == "device" and a.alive and key not in held:
-            culprits.setdefault(site(a) + (a.nbytes,), []).append(f"{f.owner} ({f.tag})")
-    if not culprits:
-        return []
-    parts = []
-    for (owner, tag, stack, nbytes), where in sorted(culprits.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3])):
-        at = f" allocated at {stack}" if stack else ""
-        parts.append(f"{owner}: {tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){at}, held by {', '.join(sorted(where))}")
-    return [
-        "no_state_outlives_case: device memory kept in module or class state outlives the case that made it; a "
-        "later case in the same process reuses it and allocates nothing, so its KV sizing never sees it (and "
-        "which case shows the memory depends on the order cases run in): " + "; ".join(parts)
-    ]
+    ours = [h for h in result.module_held
+            if id(h.alloc) in mine and h.alloc.owner in names and h.alloc.kind == "device"]
+    late = [h for h in ours if lc.PHASE_INDEX.get(h.alloc.phase, len(lc.PHASE_ORDER)) > _COUNTED]
+    out = []
+    if late:
+        out.append(
+            "no_state_outlives_case: process-wide state keeps device memory made after the closing measurement, "
+            "which KV sizing never counted (every engine of the process runs with less memory than it sized for): "
+            f"{_held(result, late)}. Make it inside the profiling window (in reserve_persistent_workspace) or keep "
+            "it on the builder under its lease."
+        )
+    kept = [h for h in ours if not h.resettable and h not in late]
+    if kept:
+        out.append(
+            "no_state_outlives_case: process-wide state keeps device memory where the harness cannot put it back "
+            "to a fresh process's state (a frozen object, a function's default), so a later case would reuse it "
+            f"and what its KV sizing sees would depend on the order cases run in: {_held(result, kept)}. Keep it "
+            "in a module global, dict, list, class attribute, cache or closure, or on the builder."
+        )
+    second = result.second_engine
+    if second is not None and second.remade:
+        out.append(
+            "no_state_outlives_case: a second engine of this backend in the same process made again the device "
+            "memory process-wide state keeps, instead of reusing what the first engine made (the first engine's "
+            "KV sizing never saw the copy): "
+            f"{_held(second.run, [h for h in second.remade if h.alloc.kind == 'device'])}. Make it once per "
+            "process (look it up in the state first) or keep it on the builder."
+        )
+    if second is not None and second.error is not None:
+        out.append(
+            "no_state_outlives_case: a second engine of this backend in the same process failed on the "
+            f"process-wide state the first engine left: {second.error}"
+        )
+    held = {id(h.alloc) for h in result.module_held}
+    foreign = [f for f in result.foreign_uses if f.alloc.kind == "device" and id(f.alloc) not in held]
+    if foreign:
+        made = Counter(fmt_alloc(f.alloc) for f in foreign)  # an earlier device's: its own method is not known here
+        users = sorted({f"{f.owner} ({f.tag}{' at ' + f.stack if f.stack else ''})" for f in foreign})
+        out.append(
+            "no_state_outlives_case: this case uses device memory an earlier case made, kept where the harness "
+            "could not find it or put it back to a fresh process's state, so what KV sizing sees depends on "
+            f"which cases ran before: {'; '.join(f'{m} x {n}' if n > 1 else m for m, n in sorted(made.items()))}; used by {', '.join(users)}. Keep it in a "
+            "module global, class attribute, cache or closure of the backend's modules, or on the builder."
+        )
+    return out
 
 
 CHECKS: tuple[Check, ...] = (
-    Check("no_state_outlives_case", "no device memory a builder makes lives on in module or class state beyond "
-          "its case", PROFILING, lc.SETUP, (14,), check_no_state_outlives_case),
+    Check("no_state_outlives_case", "device memory process-wide state keeps is made once per process, before the "
+          "closing measurement, and reused by later engines; each case is judged from a fresh process's state",
+          PROFILING, lc.SETUP, (14,), check_no_state_outlives_case),
 )

@@ -268,6 +268,7 @@ class LifecycleRun:
         from pytest_kvprofile.contract.registry import model_parts
 
         self._enter(SETUP)
+        self._fresh_module_state()
         try:
             self.builders = model_parts(self.backend, self.case)
         except Exception as exc:  # noqa: BLE001 - a raising factory is reported by every check
@@ -331,19 +332,50 @@ class LifecycleRun:
             pass
         finally:
             self._teardown()
+        self._start_second_engine()
         return self.result
 
-    def _observe_module_state(self) -> None:
-        """Device memory that module or class state holds after the run (``module_state.py``), and the
-        memory of earlier cases a lease carries (torch mode notes such use on every torch call)."""
-        from pytest_kvprofile.lifecycle.module_state import held_in_modules, modules_of, note_backend
+    def _fresh_module_state(self) -> None:
+        """Give this run the process-wide state a fresh process starts from (``module_state.fresh_view``)."""
+        from pytest_kvprofile.lifecycle.module_state import fresh_view
 
-        files = {a.stack.rsplit(":", 1)[0] for a in self.result.allocations
-                 if a.stack and a.owner in self._parts.values()}
+        fresh_view(self._memory_of)
+
+    def _observe_module_state(self) -> None:
+        """Device memory that process-wide state holds after the run (``module_state.py``); the modules holding
+        this run's memory are looked at again before every later run."""
+        from pytest_kvprofile.lifecycle.module_state import (
+            held_in_modules,
+            modules_of,
+            remember,
+        )
+
+        parts = set(self._parts.values())
+        files = {a.stack.rsplit(":", 1)[0] for a in self.result.allocations if a.stack and a.owner in parts}
         self.result.module_held = held_in_modules(modules_of(self.builders, files), self._memory_of)
-        if self.result.module_held:
-            parts = set(self._parts.values())
-            note_backend((a for a in self.result.allocations if a.owner in parts), self.result.backend)
+        remember(h for h in self.result.module_held if h.alloc.owner in parts)
+
+    def _start_second_engine(self) -> None:
+        """A second engine of the same backend in the same process, after this one, when this run left memory in
+        process-wide state: reusing it, the second makes none that the state keeps (simulated devices only)."""
+        from pytest_kvprofile.lifecycle.module_state import SecondEngine
+        from pytest_kvprofile.memory.device import SimDevice
+
+        parts = set(self._parts.values())
+        mine = {id(a) for a in self.result.allocations}
+        if self.result.errors or not isinstance(self.device, SimDevice) or not any(
+                id(h.alloc) in mine and h.alloc.owner in parts for h in self.result.module_held):
+            return
+        second = _SecondEngineRun(self.result.probe, self.result.probe.device_factory(self.case)).run()
+        close_parts(second)
+        made = {id(a) for a in second.allocations}
+        names = set(second.builder_names())
+        self.result.second_engine = SecondEngine(
+            second,
+            remade=[h for h in second.module_held if id(h.alloc) in made and h.alloc.owner in names],
+            error=next((f"{e.who} raised {e.exc_type} in phase {e.phase!r}: {e.message}" for e in second.errors),
+                       None),
+        )
 
     def _note_foreign_resources(self, owner: str, resources: list[Any]) -> None:
         """A lease that carries an allocation of an earlier device reuses an earlier case's memory (ctx mode)."""
@@ -703,6 +735,16 @@ def make_device(case: Case) -> Device:
         name=case.gpu.name, total_memory=case.gpu.memory_bytes, num_sm=case.gpu.num_sm,
         nontorch_bytes=case.nontorch_bytes,
     )
+
+
+class _SecondEngineRun(LifecycleRun):
+    """A later engine in the same process: it finds the state the case's run left, and starts no third."""
+
+    def _fresh_module_state(self) -> None:
+        pass
+
+    def _start_second_engine(self) -> None:
+        pass
 
 
 def run_lifecycle(backend: Any, case: Case, device_factory: Callable[[Case], Device] = make_device,

@@ -1,55 +1,74 @@
-"""Device memory held by module or class state: what outlives the case that created it.
+"""Device memory held by process-wide state: found on the first case, hidden from every later one.
 
-A builder that keeps a buffer in a module global (a trtllm-gen-like workspace made on first use, a cache keyed
-by shape) shows its memory to the first case a process runs and hides it from every later one, which reuses it
-and allocates nothing. The harness looks where such state lives: the globals of the modules the backend's
-classes come from and of the modules whose code allocated the memory, and those classes' attributes, a few
-containers deep. What it finds is judged against the run (allocated by it, or used by it) by the
-``no_state_outlives_case`` check, so the same cases fail whatever ran before them.
+A builder may keep a buffer in process-wide state (vLLM's trtllm-gen workspace: one per process, made by the
+first engine inside its profiling window and reused by every later engine). The harness judges each case the way
+the first engine of a fresh process is judged, whatever ran before it in this process:
+
+- **Found**: after a run it looks where such state lives (the globals of the modules the backend's classes come
+  from and of the modules whose code allocated the memory; their classes, classes made with ``type()``,
+  functions' closures and defaults, ``functools`` caches bounded or not, ``threading.local`` objects, a few
+  containers deep) and records what holds memory (``held_in_modules``).
+- **Fresh view**: before a run's builders are made, what an earlier run left in those modules is put back to
+  what a fresh process starts from (``fresh_view``): a key or list item removed, a cache cleared, an attribute
+  or closure cell set to None (a thread-local's attribute deleted). So every case makes its buffer itself, in
+  any order, under ``-n`` and ``-k``.
+- **Second engine**: the driver then starts a second engine of the same backend in the same process, without a
+  fresh view (``SecondEngine``): what it makes that state keeps was made again, not reused.
+
+The ``no_state_outlives_case`` check judges the record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import sys
+import threading
 import types
-import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.memory.device import Allocation
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.lifecycle.record import LifecycleResult
 
 _LRU_WRAPPER = type(functools.lru_cache(maxsize=None)(len))
 MAX_DEPTH = 4
 MAX_ITEMS = 256  # items looked at per container: module state holding device memory is a handful of buffers
-_SKIP = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type(len), str, bytes,
-         int, float, bool, type(None), range)
+_SKIP = (types.ModuleType, types.BuiltinFunctionType, str, bytes, int, float, type(None), range)
+_SKIP_TYPES = frozenset((*_SKIP, bool, type(len), types.GetSetDescriptorType, types.MemberDescriptorType,
+                         types.WrapperDescriptorType, types.MethodDescriptorType, staticmethod, property))
+_IMMUTABLE = frozenset((tuple, frozenset))  # an item of these is cleared through the slot that holds the container
+_MUTABLE = frozenset((dict, list, set))
+_CONTAINERS = frozenset((dict, list, set, tuple, frozenset, types.FunctionType, types.MethodType, _LRU_WRAPPER))
 
-
-_made_by: dict[int, tuple["weakref.ref[Allocation]", str]] = {}
-
-
-def note_backend(allocs: Iterable[Allocation], backend: str) -> None:
-    """Remember which backend's run made these allocations (while they live), so an earlier case's buffer found
-    in module state is laid at the door of the backend that keeps it, not of another sharing its module."""
-    for a in allocs:
-        key = id(a)
-        if key not in _made_by:
-            _made_by[key] = (weakref.ref(a, lambda _, k=key: _made_by.pop(k, None)), backend)
-
-
-def made_by(alloc: Allocation) -> str | None:
-    entry = _made_by.get(id(alloc))
-    return entry[1] if entry is not None and entry[0]() is alloc else None
+MemoryOf = Callable[[Any], "Allocation | None"]
+# where a value is held, as (kind, container, key): "attr" an attribute, "item" a dict key, "member" a list or set
+# member (key: the value), "cell" a closure cell, "cache" a functools cache; None where nothing can be cleared
+Slot = tuple[str, Any, Any]
+_Held = tuple[Slot | None, Slot | None]  # a slot holding an allocation, and the slot holding that container
 
 
 @dataclass(frozen=True)
 class ModuleHeld:
-    """A device allocation reachable from module or class state, and the first path that reaches it."""
+    """A device allocation reachable from process-wide state, the first path that reaches it and its module."""
 
     where: str
     alloc: Allocation
+    module: str = ""
+    resettable: bool = True  # whether a fresh view can take it out of every place that holds it
+
+
+@dataclass
+class SecondEngine:
+    """What a second engine of the same backend, started in the same process after the case's run, did."""
+
+    run: LifecycleResult  # its record (its allocations' methods and phases)
+    remade: list[ModuleHeld] = field(default_factory=list)  # memory it made that process-wide state keeps
+    error: str | None = None  # how it failed, if it did
 
 
 def modules_of(parts: Iterable[Any], files: Iterable[str]) -> list[types.ModuleType]:
@@ -80,59 +99,204 @@ def _modules_by_file() -> dict[str, types.ModuleType]:
     return _by_file[1]
 
 
-def held_in_modules(modules: Iterable[types.ModuleType], memory_of: Callable[[Any], Allocation | None]) -> list[ModuleHeld]:
-    """Every allocation ``memory_of`` recognises among the modules' globals and their classes' attributes."""
-    found: dict[int, ModuleHeld] = {}
+_stateful: dict[str, None] = {}  # modules in which a run's builders were found keeping memory, in order
+
+
+def remember(held: Iterable[ModuleHeld]) -> None:
+    """The modules of ``held``: where ``fresh_view`` looks before every later run in this process."""
+    for h in held:
+        _stateful.setdefault(h.module, None)
+
+
+def fresh_view(memory_of: MemoryOf) -> int:
+    """Put what earlier runs left in process-wide state back to what a fresh process starts from; the count.
+
+    Only modules where a run was found keeping memory are looked at, so a process that never met such state
+    pays nothing. Memory no place the harness may change holds (frozen objects) stays: such memory is marked
+    (``ModuleHeld.resettable``) and refused on the case that makes it.
+    """
+    if not _stateful:
+        return 0
+    modules = [sys.modules[n] for n in _stateful if n in sys.modules]
+    cleared = 0
+    for _held, slots in _found(modules, memory_of).values():
+        done = False
+        for slot, outer in slots:  # every place that holds it (or, frozen, the place that holds that)
+            done = (_clear(slot) or _clear(outer)) or done
+        cleared += done
+    return cleared
+
+
+def held_in_modules(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> list[ModuleHeld]:
+    """Every allocation ``memory_of`` recognises in the modules' process-wide state, with the path to it."""
+    held = (dataclasses.replace(h, resettable=all(_resettable(s) or _resettable(o) for s, o in slots))
+            for h, slots in _found(modules, memory_of).values())
+    return sorted(held, key=lambda h: (h.where, h.alloc.tag, h.alloc.nbytes))
+
+
+def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int, tuple[ModuleHeld, list[_Held]]]:
+    """Each allocation found: the first path to it, and every slot that holds it with the slot outside that."""
+    found: dict[int, tuple[ModuleHeld, list[_Held]]] = {}
     seen: set[int] = set()
+    memory: dict[int, int] = {}
     for mod in modules:
+        walk = _Walk(mod.__name__, memory_of, found, seen, memory)
         for name, value in list(vars(mod).items()):
-            if name.startswith("__"):
-                continue
-            if isinstance(value, type) and value.__module__ == mod.__name__:
-                for attr, v in list(vars(value).items()):
-                    if not attr.startswith("__"):
-                        _walk(v, f"{mod.__name__}.{name}.{attr}", 1, memory_of, found, seen)
-                continue
-            _walk(value, f"{mod.__name__}.{name}", 0, memory_of, found, seen)
-    return sorted(found.values(), key=lambda h: (h.where, h.alloc.tag, h.alloc.nbytes))
+            if not name.startswith("__"):
+                walk.visit(value, (mod.__name__, "attr", name), 0, ("attr", mod, name))
+    return found
 
 
-def _walk(value: Any, where: str, depth: int, memory_of: Callable[[Any], Allocation | None],
-          found: dict[int, ModuleHeld], seen: set[int]) -> None:
-    if isinstance(value, _SKIP) or isinstance(value, type) or id(value) in seen:
-        return
-    seen.add(id(value))
-    alloc = memory_of(value)
-    if alloc is not None:
-        found.setdefault(id(alloc), ModuleHeld(where, alloc))
-        return
-    if depth >= MAX_DEPTH:
-        return
-    for key, item in _children(value):
-        _walk(item, f"{where}{key}", depth + 1, memory_of, found, seen)
+def _dynamic(cls: type) -> bool:
+    """A class its module does not hold under its name: made with ``type()`` or inside a function."""
+    obj: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is not cls
 
 
-def _children(value: Any) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, _LRU_WRAPPER):
-        # a functools cache keeps its entries out of reach of attributes: its cache dict is a referent (a bounded
-        # lru_cache keeps results in C links the collector cannot walk: those stay unseen)
-        for i, ref in enumerate(gc.get_referents(value)):
-            if isinstance(ref, dict):
-                for j, v in enumerate(list(ref.values())[:MAX_ITEMS]):
-                    yield f".<cache entry {j}>", v  # an unbounded cache (functools.cache) keeps results as values
-        return
-    if isinstance(value, dict):
-        for i, (k, v) in enumerate(list(value.items())):
-            if i >= MAX_ITEMS:
+_Path = tuple  # (parent path, label kind, key): rendered only for what is found
+
+
+def _render(path: _Path | str) -> str:
+    labels = []
+    while isinstance(path, tuple):
+        path, kind, key = path
+        labels.append(f"[{key!r}]" if kind == "item" else f"[{key}]" if kind == "index" else
+                      f".{key}" if kind == "attr" else f".<{kind} {key}>")
+    return path + "".join(reversed(labels))
+
+
+@dataclass
+class _Walk:
+    """One module's walk; ``found``, ``seen`` and ``memory`` are shared by the modules of one look."""
+
+    module: str
+    memory_of: MemoryOf
+    found: dict[int, tuple[ModuleHeld, list[_Held]]]
+    seen: set[int]
+    memory: dict[int, int]  # id of a value holding memory -> id of its allocation
+
+    def visit(self, value: Any, path: _Path | str, depth: int, slot: Slot | None, outer: Slot | None = None) -> None:
+        tp = type(value)
+        if tp in _SKIP_TYPES:
+            return
+        if id(value) in self.seen:
+            key = self.memory.get(id(value))
+            if key is not None:  # memory held in one more place: a fresh view clears each
+                self.found[key][1].append((slot, outer))
+            return
+        if tp is types.FunctionType and not (value.__closure__ or value.__defaults__ or value.__dict__):
+            return  # most functions: nothing they hold can change
+        self.seen.add(id(value))
+        if tp not in _CONTAINERS:
+            if isinstance(value, _SKIP):
                 return
-            yield f"[{k!r}]", v
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        for i, v in enumerate(list(value)):
-            if i >= MAX_ITEMS:
+            if isinstance(value, type) and not (value.__module__ == self.module or _dynamic(value)):
+                return  # a class of another module: looked at there, when the backend's memory comes from there
+            alloc = self.memory_of(value)
+            if alloc is not None:
+                if alloc.alive:
+                    entry = self.found.setdefault(id(alloc), (ModuleHeld(_render(path), alloc, self.module), []))
+                    entry[1].append((slot, outer))
+                    self.memory[id(value)] = id(alloc)
                 return
-            yield f"[{i}]", v
+        if depth >= MAX_DEPTH:
+            return
+        immutable = tp in _IMMUTABLE
+        for kind, key, item, item_slot in _children(value, tp):
+            self.visit(item, (path, kind, key), depth + 1, slot if immutable else item_slot, slot)
+
+
+def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None]]:
+    """A container's items, a class's or object's attributes, a function's closure and mutable defaults, a
+    cache's results: each as (label kind, key, item, the slot that holds it)."""
+    if tp is dict:
+        for k, v in list(value.items())[:MAX_ITEMS]:
+            yield "item", k, v, ("item", value, k)
+    elif tp is list or tp is set:
+        for i, v in enumerate(list(value)[:MAX_ITEMS]):
+            yield "index", i, v, ("member", value, v)
+    elif tp in _IMMUTABLE:
+        for i, v in enumerate(list(value)[:MAX_ITEMS]):
+            yield "index", i, v, None
+    elif tp is types.FunctionType:
+        closure = value.__closure__
+        if closure:
+            for name, cell in zip(value.__code__.co_freevars, closure):
+                try:
+                    yield "closure", name, cell.cell_contents, ("cell", cell, None)
+                except ValueError:  # an empty cell
+                    continue
+        for i, v in enumerate(value.__defaults__ or ()):
+            if type(v) in _MUTABLE:  # a mutable default (``def f(cache={})``) is process-wide state
+                yield "default", i, v, None
+        if value.__dict__:
+            yield from _attributes(value, value.__dict__)
+    elif tp is _LRU_WRAPPER:
+        # a functools cache keeps its results out of reach of attributes: the collector's referents reach them
+        # (an unbounded cache's dict of results, a bounded one's links' keys and results)
+        j = 0
+        for ref in gc.get_referents(value):
+            for item in (list(ref.values()) if type(ref) is dict else [ref])[:MAX_ITEMS]:
+                yield "cache entry", j, item, ("cache", value, None)
+                j += 1
+    elif tp is types.MethodType:
+        yield "attr", "__self__", value.__self__, None
+        yield "attr", "__func__", value.__func__, None
+    elif isinstance(value, dict):
+        yield from _children(value, dict)
+    elif isinstance(value, (list, set)):
+        yield from _children(value, list)
+    elif isinstance(value, type):
+        yield from _attributes(value, vars(value))
     else:
         attrs = getattr(value, "__dict__", None)
-        if isinstance(attrs, dict):
-            for k, v in list(attrs.items())[:MAX_ITEMS]:
-                yield f".{k}", v
+        if type(attrs) is dict and attrs:
+            yield from _attributes(value, attrs)
+
+
+def _attributes(value: Any, attrs: Any) -> Iterator[tuple[str, Any, Any, Slot | None]]:
+    for k, v in list(attrs.items())[:MAX_ITEMS]:
+        if not (type(k) is str and k.startswith("__")):
+            yield "attr", k, v, ("attr", value, k)
+
+
+def _resettable(slot: Slot | None) -> bool:
+    """Whether ``_clear`` can change the slot: not an immutable default, not a frozen object's attribute."""
+    if slot is None:
+        return False
+    kind, container, key = slot
+    if kind != "attr" or isinstance(container, (types.ModuleType, type, threading.local)):
+        return True
+    try:
+        setattr(container, key, getattr(container, key))  # the same value back: only a frozen object refuses
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def _clear(slot: Slot | None) -> bool:
+    """Put one slot back to what a fresh process holds there; False where it cannot be changed."""
+    if slot is None:
+        return False
+    kind, container, key = slot
+    try:
+        if kind == "item":
+            container.pop(key, None)
+        elif kind == "member":
+            if isinstance(container, list):
+                container[:] = [v for v in container if v is not key]
+            else:
+                container.discard(key)
+        elif kind == "cell":
+            container.cell_contents = None
+        elif kind == "cache":
+            container.cache_clear()
+        elif isinstance(container, threading.local):
+            delattr(container, key)
+        else:
+            setattr(container, key, None)
+    except (AttributeError, TypeError):  # a frozen object, a read-only attribute
+        return False
+    return True

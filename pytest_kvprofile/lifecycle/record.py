@@ -17,7 +17,7 @@ from pytest_kvprofile.contract.support import SupportResolution, builder_name
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import Budget, ProfileWindow
-from pytest_kvprofile.lifecycle.module_state import ModuleHeld
+from pytest_kvprofile.lifecycle.module_state import ModuleHeld, SecondEngine
 from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
 
 PROFILING = "profiling"
@@ -152,6 +152,7 @@ class LifecycleResult:
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     module_held: list[ModuleHeld] = field(default_factory=list)  # device memory reachable from module state
+    second_engine: SecondEngine | None = None  # a second engine in the same process, when state held memory
     aborted_in: str | None = None
     observed_non_kv: dict[str, int] = field(default_factory=dict)  # an engine's own profiler's non-KV bytes, by name
 

@@ -203,8 +203,10 @@ def test_a_neutral_builder_that_keeps_memory_of_its_own_fails_its_declaration(ca
     ("mutant-07e-torch-warmup-keeps-partial", "warmup_retryable", ["inside the profiling window", "extra 'warmup'"]),
     ("mutant-11b-fixed-default-view", "workspace_covers_planner", ["asks the arena for views of up to 394.00 MiB",
                                                                    "wasted"]),
-    ("mutant-14-module-global-workspace", "no_state_outlives_case",
-     ["_SHARED_WORKSPACES['trtllm-gen']", "32.00 MiB", "mutants.py"]),
+    ("mutant-14c-torch-global-after-kv-sizing", "no_state_outlives_case",
+     ["_WORKSPACES['trtllm-gen']", "32.00 MiB", "process_state.py", "after the closing measurement"]),
+    ("mutant-14d-torch-global-per-engine", "no_state_outlives_case",
+     ["_WORKSPACES['trtllm-gen']", "32.00 MiB", "process_state.py", "second engine"]),
 ])
 def test_observed_mutant_fails_naming_what_the_harness_saw(case, mutant, check, words):
     failed = _only(MUTANTS[mutant], case)

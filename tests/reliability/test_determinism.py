@@ -1,8 +1,10 @@
 """Determinism: the same inputs give the same verdict and JSON report, however the run is scheduled.
 
-A serial run, a run with xdist disabled (``-p no:xdist``) and a two-worker xdist run (``-n 2``)
-must write identical documents apart from timestamps and durations, and fail the same node ids:
-the verdict is what a backend's opt-in rests on. This is the project's one scheduling test.
+A serial run, a run with xdist disabled (``-p no:xdist``), a two-worker xdist run (``-n 2``) and a run
+of the items in reverse order must write identical documents apart from timestamps and durations, and
+fail the same node ids: the verdict is what a backend's opt-in rests on. Backends keeping memory in
+process-wide state are among them: each case is judged as the first engine of a fresh process, so which
+case ran before it changes nothing. This is the project's one scheduling test.
 """
 
 from __future__ import annotations
@@ -24,21 +26,34 @@ gmu: [0.9]
 exclude:
   - {tp: 1, dcp: 2}
 """
-STATEFUL = "mutant-14-module-global-workspace"
-BACKENDS = ("stubs", "mutant-01-lazy-workspace", "mutant-10-graph-gross-minus-retained", STATEFUL)
+PROCESS_STATE = "pytest_kvprofile.builtin.process_state:backends"  # one workspace per process, done right
+STATEFUL_BUGS = ("mutant-14b-global-per-engine", "mutant-14d-torch-global-per-engine")
+BACKENDS = ("stubs", "mutant-01-lazy-workspace", "mutant-10-graph-gross-minus-retained", PROCESS_STATE,
+            *STATEFUL_BUGS)
 LAST_CASE = "qwen3-8b-tp4-dcp2-mtp0-l40s-gmu0.90"  # run alone, after the others, or on another worker
-MODES = {"serial": [], "no-xdist": ["-p", "no:xdist"], "xdist-2": ["-n", "2"]}
+REVERSE = """\
+import pathlib
+
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    pathlib.Path("order.txt").write_text("\\n".join(i.nodeid for i in items))
+    items.reverse()
+    pathlib.Path("reversed-order.txt").write_text("\\n".join(i.nodeid for i in items))
+"""
+MODES = {"serial": [], "no-xdist": ["-p", "no:xdist"], "xdist-2": ["-n", "2"], "reversed": ["-p", "reverse_items"]}
 VOLATILE = ("time", "duration", "_at", "seconds")
 
 
 def _normalize(doc: Any) -> Any:
-    """Drop timestamps and durations, the only fields allowed to differ between runs, and the budget of the
-    stateful mutant: its module-global buffer is measured by the first case of each process, which is the bug
-    (its verdicts may not differ, and do not)."""
+    """Drop timestamps and durations, the only fields allowed to differ between runs, and order results by node
+    id (a reversed run lists them in its own order)."""
     if isinstance(doc, dict):
-        stateful = doc.get("backend") == STATEFUL
-        return {k: _normalize(v) for k, v in doc.items()
-                if not any(word in k for word in VOLATILE) and not (stateful and k == "budget")}
+        return {k: _normalize(v) for k, v in doc.items() if not any(word in k for word in VOLATILE)}
+    if isinstance(doc, list) and doc and all(isinstance(v, dict) and "nodeid" in v for v in doc):
+        return [_normalize(v) for v in sorted(doc, key=lambda v: v["nodeid"])]
     if isinstance(doc, list):
         return [_normalize(v) for v in doc]
     return doc
@@ -48,6 +63,7 @@ def test_serial_no_xdist_and_two_workers_give_identical_reports_verdicts_and_fai
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makefile(".yaml", det=MATRIX)
+    pytester.makepyfile(reverse_items=REVERSE)
     runs = {}
     for mode, extra in MODES.items():
         result = pytester.runpytest_subprocess(
@@ -61,6 +77,8 @@ def test_serial_no_xdist_and_two_workers_give_identical_reports_verdicts_and_fai
                       json.loads((pytester.path / f"{mode}-verdict.json").read_text()))
 
     report, verdict = runs["serial"]
+    order, ran = ((pytester.path / f).read_text().splitlines() for f in ("order.txt", "reversed-order.txt"))
+    assert len(ran) > 100 and ran == order[::-1]  # the reversed run ran every item, last first
     failed = sorted(r["nodeid"] for r in report["results"] if r["outcome"] == "failed")
     # not trivially equal: both outcomes occur, and the lazy mutant is refused
     assert failed and any(r["outcome"] == "passed" for r in report["results"])
@@ -72,10 +90,13 @@ def test_serial_no_xdist_and_two_workers_give_identical_reports_verdicts_and_fai
     assert {m: _normalize(v) for m, (_, v) in runs.items()} == {m: _normalize(verdict) for m in MODES}
     assert {m: _normalize(rep) for m, (rep, _) in runs.items()} == {m: _normalize(report) for m in MODES}
 
-    # state kept in a module global fails every case it lives through, whichever ran first and wherever
-    outlived = {r["case"] for r in report["results"]
+    # one workspace per process made in the first engine's window passes every case; made again by every
+    # engine, it fails every case, whichever ran first and wherever
+    outlived = {(r["backend"], r["case"]) for r in report["results"]
                 if r["check"] == "no_state_outlives_case" and r["outcome"] == "failed"}
-    assert outlived == {r["case"] for r in report["results"] if r["backend"] == STATEFUL}
+    assert outlived == {(r["backend"], r["case"]) for r in report["results"] if r["backend"] in STATEFUL_BUGS}
+    opt_in = {b["name"]: b["may_opt_in"] for b in verdict["backends"]}
+    assert opt_in["stub-flashinfer-process-workspace"] is opt_in["stub-flashinfer-torch-process-workspace"] is True
     alone = pytester.runpytest_subprocess(
         "--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", "det.yaml", "-p", "no:cacheprovider", "-q",
         "--kvprofile-json", "alone.json", *[a for b in BACKENDS for a in ("--kvprofile-backend", b)],
