@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
+    alive_at_end,
     builder_names,
     site,
 )
@@ -32,11 +33,11 @@ def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions)
     for h in result.module_held:
         a = h.alloc
         ours = id(a) in mine or id(a) in used or made_by(a) == result.backend
-        if ours and a.owner in names and a.kind == "device" and a.alive:
+        if ours and a.owner in names and a.kind == "device" and alive_at_end(a):
             culprits.setdefault(site(a) + (a.nbytes,), []).append(h.where)
     for key, f in used.items():
         a = f.alloc
-        if a.kind == "device" and a.alive and key not in held:
+        if a.kind == "device" and alive_at_end(a) and key not in held:
             culprits.setdefault(site(a) + (a.nbytes,), []).append(f"{f.owner} ({f.tag})")
     if not culprits:
         return []

@@ -153,6 +153,8 @@ class LifecycleResult:
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     module_held: list[ModuleHeld] = field(default_factory=list)  # device memory reachable from module state
     aborted_in: str | None = None
+    # the run's teardown (``driver.close_parts`` calls it once): the parts' close() on the run's device
+    closer: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def phase(self, name: str) -> PhaseRecord | None:
         for rec in self.phases:

@@ -19,12 +19,13 @@ from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.registry import (
     BackendProfile,
+    PartsOnDevice,
     inspect_backend,
-    model_parts,
+    plain_parts,
     resolve_backends,
 )
 from pytest_kvprofile.contract.support import DeclarationError, resolve_support
-from pytest_kvprofile.lifecycle.driver import close_parts, make_device, run_lifecycle
+from pytest_kvprofile.lifecycle.driver import case_parts, close_parts, make_device, run_lifecycle
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, Matrix
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_matrix
@@ -92,23 +93,24 @@ class KvprofileSession:
     def classify(self, backend: Backend, case: Case) -> PairPlan:
         """The lifecycle path a (backend, case) takes and the checks that apply, decided at collection.
 
-        Constructs the pair's builders once to ask their declarations, then drops them: the lifecycle
-        makes its own.
+        Constructs the pair's builders once, on the case's device as the lifecycle does, to ask their
+        declarations, then drops them: the lifecycle makes its own.
         """
         key = (backend.name, case.id)
         plan = self._plans.get(key)
         if plan is None:
-            try:
-                parts = model_parts(backend, case)
-                path = PROFILING if resolve_support(parts).enabled else LEGACY
-            except DeclarationError:
-                path, parts = LEGACY, []
-            except Exception:  # noqa: BLE001 - every check runs and reports the error
-                path, parts = FACTORY_ERROR, []
-            checks = frozenset(
-                c.name for c in CHECKS
-                if path == FACTORY_ERROR or (c.applies(path) and c.relevant(case, parts))
-            )
+            with parts_on_device(self.tier)(backend, case) as construct:
+                try:
+                    parts = construct()
+                    path = PROFILING if resolve_support(parts).enabled else LEGACY
+                except DeclarationError:
+                    path, parts = LEGACY, []
+                except Exception:  # noqa: BLE001 - every check runs and reports the error
+                    path, parts = FACTORY_ERROR, []
+                checks = frozenset(
+                    c.name for c in CHECKS
+                    if path == FACTORY_ERROR or (c.applies(path) and c.relevant(case, parts))
+                )
             plan = self._plans[key] = PairPlan(path, checks)
         return plan
 
@@ -143,6 +145,12 @@ def default_matrices() -> tuple[str, ...]:
     return (str(packaged_matrix("default")),)
 
 
+def parts_on_device(tier: str) -> PartsOnDevice:
+    """Where collection and inspection construct builders: on the CPU tier the case's simulated device (torch
+    mode for a torch-mode backend, as its lifecycle runs); on the GPU tier the real GPU plain torch calls reach."""
+    return plain_parts if tier == "gpu" else case_parts
+
+
 def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> KvprofileSession:
     """Load and validate everything once; raises MatrixError or BackendError with a precise message."""
     from pytest_kvprofile.builtin.resources import RESOURCE_KINDS
@@ -160,8 +168,9 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
     if first is None:
         profiles = [BackendProfile(b, {}, None) for b in backends]
     else:
-        profiles = [inspect_backend(b, first) for b in backends]
-        derived = [inspect_backend(p.neutral_alone, first) for p in profiles if p.neutral_alone is not None]
+        on_device = parts_on_device(tier)
+        profiles = [inspect_backend(b, first, on_device) for b in backends]
+        derived = [inspect_backend(p.neutral_alone, first, on_device) for p in profiles if p.neutral_alone is not None]
         profiles += derived
     return KvprofileSession(settings, profiles, matrices, tier)
 

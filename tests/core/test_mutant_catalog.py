@@ -23,7 +23,7 @@ from pytest_kvprofile.builtin.stubs import STUB_BACKENDS as CTX_STUB_BACKENDS
 from pytest_kvprofile.builtin.stubs import TORCH_STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import CHECKS, DEFAULT_WASTE_SLACK, failing_checks
 from pytest_kvprofile.checks.sweep import catch_table, sweep
-from pytest_kvprofile.lifecycle.driver import run_lifecycle
+from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.memory.budget import KV_ALIGN
@@ -170,6 +170,7 @@ def outcomes(backend: Any, cases: Iterable[Case]) -> dict[str, Outcome]:
     out = {}
     for case in cases:
         result = run_lifecycle(backend, case)
+        close_parts(result)  # as the session does: teardown_clean reads the parts' close()
         out[case.id] = Outcome(failing_checks(result), result.post_kv_overrun)
     return out
 
