@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Iterator
+from typing import Any, Iterable
 
 from pytest_kvprofile.contract.backends import (
     Backend,
@@ -155,7 +157,7 @@ def model_parts(backend: Any, case: Any) -> list[Any]:
     return builders + [ResourceAdapter(r) for r in resources]
 
 
-PartsOnDevice = Callable[[Backend, Any], ContextManager[Callable[[], list[Any]]]]
+PartsOnDevice = Callable[[Backend, Any], AbstractContextManager[Callable[[], list[Any]]]]
 """Constructs a backend's parts for a case on the case's device: a context manager yielding the constructor.
 What the constructor raises is the backend factory's; what entering the context raises is the harness's."""
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any, Callable
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease

@@ -25,7 +25,12 @@ from pytest_kvprofile.contract.registry import (
     resolve_backends,
 )
 from pytest_kvprofile.contract.support import DeclarationError, resolve_support
-from pytest_kvprofile.lifecycle.driver import case_parts, close_parts, make_device, run_lifecycle
+from pytest_kvprofile.lifecycle.driver import (
+    case_parts,
+    close_parts,
+    make_device,
+    run_lifecycle,
+)
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, Matrix
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_matrix

@@ -21,7 +21,12 @@ from pytest_kvprofile.contract.registry import inspect_backend
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.lifecycle.record import PROFILING
 from pytest_kvprofile.matrix.schema import load_matrix
-from pytest_kvprofile.plugin.session import FACTORY_ERROR, Settings, build_session, parts_on_device
+from pytest_kvprofile.plugin.session import (
+    FACTORY_ERROR,
+    Settings,
+    build_session,
+    parts_on_device,
+)
 from pytest_kvprofile.units import MiB
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # FlashInfer's cutlass-dsl imports
