@@ -16,13 +16,16 @@ from pytest_kvprofile.builtin.process_state import (
 )
 from pytest_kvprofile.builtin.stubs import (
     AUTOTUNE_SCRATCH_BYTES,
+    GDN_WORKSPACE_BYTES,
     MODULE_GLOBAL_BYTES,
     FlashInferLikeBuilder,
+    GDNLikeBuilder,
     MMPrefixLikeBuilder,
     TorchFlashInferLikeBuilder,
+    Wrapper,
 )
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
-from pytest_kvprofile.contract.protocol import BuilderContext
+from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError
 from pytest_kvprofile.units import MiB
 
@@ -296,6 +299,114 @@ class WrongVersionFormulaBuilder(FlashInferLikeBuilder):
                            head_dim_vo=self.case.model.dim_vo)
 
 
+class TorchKeptAndRemadeBuilder(TorchFlashInferLikeBuilder):
+    """Bug 3b (torch mode): releases its lease, but keeps the profiling wrappers alive in a side list and makes them
+    again on rebind: the leased bytes exist twice after KV sizing (plain tensors: their tags never match)."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        self.profiling_wrappers = self._materialize(ctx)
+        self.wrappers.clear()
+        return ctx.lease(self.profiling_wrappers)
+
+
+class TorchDataPtrAliasBuilder(TorchFlashInferLikeBuilder):
+    """Bug 5c (torch mode): asks for every micro-batch's arena view but plans each wrapper into micro-batch 0's
+    tensor, and reports its bound workspaces from ``data_ptr()``: only the pointers show the aliasing."""
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self.float_tensors: dict[tuple[str, int], Any] = {}
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        wrapper = super()._new_wrapper(ctx, route, ubatch)
+        self.float_tensors[(route, ubatch)] = ctx.get_workspace(self.float_bytes(), 0).tensor
+        return wrapper
+
+    def bound_workspaces(self) -> list[BoundWorkspace]:
+        return [BoundWorkspace(ub, f"{route} float workspace", t.data_ptr(), t.numel())
+                for (route, ub), t in self.float_tensors.items() if (route, ub) in self.wrappers]
+
+
+class NeutralLateStateBuilder(GDNLikeBuilder):
+    """Bug 6c: NEUTRAL, yet keeps a private state buffer made on its first batch after KV sizing, and frees it in
+    ``close()``: the record must show it kept, however the run is torn down."""
+
+    name = "gdn-late-state"
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self.state: Any = None
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        if not ctx.dummy and not ctx.profiling and self.state is None:
+            self.ctx, self.state = ctx, ctx.allocate(GDN_WORKSPACE_BYTES, "gdn conv state")
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.ctx.free(self.state)
+            self.state = None
+
+
+class TorchNeutralLateStateBuilder(GDNLikeBuilder):
+    """Bug 6d (torch mode): 6c with a plain torch tensor, dropped in ``close()``."""
+
+    name = "gdn-late-state-torch"
+    torch_mode = True
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self.state: Any = None
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        import torch
+
+        super().build(ctx, batch)
+        if not ctx.dummy and not ctx.profiling and self.state is None:
+            self.state = torch.empty(GDN_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+
+    def close(self) -> None:
+        self.state = None
+
+
+class RaisingCloseBuilder(FlashInferLikeBuilder):
+    """Bug 15a: ``close()`` raises (it tears down a wrapper that was never made)."""
+
+    def close(self) -> None:
+        raise RuntimeError("flashinfer.close(): no wrapper for route 'prefill-ragged'")
+
+
+class DoubleFreeCloseBuilder(FlashInferLikeBuilder):
+    """Bug 15b: ``close()`` frees every int workspace twice (once per wrapper, once per ubatch list)."""
+
+    def rebind(self, ctx: BuilderContext) -> None:
+        self.ctx = ctx
+        super().rebind(ctx)
+
+    def close(self) -> None:
+        for w in self.wrappers.values():
+            self.ctx.free(w.int_workspace)
+        for w in self.wrappers.values():
+            self.ctx.free(w.int_workspace)
+
+
+class TorchDoubleFreeCloseBuilder(TorchFlashInferLikeBuilder):
+    """Bug 15c (torch mode): keeps a raw ``caching_allocator_alloc`` buffer from its reservation and hands it back
+    twice in ``close()``."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        import torch
+
+        self.raw = torch.cuda.caching_allocator_alloc(MiB)
+        return super().reserve_persistent_workspace(ctx)
+
+    def close(self) -> None:
+        import torch
+
+        torch.cuda.caching_allocator_delete(self.raw)
+        torch.cuda.caching_allocator_delete(self.raw)
+
+
 def _mutant(name: str, bug: int, cls: type, policy: EnginePolicy | None = None, extra: tuple = ()) -> Backend:
     def make(case: Any) -> list[Any]:
         return [cls(case), *(e(case) for e in extra)]
@@ -340,6 +451,14 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-14b-global-per-engine", 14, GlobalPerEngineBuilder),
     _mutant("mutant-14c-torch-global-after-kv-sizing", 14, TorchGlobalAfterKvSizingBuilder),
     _mutant("mutant-14d-torch-global-per-engine", 14, TorchGlobalPerEngineBuilder),
+    _mutant("mutant-03b-torch-kept-and-remade", 3, TorchKeptAndRemadeBuilder),
+    _mutant("mutant-05c-torch-data-ptr-alias", 5, TorchDataPtrAliasBuilder),
+    _mutant("mutant-06c-neutral-frees-late-state-in-close", 6, FlashInferLikeBuilder, extra=(NeutralLateStateBuilder,)),
+    _mutant("mutant-06d-torch-neutral-frees-late-state-in-close", 6, TorchFlashInferLikeBuilder,
+            extra=(TorchNeutralLateStateBuilder,)),
+    _mutant("mutant-18a-close-raises", 18, RaisingCloseBuilder),
+    _mutant("mutant-18b-close-double-free", 18, DoubleFreeCloseBuilder),
+    _mutant("mutant-18c-torch-close-double-free", 18, TorchDoubleFreeCloseBuilder),
 )
 
 

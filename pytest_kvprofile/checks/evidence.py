@@ -18,6 +18,12 @@ def builder_names(result: LifecycleResult) -> set[str]:
     return set(result.builder_names())
 
 
+def alive_at_end(a: Any) -> bool:
+    """Alive when the run ended: not freed, or freed only by the parts' ``close()`` (phase ``teardown``), which
+    runs after every phase a check reads and must not hide what a builder kept."""
+    return a.freed_phase is None or a.freed_phase == lc.TEARDOWN
+
+
 def live_device_bytes(result: LifecycleResult, owner: str, at_phase: str) -> int:
     """Device bytes owned by ``owner`` alive at the end of ``at_phase``."""
     order = lc.PHASE_ORDER

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
+    alive_at_end,
     builder_names,
     grouped,
     resource_names,
@@ -33,7 +34,7 @@ def check_support_declaration(result: LifecycleResult, options: CheckOptions) ->
     for name, support in res.declarations:
         if support is not ProfilingSupport.NEUTRAL or name in resources:
             continue
-        kept = [a for a in result.allocations if a.owner == name and a.kind == "device" and a.freed_phase is None]
+        kept = [a for a in result.allocations if a.owner == name and a.kind == "device" and alive_at_end(a)]
         if kept:
             out.append(
                 f"builder {name!r} declares NEUTRAL (it reserves nothing of its own) but keeps "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from pytest_kvprofile.checks.catalog import failing_checks
-from pytest_kvprofile.lifecycle.driver import run_lifecycle
+from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 
 
 @dataclass
@@ -36,7 +36,9 @@ def sweep(backends: Iterable[Any], cases: Iterable[Any]) -> list[Sweep]:
     for backend in backends:
         s = Sweep(backend.name, backend.bug_class)
         for case in cases:
-            failed = failing_checks(run_lifecycle(backend, case))
+            result = run_lifecycle(backend, case)
+            close_parts(result)  # as the session does: teardown_clean reads the parts' close()
+            failed = failing_checks(result)
             s.cases += 1
             if not failed:
                 s.escaped.append(case.id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
+    alive_at_end,
     builder_names,
     grouped,
 )
@@ -33,11 +34,11 @@ def check_warmup_idempotent(result: LifecycleResult, options: CheckOptions) -> l
     repeat = [a for a in result.allocations if a.phase == lc.WARMUP_REPEAT and a.owner in names]
     if not repeat:
         return []
-    kept = [a for a in repeat if a.freed_phase is None]
+    kept = [a for a in repeat if alive_at_end(a)]
     what = "new persistent memory" if kept else "transient memory (it re-tunes or re-creates scratch on every call)"
     return [
         f"warmup_idempotent: a repeated warmup (phase {lc.WARMUP_REPEAT!r}) allocated {what}; warmup runs once "
-        "and a second call allocates nothing: " + grouped(result, repeat, first=lambda a: a.freed_phase is None)
+        "and a second call allocates nothing: " + grouped(result, repeat, first=lambda a: alive_at_end(a))
     ]
 
 

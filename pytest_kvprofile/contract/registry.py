@@ -7,7 +7,9 @@ group, or built in (the correct stubs and the mutant catalog).
 When builders are constructed, and why:
 
 - :func:`inspect_backend`, once per backend at configure, on the first runnable case: the protocol
-  check, the declared support the verdict reports, and the NEUTRAL-alone derivation;
+  check, the declared support the verdict reports, and the NEUTRAL-alone derivation; on the case's device
+  (``on_device``: the session passes the lifecycle's, so a torch-mode backend's ``__init__`` meets the same
+  simulated GPU it runs on);
 - :meth:`KvprofileSession.classify <pytest_kvprofile.plugin.session.KvprofileSession.classify>`,
   once per (backend, case) at collection: which lifecycle path the pair takes, hence which checks
   apply (the builders are dropped right after);
@@ -17,7 +19,10 @@ When builders are constructed, and why:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -152,6 +157,17 @@ def model_parts(backend: Any, case: Any) -> list[Any]:
     return builders + [ResourceAdapter(r) for r in resources]
 
 
+PartsOnDevice = Callable[[Backend, Any], AbstractContextManager[Callable[[], list[Any]]]]
+"""Constructs a backend's parts for a case on the case's device: a context manager yielding the constructor.
+What the constructor raises is the backend factory's; what entering the context raises is the harness's."""
+
+
+@contextlib.contextmanager
+def plain_parts(backend: Backend, case: Any) -> Iterator[Callable[[], list[Any]]]:
+    """Construction with no device set up (a real GPU, where plain torch calls already reach it)."""
+    yield lambda: model_parts(backend, case)
+
+
 @dataclass(frozen=True)
 class BackendProfile:
     """What one construction of a backend's builders showed at configure.
@@ -166,17 +182,25 @@ class BackendProfile:
     neutral_alone: Backend | None
 
 
-def inspect_backend(backend: Backend, case: Any) -> BackendProfile:
-    """Construct the builders once on ``case`` and check what the suite will call on them.
+def inspect_backend(backend: Backend, case: Any, on_device: PartsOnDevice = plain_parts) -> BackendProfile:
+    """Construct the builders once on ``case``, on its device (``on_device``), and check what the suite will call
+    on them.
 
     Raises BackendError for a builder set the protocol cannot drive at all (no builders, unnamed or
     duplicate builders, a REQUIRED builder without the methods the reservation path calls). A
-    factory that raises is not an error here: every check of the backend reports it per case.
+    factory that raises is not an error here: every check of the backend reports it per case. A harness
+    that cannot set up the case's device raises as itself: it is never recorded as the backend's declaration.
     """
-    try:
-        parts = model_parts(backend, case)
-    except Exception as exc:  # noqa: BLE001 - reported per case by every check
-        return BackendProfile(backend, {"<factory>": f"error: {type(exc).__name__}: {exc}"}, None)
+    with on_device(backend, case) as construct:
+        try:
+            parts = construct()
+        except Exception as exc:  # noqa: BLE001 - reported per case by every check
+            return BackendProfile(backend, {"<factory>": f"error: {type(exc).__name__}: {exc}"}, None)
+        return _profile(backend, parts)
+
+
+def _profile(backend: Backend, parts: list[Any]) -> BackendProfile:
+    """The declarations of constructed parts, the protocol check and the NEUTRAL-alone derivation."""
     validate_builders(backend, [p for p in parts if not isinstance(p, ResourceAdapter)])
     supports: dict[str, str] = {}
     neutral: list[str] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any, Callable, Sequence
 
 from pytest_kvprofile.contract.backends import EnginePolicy
@@ -48,6 +49,7 @@ from pytest_kvprofile.lifecycle.phases import (
     RESERVATION,
     SERVING,
     SETUP,
+    TEARDOWN,
     WARMUP,
     WARMUP_REPEAT,
 )
@@ -126,6 +128,7 @@ class LifecycleRun:
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
         self._torch: Any = None
+        self._sim: Any = None  # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
         self._parts: dict[int, str] = {}
         self._part_modules: dict[str, str] = {}
         self.result = LifecycleResult(
@@ -160,7 +163,7 @@ class LifecycleRun:
             if fn is not None:
                 try:
                     with self._as_part(builder_name(b), "bound_workspaces"):
-                        bound.extend(BoundRecord(builder_name(b), _bound(w)) for w in fn())
+                        bound.extend(BoundRecord(builder_name(b), _bound(w, self._device_ptr)) for w in fn())
                 except Exception as exc:  # noqa: BLE001 - recorded like any other builder failure
                     self._fail(builder_name(b), exc)
         self.result.phases.append(
@@ -173,6 +176,15 @@ class LifecycleRun:
                 locked=self.manager.locked,
             )
         )
+
+    def _device_ptr(self, ptr: int, nbytes: int) -> int:
+        """A reported pointer in the ledger's address space: in torch mode a tensor's ``data_ptr()`` is a host
+        address inside a simulated storage, mapped to its allocation; any other pointer is already the ledger's
+        (a ``ctx``/arena pointer, or on a real GPU the device pointer ``data_ptr()`` returns)."""
+        if self._torch is None:
+            return ptr
+        mapped = self._torch.simulated_ptr(ptr, nbytes)
+        return ptr if mapped is None else mapped
 
     def _call(self, builder: Any, method: str, *args: Any) -> Any:
         name = builder_name(builder)
@@ -255,12 +267,17 @@ class LifecycleRun:
         from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
         from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
-        with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device, self._part_owner) as sim:
+        if self._sim is None:
+            self._sim = SimulatedCuda(self.device, self._part_owner)
+        sim = self._sim
+        sim.owner_resolver = self._part_owner  # leaving the mode drops it
+        noted = len(sim.foreign)
+        with simulated_gpu_on(self.device, self.case.gpu), sim:
             self._torch = sim
             try:
                 yield
             finally:
-                self.result.foreign_uses.extend(sim.foreign.values())
+                self.result.foreign_uses.extend(list(sim.foreign.values())[noted:])
                 self._torch = None
 
     def make_builders(self) -> None:
@@ -332,8 +349,27 @@ class LifecycleRun:
             pass
         finally:
             self._teardown()
+        self.result.closer = self.close
         self._start_second_engine()
         return self.result
+
+    def close(self) -> None:
+        """The parts' optional ``close()``, once, in phase ``teardown`` on the run's device (in torch mode inside
+        the simulation again, so a torch call in ``close()`` reaches the simulated GPU). What it frees is marked
+        freed in ``teardown``, which checks read as alive at the end; what it raises (a double free included)
+        is recorded in ``result.errors`` with phase ``teardown``, for ``teardown_clean``."""
+        self.result.closer = None
+        self._enter(TEARDOWN)
+        with self.device_mode():
+            for part in self.builders:
+                close = getattr(part, "close", None)
+                if not callable(close):
+                    continue
+                try:
+                    with self._as_part(builder_name(part), "close"):
+                        close()
+                except Exception as exc:  # noqa: BLE001 - the record is complete; the error is kept with it
+                    self.result.errors.append(_teardown_error(builder_name(part), exc))
 
     def _fresh_module_state(self) -> None:
         """Give this run the process-wide state a fresh process starts from (``module_state.fresh_view``)."""
@@ -695,14 +731,17 @@ def _graph_batch(capture: DecodeCapture) -> Batch:
     return Batch("decode", capture.num_reqs, capture.num_tokens, cuda_graph=True)
 
 
-def _bound(w: Any) -> BoundWorkspace:
-    """A reported range as a BoundWorkspace (duck-typed ones with the same four fields are accepted)."""
-    if isinstance(w, BoundWorkspace):
-        return w
+def _bound(w: Any, device_ptr: Callable[[int, int], int]) -> BoundWorkspace:
+    """A reported range as a BoundWorkspace in the ledger's addresses (duck-typed ones with the same four fields
+    are accepted; ``device_ptr`` maps a host ``data_ptr()`` of a simulated tensor to its simulated address)."""
     try:
-        return BoundWorkspace(int(w.ubatch), str(w.role), int(w.ptr), int(w.nbytes))
+        ub, role, ptr, nbytes = int(w.ubatch), str(w.role), int(w.ptr), int(w.nbytes)
     except (AttributeError, TypeError, ValueError):
         raise TypeError(f"bound_workspaces() yielded {type(w).__name__}, not a BoundWorkspace") from None
+    mapped = device_ptr(ptr, nbytes)
+    if isinstance(w, BoundWorkspace) and mapped == ptr:
+        return w
+    return BoundWorkspace(ub, role, mapped, nbytes)
 
 
 def _with_ubatch(batch: Batch, ubatch: int) -> Batch:
@@ -712,19 +751,28 @@ def _with_ubatch(batch: Batch, ubatch: int) -> Batch:
 def close_parts(result: LifecycleResult) -> None:
     """Let a finished run's parts drop their device memory (their optional ``close()``), once nothing more
     will be built on them: the record keeps what the checks read, and a session keeping recent records must
-    not keep every case's workspaces (an engine's real builders hold hundreds of MiB each). A ``close()``
-    that raises is recorded in ``result.errors`` (phase ``teardown``), after every phase the checks read."""
-    for part in result.builders:
+    not keep every case's workspaces (an engine's real builders hold hundreds of MiB each). Idempotent. A
+    ``close()`` that raises is recorded in ``result.errors`` (phase ``teardown``), after every phase the checks
+    read; memory it frees is marked freed in ``teardown`` (``LifecycleRun.close``)."""
+    closer = result.closer
+    if closer is not None:
+        closer()
+        return
+    for part in result.builders:  # a record no run finished (built by hand): no device to close on
         close = getattr(part, "close", None)
         if not callable(close):
             continue
         try:
             close()
-        except Exception as exc:  # noqa: BLE001 - the record is complete; the error is kept with it
-            result.errors.append(PhaseError(
-                phase="teardown", who=builder_name(part), exc_type=type(exc).__name__, message=f"close() raised: {exc}",
-                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-            ))
+        except Exception as exc:  # noqa: BLE001
+            result.errors.append(_teardown_error(builder_name(part), exc))
+
+
+def _teardown_error(who: str, exc: BaseException) -> PhaseError:
+    return PhaseError(
+        phase=TEARDOWN, who=who, exc_type=type(exc).__name__, message=f"close() raised: {exc}",
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    )
 
 
 def make_device(case: Case) -> Device:
@@ -753,3 +801,26 @@ def run_lifecycle(backend: Any, case: Case, device_factory: Callable[[Case], Dev
     ``observers`` (``lifecycle/window.py``) measure the profiling window beside the harness."""
     target = ProbeTarget(backend, case, device_factory)
     return LifecycleRun(target, device_factory(case), observers).run()
+
+
+@contextlib.contextmanager
+def case_parts(backend: Any, case: Case, device_factory: Callable[[Case], Device] = make_device,
+               ) -> Iterator[Callable[[], list[Any]]]:
+    """Construct a backend's parts for ``case`` on the case's device, as the lifecycle constructs them.
+
+    Yields the constructor: what it raises is the backend factory's; what entering or leaving the device
+    (torch mode on the simulated GPU) raises is the harness's and propagates as such. The parts are meant to be
+    dropped inside the block (collection and inspection only ask their declarations).
+    """
+    run = LifecycleRun(ProbeTarget(backend, case, device_factory), device_factory(case))
+    try:
+        with run.device_mode():
+            yield lambda: _parts_of(backend, case)
+    finally:
+        run._teardown()
+
+
+def _parts_of(backend: Any, case: Case) -> list[Any]:
+    from pytest_kvprofile.contract.registry import model_parts
+
+    return model_parts(backend, case)

@@ -155,6 +155,8 @@ class LifecycleResult:
     second_engine: SecondEngine | None = None  # a second engine in the same process, when state held memory
     aborted_in: str | None = None
     observed_non_kv: dict[str, int] = field(default_factory=dict)  # an engine's own profiler's non-KV bytes, by name
+    # the run's teardown (``driver.close_parts`` calls it once): the parts' close() on the run's device
+    closer: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def phase(self, name: str) -> PhaseRecord | None:
         for rec in self.phases:

@@ -8,6 +8,7 @@ answers from that ledger. Limits are listed in ``docs/simulated-device.md``.
 
 from __future__ import annotations
 
+import bisect
 import os
 import sys
 import threading
@@ -319,6 +320,7 @@ class SimulatedCuda:
         self._saved: list[tuple[Any, str, Any]] = []
         self._mode: _Mode | None = None
         self.foreign: dict[int, ForeignUse] = {}  # id(allocation) -> its first use here
+        self._direct: dict[int, Allocation] = {}  # caching_allocator_alloc's pointers: kept across re-entries
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -346,6 +348,26 @@ class SimulatedCuda:
         """The ledger entry of another (earlier) simulation behind a live storage, or None."""
         alloc = _live_storages.get(ptr)
         return alloc if alloc is not None and self._registry.get(ptr) is not alloc else None
+
+    def simulated_ptr(self, host_ptr: int, nbytes: int = 0) -> int | None:
+        """The simulated device address of a host address inside one of this simulation's storages (a tensor's
+        ``data_ptr()``, view offsets included), or None when ``[host_ptr, host_ptr + nbytes)`` is in none of them.
+
+        Torch mode keeps device tensors in host memory, so what a builder reads from ``data_ptr()`` is a host
+        address; the ledger, the arena and every check speak simulated addresses.
+        """
+        alloc = self._registry.get(host_ptr)
+        if alloc is not None:
+            return alloc.ptr if nbytes <= alloc.nbytes else None
+        starts = sorted(self._registry)
+        i = bisect.bisect_right(starts, host_ptr) - 1
+        if i < 0:
+            return None
+        base = starts[i]
+        alloc = self._registry[base]
+        if host_ptr + nbytes > base + alloc.nbytes:
+            return None
+        return alloc.ptr + host_ptr - base
 
     def _note_foreign(self, ptr: int, api: str) -> None:
         """A torch call here reads a tensor another simulation (an earlier case) created: state outlived it."""
@@ -403,7 +425,7 @@ class SimulatedCuda:
         cc = dev.compute_capability
         props = _DeviceProperties(dev.name, dev.total_memory, dev.num_sm, cc[0], cc[1],
                                   shared_memory_per_block_optin=smem_optin_for(cc))
-        direct: dict[int, Allocation] = {}
+        direct = self._direct
 
         def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -> int:
             owner, tag, stack = self._attribution("torch.cuda.caching_allocator_alloc")
@@ -414,7 +436,8 @@ class SimulatedCuda:
         def caching_allocator_delete(mem_ptr: int) -> None:
             alloc = direct.pop(int(mem_ptr), None)
             if alloc is None:
-                raise ValueError(f"caching_allocator_delete: {mem_ptr:#x} was not allocated by caching_allocator_alloc")
+                raise ValueError(f"caching_allocator_delete: {mem_ptr:#x} is not a live caching_allocator_alloc pointer "
+                                 "(freed already: a double free; or never allocated by it)")
             dev.free(alloc)
 
         def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, object]]:

@@ -23,12 +23,18 @@ from pytest_kvprofile.contract.backends import (
 )
 from pytest_kvprofile.contract.registry import (
     BackendProfile,
+    PartsOnDevice,
     inspect_backend,
-    model_parts,
+    plain_parts,
     resolve_backends,
 )
 from pytest_kvprofile.contract.support import DeclarationError, resolve_support
-from pytest_kvprofile.lifecycle.driver import close_parts, make_device, run_lifecycle
+from pytest_kvprofile.lifecycle.driver import (
+    case_parts,
+    close_parts,
+    make_device,
+    run_lifecycle,
+)
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, Matrix
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_matrix
@@ -97,23 +103,24 @@ class KvprofileSession:
     def classify(self, backend: Backend, case: Case) -> PairPlan:
         """The lifecycle path a (backend, case) takes and the checks that apply, decided at collection.
 
-        Constructs the pair's builders once to ask their declarations, then drops them: the lifecycle
-        makes its own.
+        Constructs the pair's builders once, on the case's device as the lifecycle does, to ask their
+        declarations, then drops them: the lifecycle makes its own.
         """
         key = (backend.name, case.id)
         plan = self._plans.get(key)
         if plan is None:
-            try:
-                parts = model_parts(backend, case)
-                path = PROFILING if resolve_support(parts).enabled else LEGACY
-            except DeclarationError:
-                path, parts = LEGACY, []
-            except Exception:  # noqa: BLE001 - every check runs and reports the error
-                path, parts = FACTORY_ERROR, []
-            checks = frozenset(
-                c.name for c in CHECKS
-                if path == FACTORY_ERROR or (c.applies(path) and c.relevant(case, parts))
-            )
+            with parts_on_device(self.tier)(backend, case) as construct:
+                try:
+                    parts = construct()
+                    path = PROFILING if resolve_support(parts).enabled else LEGACY
+                except DeclarationError:
+                    path, parts = LEGACY, []
+                except Exception:  # noqa: BLE001 - every check runs and reports the error
+                    path, parts = FACTORY_ERROR, []
+                checks = frozenset(
+                    c.name for c in CHECKS
+                    if path == FACTORY_ERROR or (c.applies(path) and c.relevant(case, parts))
+                )
             plan = self._plans[key] = PairPlan(path, checks)
         return plan
 
@@ -168,6 +175,12 @@ def default_matrices() -> tuple[str, ...]:
     return (str(packaged_matrix("default")),)
 
 
+def parts_on_device(tier: str) -> PartsOnDevice:
+    """Where collection and inspection construct builders: on the CPU tier the case's simulated device (torch
+    mode for a torch-mode backend, as its lifecycle runs); on the GPU tier the real GPU plain torch calls reach."""
+    return plain_parts if tier == "gpu" else case_parts
+
+
 def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> KvprofileSession:
     """Load and validate everything once; raises MatrixError or BackendError with a precise message."""
     from pytest_kvprofile.builtin.resources import RESOURCE_KINDS
@@ -183,15 +196,17 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
     for backend in backends:
         check_requirements(backend)
     runnable = [c for m in matrices for c in m.cases if c.skip_reason is None]
-    profiles = [_profile(b, runnable) for b in backends]
-    profiles += [_profile(p.neutral_alone, runnable) for p in profiles if p.neutral_alone is not None]
+    on_device = parts_on_device(tier)
+    profiles = [_profile(b, runnable, on_device) for b in backends]
+    profiles += [_profile(p.neutral_alone, runnable, on_device) for p in profiles if p.neutral_alone is not None]
     return KvprofileSession(settings, profiles, matrices, tier)
 
 
-def _profile(backend: Backend, runnable: list[Case]) -> BackendProfile:
-    """The backend inspected on the first case its engine accepts (none: nothing to inspect)."""
+def _profile(backend: Backend, runnable: list[Case], on_device: PartsOnDevice) -> BackendProfile:
+    """The backend inspected on the first case its engine accepts (none: nothing to inspect), on that case's
+    device."""
     first = next((c for c in runnable if layout_refusal(backend, c) is None), None)
-    return BackendProfile(backend, {}, None) if first is None else inspect_backend(backend, first)
+    return BackendProfile(backend, {}, None) if first is None else inspect_backend(backend, first, on_device)
 
 
 __all__ = ["SESSION_KEY", "KvprofileSession", "PairPlan", "Settings", "build_session"]
