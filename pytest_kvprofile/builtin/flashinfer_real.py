@@ -223,12 +223,13 @@ class RealFlashInferBuilder:
             self._plan(slot, slot.prefill, "prefill", qo, kv)
 
     def bound_workspaces(self) -> list[BoundWorkspace]:
-        """The float workspace each wrapper really holds, located in the device's ledger."""
+        """The float and int workspaces each wrapper really holds, located in the device's ledger."""
         out = []
         for ub, slot in sorted(self.slots.items()):
             for role, w in slot.wrappers():
                 ptr, nbytes = _ledger_range(w._float_workspace_buffer, slot.arena)
-                out.append(BoundWorkspace(ub, f"{role} float workspace", ptr, nbytes))
+                int_ptr, int_nbytes = _ledger_range(w._int_workspace_buffer)
+                out.append(BoundWorkspace(ub, f"{role} float workspace", ptr, nbytes, int_ptr, int_nbytes))
         return out
 
     def close(self) -> None:
@@ -260,16 +261,16 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-def _ledger_range(tensor: Any, arena: Any) -> tuple[int, int]:
-    """A float workspace tensor's ``(ptr, nbytes)`` in the simulated ledger (its storage's allocation plus the
-    view's offset); the arena view's own range when no simulation is active."""
+def _ledger_range(tensor: Any, arena: Any = None) -> tuple[int, int]:
+    """A workspace tensor's ``(ptr, nbytes)`` in the simulated ledger (its storage's allocation plus the view's
+    offset); when no simulation is active, the arena view's own range, or ``(0, 0)`` without one."""
     from pytest_kvprofile.memory.torch_mode import active_simulation
 
     nbytes = int(tensor.numel()) * int(tensor.element_size())
     sim = active_simulation()
     alloc = sim.allocation_of(tensor) if sim is not None else None
     if alloc is None:
-        return arena.ptr, arena.nbytes
+        return (arena.ptr, arena.nbytes) if arena is not None else (0, 0)
     return alloc.ptr + tensor.data_ptr() - tensor.untyped_storage().data_ptr(), nbytes
 
 

@@ -510,6 +510,7 @@ class LifecycleRun:
         for b in self.builders:
             self._call(b, "warmup", self.ctx(b))
         self._record_phase(WARMUP_REPEAT)
+        self.result.live_at_end = frozenset(a.id for a in dev.live_allocations())
 
     def _captures(self) -> tuple[DecodeCapture, ...]:
         """The decode steps captured in CUDA graphs, largest first (capture sizes are tokens)."""
@@ -642,7 +643,8 @@ def _bound(w: Any) -> BoundWorkspace:
     if isinstance(w, BoundWorkspace):
         return w
     try:
-        return BoundWorkspace(int(w.ubatch), str(w.role), int(w.ptr), int(w.nbytes))
+        return BoundWorkspace(int(w.ubatch), str(w.role), int(w.ptr), int(w.nbytes),
+                              int(getattr(w, "int_ptr", 0)), int(getattr(w, "int_nbytes", 0)))
     except (AttributeError, TypeError, ValueError):
         raise TypeError(f"bound_workspaces() yielded {type(w).__name__}, not a BoundWorkspace") from None
 

@@ -152,6 +152,7 @@ class LifecycleResult:
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     module_held: list[ModuleHeld] = field(default_factory=list)  # device memory reachable from module state
+    live_at_end: frozenset[int] = frozenset()  # ids alive after the last phase, before any close() frees them
     aborted_in: str | None = None
 
     def phase(self, name: str) -> PhaseRecord | None:
