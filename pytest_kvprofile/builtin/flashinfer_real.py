@@ -41,6 +41,7 @@ __all__ = [
     "REAL_FLASHINFER_MUTANTS",
     "LazyRealFlashInferBuilder",
     "RealFlashInferBuilder",
+    "SharedIntWorkspaceRealBuilder",
 ]
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
@@ -253,6 +254,20 @@ class LazyRealFlashInferBuilder(RealFlashInferBuilder):
         return slot
 
 
+class SharedIntWorkspaceRealBuilder(RealFlashInferBuilder):
+    """Bug 15 with FlashInfer's own wrappers: every wrapper of a micro-batch is handed the prefill wrapper's int
+    workspace (``reset_workspace_buffer``), so each plan overwrites the others' plan info."""
+
+    name = "flashinfer-shared-int"
+
+    def _new_slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
+        slot = super()._new_slot(ctx, ubatch)
+        shared = slot.prefill._int_workspace_buffer
+        for _, w in slot.wrappers()[1:]:
+            w.reset_workspace_buffer(slot.arena.tensor, shared)
+        return slot
+
+
 def _cumsum(values: list[int]) -> list[int]:
     out, total = [], 0
     for v in values:
@@ -290,4 +305,6 @@ REAL_FLASHINFER_BACKENDS: tuple[Backend, ...] = (
 REAL_FLASHINFER_MUTANTS: tuple[Backend, ...] = (
     _backend("mutant-01-flashinfer-lazy-wrappers", LazyRealFlashInferBuilder, (LazyRealFlashInferBuilder.__doc__ or "")
              .split("\n")[0], "mutant", bug=1),
+    _backend("mutant-15i-flashinfer-shared-int-workspace", SharedIntWorkspaceRealBuilder,
+             (SharedIntWorkspaceRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),
 )

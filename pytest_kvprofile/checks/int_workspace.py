@@ -105,35 +105,42 @@ def _per_wrapper(result: LifecycleResult, name: str, mine: list[Allocation], int
         wrappers = _wrappers(result, name, phase, mine)
         live = [a for a in ints if alive_at(result, a, phase)]
         if len(wrappers) > len(live) and "count" not in found:
-            kept = grouped(result, live) if live else "none"
+            why = ("two wrappers or two micro-batches share one, and each plan overwrites the other's" if live else
+                   "its wrappers plan into int workspaces that are freed, or that were not allocated with their role")
             found["count"] = (
                 f"builder {name!r} has {len(wrappers)} wrappers planning into its float workspace at the end of phase "
-                f"{phase!r} (bound_workspaces()) but holds {len(live)} int workspaces (role INT_WORKSPACE): {kept}. "
-                "Two wrappers or two micro-batches share one, and each plan overwrites the other's; give every "
-                "wrapper its own, allocated with role=Role.INT_WORKSPACE")
+                f"{phase!r} (bound_workspaces()) but holds {len(live)} int workspaces (role INT_WORKSPACE): "
+                f"{grouped(result, live) if live else 'none'}. So {why}; give every wrapper its own, alive to the "
+                "end, allocated with role=Role.INT_WORKSPACE")
         owners: dict[int, list[BoundWorkspace]] = {}
         for w in wrappers:
-            if w.int_nbytes <= 0:
+            behind = _behind(w, phase, mine) if w.int_nbytes > 0 else None
+            if behind is None:
                 continue
-            alloc = next((a for a in live if _within(w.int_ptr, w.int_nbytes, a.ptr, a.nbytes)), None)
-            if alloc is not None:
-                owners.setdefault(alloc.id, []).append(w)
-                continue
-            gone = next((a for a in mine if _within(w.int_ptr, w.int_nbytes, a.ptr, a.nbytes)
-                         and not alive_at(result, a, phase)), None)
-            if gone is not None and "freed" not in found:
+            if alive_at(result, behind, phase):
+                owners.setdefault(behind.id, []).append(w)
+            elif "freed" not in found:
                 found["freed"] = (
                     f"builder {name!r}'s wrapper {w.role!r} (ubatch {w.ubatch}) plans into an int workspace that is "
-                    f"gone at the end of phase {phase!r}: {fmt_alloc(gone)}, freed in phase {gone.freed_phase!r}. "
+                    f"gone at the end of phase {phase!r}: {fmt_alloc(behind)}, freed in phase {behind.freed_phase!r}. "
                     "Keep each wrapper's int workspace alive as long as the wrapper plans")
         shared = next(((aid, ws) for aid, ws in owners.items() if len(ws) > 1), None)
         if shared is not None and "shared" not in found:
-            alloc = next(a for a in ints if a.id == shared[0])
+            alloc = next(a for a in mine if a.id == shared[0])
             users = ", ".join(f"{w.role!r} (ubatch {w.ubatch})" for w in shared[1])
             found["shared"] = (
                 f"builder {name!r}'s wrappers {users} share one int workspace at the end of phase {phase!r}: "
                 f"{fmt_alloc(alloc)}. Each plan overwrites the other's; give every wrapper its own")
     return list(found.values())
+
+
+def _behind(w: BoundWorkspace, phase: str, mine: list[Allocation]) -> Allocation | None:
+    """The builder's latest allocation made by the end of ``phase`` whose range holds the int workspace ``w``
+    reports (the ledger reuses a freed address, so the latest is the one the wrapper took); None when the address
+    is none of the builder's (a host address, say: nothing to judge)."""
+    k = lc.PHASE_INDEX[phase]
+    return max((a for a in mine if lc.PHASE_INDEX.get(a.phase, LAST + 1) <= k
+                and _within(w.int_ptr, w.int_nbytes, a.ptr, a.nbytes)), key=lambda a: a.id, default=None)
 
 
 def _after_capture(result: LifecycleResult, name: str, ints: list[Allocation]) -> list[str]:
