@@ -299,15 +299,15 @@ class SmallIntWorkspaceBuilder(FlashInferLikeBuilder):
 
 
 class SharedIntWorkspaceBuilder(FlashInferLikeBuilder):
-    """Bug 15b: the decode wrapper of each micro-batch reuses the prefill wrapper's int workspace (and its pinned
-    mirror) instead of owning one, so each plan overwrites the other's."""
+    """Bug 15b: one int workspace (and pinned mirror) for the builder: every wrapper, of every route and
+    micro-batch, reuses the first wrapper's instead of owning one, so each plan overwrites the others'."""
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
-        first = next((w for (r, ub), w in self.wrappers.items() if ub == ubatch and w.int_workspace.alive), None)
+        first = next((w for w in self.wrappers.values() if w.int_workspace.alive), None)
         if first is None:
             return super()._new_wrapper(ctx, route, ubatch)
         view = self._float_view(ctx, ubatch)
-        return replace(first, route=route, float_ptr=view.ptr, float_bytes=view.nbytes)
+        return replace(first, route=route, ubatch=ubatch, float_ptr=view.ptr, float_bytes=view.nbytes)
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
         for alloc in {id(a): a for w in wrappers for a in (w.int_workspace, w.pinned_mirror) if a.alive}.values():

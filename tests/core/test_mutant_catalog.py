@@ -78,7 +78,7 @@ EXPECTED_FAILURES: dict[str, set[str]] = {
     "mutant-14-module-global-workspace": {"no_state_outlives_case"},
     "mutant-15a-int-workspace-too-small": {"int_workspace_per_wrapper"},
     "mutant-15b-int-workspace-shared-by-wrappers": {"int_workspace_per_wrapper"},
-    "mutant-15c-int-workspace-freed-early": {"int_workspace_per_wrapper"},
+    "mutant-15c-int-workspace-freed-early": {"int_workspace_per_wrapper", "no_post_kv_overrun"},
     "mutant-15d-int-workspace-remade-after-capture": {"int_workspace_per_wrapper"},
     "mutant-15e-torch-int-workspace-too-small": {"int_workspace_per_wrapper"},
     "mutant-15f-torch-int-workspace-shared-by-ubatches": {"int_workspace_per_wrapper"},
