@@ -85,14 +85,14 @@ def _sizes(result: LifecycleResult, name: str, decl: WorkspaceDeclaration, need:
     return out
 
 
-def _wrappers(result: LifecycleResult, name: str, phase: str, mine: list[Allocation]) -> list[BoundWorkspace]:
+def _wrappers(result: LifecycleResult, name: str, phase: str, own_floats: list[Allocation]) -> list[BoundWorkspace]:
     """The wrappers a builder reports at the end of ``phase`` that plan into the float arena or into a float
     workspace of its own: each one needs its own int workspace."""
     rec = result.phase(phase)
     if rec is None:
         return []
     floats = [(v.ptr, v.nbytes) for v in rec.arena if v.nbytes]
-    floats += [(a.ptr, a.nbytes) for a in mine if a.role is Role.FLOAT_WORKSPACE and alive_at(result, a, phase)]
+    floats += [(a.ptr, a.nbytes) for a in own_floats if alive_at(result, a, phase)]
     return [r.workspace for r in rec.bound if r.owner == name and r.workspace.nbytes > 0
             and any(_within(r.workspace.ptr, r.workspace.nbytes, p, n) for p, n in floats)]
 
@@ -101,8 +101,12 @@ def _per_wrapper(result: LifecycleResult, name: str, mine: list[Allocation], int
     """One int workspace per wrapper, alive while it plans: counted against the wrappers the builder reports,
     and, where a wrapper reports its int workspace, located in the ledger (shared or freed)."""
     found: dict[str, str] = {}
+    own_floats = [a for a in mine if a.role is Role.FLOAT_WORKSPACE]
+    by_ptr: dict[int, list[Allocation]] = {}
+    for a in mine:
+        by_ptr.setdefault(a.ptr, []).append(a)
     for phase in SERVING_STATE:
-        wrappers = _wrappers(result, name, phase, mine)
+        wrappers = _wrappers(result, name, phase, own_floats)
         live = [a for a in ints if alive_at(result, a, phase)]
         if len(wrappers) > len(live) and "count" not in found:
             why = ("two wrappers or two micro-batches share one, and each plan overwrites the other's" if live else
@@ -114,7 +118,7 @@ def _per_wrapper(result: LifecycleResult, name: str, mine: list[Allocation], int
                 "end, allocated with role=Role.INT_WORKSPACE")
         owners: dict[int, list[BoundWorkspace]] = {}
         for w in wrappers:
-            behind = _behind(w, phase, mine) if w.int_nbytes > 0 else None
+            behind = (_behind(w, phase, by_ptr.get(w.int_ptr, [])) or _behind(w, phase, mine)) if w.int_nbytes else None
             if behind is None:
                 continue
             if alive_at(result, behind, phase):
@@ -134,12 +138,12 @@ def _per_wrapper(result: LifecycleResult, name: str, mine: list[Allocation], int
     return list(found.values())
 
 
-def _behind(w: BoundWorkspace, phase: str, mine: list[Allocation]) -> Allocation | None:
-    """The builder's latest allocation made by the end of ``phase`` whose range holds the int workspace ``w``
-    reports (the ledger reuses a freed address, so the latest is the one the wrapper took); None when the address
-    is none of the builder's (a host address, say: nothing to judge)."""
+def _behind(w: BoundWorkspace, phase: str, candidates: list[Allocation]) -> Allocation | None:
+    """Of the builder's ``candidates``, the latest made by the end of ``phase`` whose range holds the int workspace
+    ``w`` reports (the ledger reuses a freed address, so the latest is the one the wrapper took); None when the
+    address is none of the builder's (a host address, say: nothing to judge)."""
     k = lc.PHASE_INDEX[phase]
-    return max((a for a in mine if lc.PHASE_INDEX.get(a.phase, LAST + 1) <= k
+    return max((a for a in candidates if lc.PHASE_INDEX.get(a.phase, LAST + 1) <= k
                 and _within(w.int_ptr, w.int_nbytes, a.ptr, a.nbytes)), key=lambda a: a.id, default=None)
 
 
