@@ -177,6 +177,8 @@ def _assigning_roles(method: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = method(self, *args, **kwargs)
         for attr, role in _WRAPPER_BUFFERS:
+            if role is Role.FLOAT_WORKSPACE and getattr(self, "_backend", None) == "trtllm-gen":
+                role = Role.TRTLLM_WORKSPACE  # a trtllm-gen wrapper's float buffer is the trtllm-gen workspace
             assign_role(getattr(self, attr, None), role, keep=(Role.FLOAT_ARENA,))
         return out
 

@@ -184,6 +184,18 @@ def test_a_private_float_buffer_handed_to_a_wrapper_is_a_float_workspace_and_the
     assert flashinfer.BatchDecodeWithPagedKVCacheWrapper.__init__ is original
 
 
+def test_a_trtllm_gen_wrappers_float_buffer_is_the_trtllm_gen_workspace():
+    flashinfer = pytest.importorskip("flashinfer")
+    import torch
+
+    from pytest_kvprofile import simulated_gpu
+
+    with simulated_gpu("B200") as dev:
+        ws = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+        flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", backend="trtllm-gen")
+        assert dev.live_allocations()[0].role is Role.TRTLLM_WORKSPACE
+
+
 def test_the_example_backends_int_workspaces_carry_their_role(case, monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLE))
     from kvprofile_example_backend import correct
