@@ -167,19 +167,25 @@ def _patch_wrapper_roles(patches: _Patches) -> None:
                 continue
             for method in _ROLE_METHODS:
                 if method in vars(cls):
-                    patches.set(cls, method, _assigning_roles(vars(cls)[method]))
+                    patches.set(cls, method, _assigning_roles(vars(cls)[method], lambda wrapper: wrapper))
+    mla = sys.modules.get("flashinfer.mla")
+    cls = getattr(mla, "BatchMLAPagedAttentionWrapper", None)
+    if isinstance(cls, type) and "plan" in vars(cls):  # its FA backend makes the int workspace in plan()
+        patches.set(cls, "plan", _assigning_roles(vars(cls)["plan"], lambda w: getattr(w, "_planned_backend", None)))
 
 
-def _assigning_roles(method: Callable[..., Any]) -> Callable[..., Any]:
+def _assigning_roles(method: Callable[..., Any], holder: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``method``, then the roles of the buffers ``holder(wrapper)`` keeps (the wrapper, or MLA's planned backend)."""
     from pytest_kvprofile.memory.torch_mode import assign_role
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = method(self, *args, **kwargs)
+        buffers = holder(self)
         for attr, role in _WRAPPER_BUFFERS:
-            if role is Role.FLOAT_WORKSPACE and getattr(self, "_backend", None) == "trtllm-gen":
+            if role is Role.FLOAT_WORKSPACE and getattr(buffers, "_backend", None) == "trtllm-gen":
                 role = Role.TRTLLM_WORKSPACE  # a trtllm-gen wrapper's float buffer is the trtllm-gen workspace
-            assign_role(getattr(self, attr, None), role, keep=(Role.FLOAT_ARENA,))
+            assign_role(getattr(buffers, attr, None), role, keep=(Role.FLOAT_ARENA,))
         return out
 
     return wrapper
