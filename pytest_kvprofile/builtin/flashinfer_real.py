@@ -41,6 +41,7 @@ __all__ = [
     "REAL_FLASHINFER_MUTANTS",
     "LazyRealFlashInferBuilder",
     "RealFlashInferBuilder",
+    "SharedIntWorkspaceRealBuilder",
 ]
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
@@ -223,12 +224,13 @@ class RealFlashInferBuilder:
             self._plan(slot, slot.prefill, "prefill", qo, kv)
 
     def bound_workspaces(self) -> list[BoundWorkspace]:
-        """The float workspace each wrapper really holds, located in the device's ledger."""
+        """The float and int workspaces each wrapper really holds, located in the device's ledger."""
         out = []
         for ub, slot in sorted(self.slots.items()):
             for role, w in slot.wrappers():
                 ptr, nbytes = _ledger_range(w._float_workspace_buffer, slot.arena)
-                out.append(BoundWorkspace(ub, f"{role} float workspace", ptr, nbytes))
+                int_ptr, int_nbytes = _ledger_range(w._int_workspace_buffer)
+                out.append(BoundWorkspace(ub, f"{role} float workspace", ptr, nbytes, int_ptr, int_nbytes))
         return out
 
     def close(self) -> None:
@@ -252,6 +254,20 @@ class LazyRealFlashInferBuilder(RealFlashInferBuilder):
         return slot
 
 
+class SharedIntWorkspaceRealBuilder(RealFlashInferBuilder):
+    """Bug 15 with FlashInfer's own wrappers: every wrapper of a micro-batch is handed the prefill wrapper's int
+    workspace (``reset_workspace_buffer``), so each plan overwrites the others' plan info."""
+
+    name = "flashinfer-shared-int"
+
+    def _new_slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
+        slot = super()._new_slot(ctx, ubatch)
+        shared = slot.prefill._int_workspace_buffer
+        for _, w in slot.wrappers()[1:]:
+            w.reset_workspace_buffer(slot.arena.tensor, shared)
+        return slot
+
+
 def _cumsum(values: list[int]) -> list[int]:
     out, total = [], 0
     for v in values:
@@ -260,16 +276,16 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-def _ledger_range(tensor: Any, arena: Any) -> tuple[int, int]:
-    """A float workspace tensor's ``(ptr, nbytes)`` in the simulated ledger (its storage's allocation plus the
-    view's offset); the arena view's own range when no simulation is active."""
+def _ledger_range(tensor: Any, arena: Any = None) -> tuple[int, int]:
+    """A workspace tensor's ``(ptr, nbytes)`` in the simulated ledger (its storage's allocation plus the view's
+    offset); when no simulation is active, the arena view's own range, or ``(0, 0)`` without one."""
     from pytest_kvprofile.memory.torch_mode import active_simulation
 
     nbytes = int(tensor.numel()) * int(tensor.element_size())
     sim = active_simulation()
     alloc = sim.allocation_of(tensor) if sim is not None else None
     if alloc is None:
-        return arena.ptr, arena.nbytes
+        return (arena.ptr, arena.nbytes) if arena is not None else (0, 0)
     return alloc.ptr + tensor.data_ptr() - tensor.untyped_storage().data_ptr(), nbytes
 
 
@@ -289,4 +305,6 @@ REAL_FLASHINFER_BACKENDS: tuple[Backend, ...] = (
 REAL_FLASHINFER_MUTANTS: tuple[Backend, ...] = (
     _backend("mutant-01-flashinfer-lazy-wrappers", LazyRealFlashInferBuilder, (LazyRealFlashInferBuilder.__doc__ or "")
              .split("\n")[0], "mutant", bug=1),
+    _backend("mutant-15i-flashinfer-shared-int-workspace", SharedIntWorkspaceRealBuilder,
+             (SharedIntWorkspaceRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),
 )

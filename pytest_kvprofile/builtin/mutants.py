@@ -6,6 +6,7 @@ Every check the suite ships must be shown to fail on the mutant that carries the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pytest_kvprofile.builtin.process_state import (
@@ -23,9 +24,11 @@ from pytest_kvprofile.builtin.stubs import (
     MMPrefixLikeBuilder,
     TorchFlashInferLikeBuilder,
     Wrapper,
+    with_role,
 )
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError
 from pytest_kvprofile.units import MiB
 
@@ -407,6 +410,127 @@ class TorchDoubleFreeCloseBuilder(TorchFlashInferLikeBuilder):
         torch.cuda.caching_allocator_delete(self.raw)
 
 
+SMALL_INT_WORKSPACE_BYTES = 32 * 1024  # below what FlashInfer's planner writes for any case's plan
+
+
+class SmallIntWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 15a: declares FlashInfer's 8 MiB int workspace per wrapper but gives each wrapper 32 KiB, below what the
+    planner writes for the case's plans."""
+
+    def int_bytes(self) -> int:
+        return SMALL_INT_WORKSPACE_BYTES
+
+
+class SharedIntWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 15b: one int workspace (and pinned mirror) for the builder: every wrapper, of every route and
+    micro-batch, reuses the first wrapper's instead of owning one, so each plan overwrites the others'."""
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        first = next((w for w in self.wrappers.values() if w.int_workspace.alive), None)
+        if first is None:
+            return super()._new_wrapper(ctx, route, ubatch)
+        view = self._float_view(ctx, ubatch)
+        return replace(first, route=route, ubatch=ubatch, float_ptr=view.ptr, float_bytes=view.nbytes)
+
+    def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
+        for alloc in {id(a): a for w in wrappers for a in (w.int_workspace, w.pinned_mirror) if a.alive}.values():
+            ctx.free(alloc)
+        for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:
+            del self.wrappers[key]
+
+
+class FreedIntWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 15c: frees each wrapper's int workspace as soon as the wrapper is set up ("the plan is on the host
+    mirror"), while the wrapper keeps planning into it."""
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        w = super()._new_wrapper(ctx, route, ubatch)
+        ctx.free(w.int_workspace)
+        return w
+
+    def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
+        for w in wrappers:
+            ctx.free(w.pinned_mirror)
+        for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:
+            del self.wrappers[key]
+
+
+class RemadeIntWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 15d: after its CUDA-graph wrapper is captured, the first serving plan of a captured step re-makes the
+    wrapper's int workspace at the same size ("a fresh plan buffer"): the captured graph keeps the old pointer."""
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self.captured: set[tuple[str, int]] = set()
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        w = self._wrapper_for(ctx, batch)
+        key = (w.route, w.ubatch)
+        if batch.cuda_graph and ctx.capturing:
+            self.captured.add(key)
+        elif batch.cuda_graph and key in self.captured:
+            self.captured.discard(key)
+            ctx.free(w.int_workspace)
+            w.int_workspace = ctx.allocate(self.int_bytes(), f"{w.route} int workspace [ubatch {w.ubatch}]",
+                                           role=Role.INT_WORKSPACE)
+            w.int_ptr, w.int_nbytes = w.int_workspace.ptr, w.int_workspace.nbytes
+
+
+class TorchSmallIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
+    """Bug 15e (torch mode): the torch-mode builder's wrappers get 32 KiB int workspaces against 8 MiB declared."""
+
+    def int_bytes(self) -> int:
+        return SMALL_INT_WORKSPACE_BYTES
+
+
+class TorchSharedIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
+    """Bug 15f (torch mode): micro-batch 1's wrappers reuse micro-batch 0's int workspace tensors, so the two
+    micro-batches' plans overwrite each other."""
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        first = self.wrappers.get((route, 0))
+        if ubatch == 0 or first is None:
+            return super()._new_wrapper(ctx, route, ubatch)
+        view = self._float_view(ctx, ubatch)
+        return replace(first, ubatch=ubatch, float_ptr=view.ptr, float_bytes=view.nbytes)
+
+
+class TorchFreedIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
+    """Bug 15g (torch mode): each wrapper keeps only its int workspace's address (as a kernel argument would), not
+    the tensor, so the tensor is freed at once and the wrapper plans into freed memory."""
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        w = super()._new_wrapper(ctx, route, ubatch)
+        w.int_workspace = None
+        return w
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        FlashInferLikeBuilder.build(self, ctx, batch)
+
+
+class TorchRemadeIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
+    """Bug 15h (torch mode): after capture, the first serving plan of a captured step replaces the CUDA-graph
+    wrapper's int workspace tensor with a new one of the same size; the old one is freed under the graph."""
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self.captured: set[tuple[str, int]] = set()
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        import torch
+
+        super().build(ctx, batch)
+        w = self._wrapper_for(ctx, batch)
+        key = (w.route, w.ubatch)
+        if batch.cuda_graph and ctx.capturing:
+            self.captured.add(key)
+        elif batch.cuda_graph and key in self.captured:
+            self.captured.discard(key)
+            w.int_workspace = torch.empty(self.int_bytes(), dtype=torch.uint8, device="cuda")
+            w.int_ptr, w.int_nbytes = with_role(w.int_workspace, Role.INT_WORKSPACE)
+
+
 def _mutant(name: str, bug: int, cls: type, policy: EnginePolicy | None = None, extra: tuple = ()) -> Backend:
     def make(case: Any) -> list[Any]:
         return [cls(case), *(e(case) for e in extra)]
@@ -459,6 +583,14 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-18a-close-raises", 18, RaisingCloseBuilder),
     _mutant("mutant-18b-close-double-free", 18, DoubleFreeCloseBuilder),
     _mutant("mutant-18c-torch-close-double-free", 18, TorchDoubleFreeCloseBuilder),
+    _mutant("mutant-15a-int-workspace-too-small", 15, SmallIntWorkspaceBuilder),
+    _mutant("mutant-15b-int-workspace-shared-by-wrappers", 15, SharedIntWorkspaceBuilder),
+    _mutant("mutant-15c-int-workspace-freed-early", 15, FreedIntWorkspaceBuilder),
+    _mutant("mutant-15d-int-workspace-remade-after-capture", 15, RemadeIntWorkspaceBuilder),
+    _mutant("mutant-15e-torch-int-workspace-too-small", 15, TorchSmallIntWorkspaceBuilder),
+    _mutant("mutant-15f-torch-int-workspace-shared-by-ubatches", 15, TorchSharedIntWorkspaceBuilder),
+    _mutant("mutant-15g-torch-int-workspace-freed-early", 15, TorchFreedIntWorkspaceBuilder),
+    _mutant("mutant-15h-torch-int-workspace-remade-after-capture", 15, TorchRemadeIntWorkspaceBuilder),
 )
 
 

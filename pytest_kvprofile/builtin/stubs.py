@@ -41,6 +41,8 @@ class Wrapper:
     float_bytes: int
     int_workspace: Any
     pinned_mirror: Any
+    int_ptr: int = 0  # the int workspace's ledger address and bytes, reported in bound_workspaces()
+    int_nbytes: int = 0
 
 
 class FlashInferCore:
@@ -70,6 +72,10 @@ class FlashInferCore:
         """What FlashInfer's planner really carves for the envelope's worst batch (the oracle's answer)."""
         return for_case(self.case).float_bytes
 
+    def int_bytes(self) -> int:
+        """Each wrapper's dedicated int workspace: FlashInfer's default, which covers the planner's int bytes."""
+        return FLASHINFER_INT_WORKSPACE_BYTES
+
     def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
         return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=FLASHINFER_INT_WORKSPACE_BYTES)
 
@@ -82,10 +88,10 @@ class FlashInferCore:
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         view = self._float_view(ctx, ubatch)
-        int_ws = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
-        mirror = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, f"{route} int workspace pinned mirror [ubatch {ubatch}]", pinned_host=True,
-                              role=Role.PINNED_MIRROR)
-        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror)
+        int_ws = ctx.allocate(self.int_bytes(), f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
+        mirror = ctx.allocate(self.int_bytes(), f"{route} int workspace pinned mirror [ubatch {ubatch}]",
+                              pinned_host=True, role=Role.PINNED_MIRROR)
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror, int_ws.ptr, int_ws.nbytes)
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
         for w in wrappers:
@@ -153,7 +159,7 @@ class FlashInferCore:
 
     def bound_workspaces(self) -> list[BoundWorkspace]:
         return [
-            BoundWorkspace(w.ubatch, f"{w.route} float workspace", w.float_ptr, w.float_bytes)
+            BoundWorkspace(w.ubatch, f"{w.route} float workspace", w.float_ptr, w.float_bytes, w.int_ptr, w.int_nbytes)
             for w in self.wrappers.values()
         ]
 
@@ -257,9 +263,11 @@ class TorchFlashInferLikeBuilder(FlashInferLikeBuilder):
         import torch
 
         view = self._float_view(ctx, ubatch)
-        return Wrapper(route, ubatch, view.ptr, view.nbytes,
-                       torch.empty(FLASHINFER_INT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"),
-                       torch.empty(FLASHINFER_INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
+        int_ws = torch.empty(self.int_bytes(), dtype=torch.uint8, device="cuda")
+        mirror = torch.empty(self.int_bytes(), dtype=torch.uint8, pin_memory=True)
+        int_ptr, int_nbytes = with_role(int_ws, Role.INT_WORKSPACE)
+        with_role(mirror, Role.PINNED_MIRROR)
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror, int_ptr, int_nbytes)
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
         for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:
@@ -289,6 +297,15 @@ class TorchFlashInferLikeBuilder(FlashInferLikeBuilder):
         if ctx.dummy and not ctx.capturing:
             synthetic = torch.empty(self._synthetic_bytes(), dtype=torch.uint8, device="cuda")
             del synthetic
+
+
+def with_role(tensor: Any, role: Role) -> tuple[int, int]:
+    """Give a plain torch tensor's simulated allocation its role; its ledger address and bytes ((0, 0) off the
+    simulator), which the wrapper reports in ``bound_workspaces()``."""
+    from pytest_kvprofile.memory.torch_mode import assign_role
+
+    alloc = assign_role(tensor, role)
+    return (alloc.ptr, alloc.nbytes) if alloc is not None else (0, 0)
 
 
 TORCH_STUB_BACKENDS: tuple[Backend, ...] = (

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions, aborted_before
+from pytest_kvprofile.contract.protocol import BoundWorkspace
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.units import MiB
@@ -32,7 +33,7 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
         moved = sorted(set(capture.bound) ^ set(serving.bound), key=lambda b: (b.owner, b.workspace.ubatch))
         detail = "; ".join(
             f"{b.owner} {b.workspace.role} [ubatch {b.workspace.ubatch}] ptr {b.workspace.ptr:#x} "
-            f"{b.workspace.nbytes} bytes ({'at capture' if b in capture.bound else 'at serving'})"
+            f"{b.workspace.nbytes} bytes{_fmt_int(b.workspace)} ({'at capture' if b in capture.bound else 'at serving'})"
             for b in moved[:4])
         out.append(f"workspace pointers bound at capture changed before replay: {detail}")
     return out
@@ -40,6 +41,11 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
 
 def _fmt_arena(arena: tuple[ArenaView, ...]) -> str:
     return ", ".join(f"ubatch {v.ubatch}: ptr {v.ptr:#x} size {v.nbytes / MiB:.2f} MiB" for v in arena) or "none"
+
+
+def _fmt_int(w: BoundWorkspace) -> str:
+    """The wrapper's int workspace, when it reports one (a moved int workspace changes the binding too)."""
+    return f", int workspace ptr {w.int_ptr:#x} {w.int_nbytes} bytes" if w.int_nbytes else ""
 
 
 def check_arena_not_grown_after_lock(result: LifecycleResult, options: CheckOptions) -> list[str]:

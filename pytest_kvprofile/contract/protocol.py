@@ -21,7 +21,8 @@ conservative meaning:
 ``build(ctx, batch)``
     The runtime metadata build/plan: where lazy allocations happen.
 ``bound_workspaces() -> iterable of BoundWorkspace``
-    The float workspace ranges its wrappers point at, so aliasing can be checked.
+    One entry per wrapper: the float workspace range it points at and its int workspace, so aliasing and
+    sharing can be checked.
 """
 
 from __future__ import annotations
@@ -47,12 +48,16 @@ class WorkspaceDeclaration:
 
 @dataclass(frozen=True)
 class BoundWorkspace:
-    """One float workspace range a builder's wrapper points at."""
+    """One wrapper's workspaces: the float range it points at and, when it has one, its dedicated int workspace
+    (``int_ptr``/``int_nbytes``, 0 when it has none), so the harness can tell which ledger entry each wrapper
+    plans into and see two wrappers share one."""
 
     ubatch: int
     role: str
     ptr: int
     nbytes: int
+    int_ptr: int = 0
+    int_nbytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, Iterator
 
 from pytest_kvprofile.contract.backends import Backend
@@ -32,6 +33,7 @@ from pytest_kvprofile.contract.protocol import (
     BuilderContext,
     WorkspaceDeclaration,
 )
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.vllm_config import (
     UnexpressibleCase,
@@ -44,6 +46,7 @@ from pytest_kvprofile.engines.vllm_config import (
 )
 from pytest_kvprofile.engines.vllm_standins import (
     VLLM_INSTALL_HINT,
+    _BACKEND_MODULE,
     import_vllm_flashinfer,
     vllm_standins,
 )
@@ -183,6 +186,7 @@ class VllmFlashInferBuilder:
                                      f"(ubatch {batch.ubatch}) failed on the simulated {self.case.gpu.name}: "
                                      f"{type(exc).__name__}: {exc}") from exc
         self.built[batch.kind] = self.built.get(batch.kind, 0) + 1
+        _role_trtllm_workspace()
 
     def wrappers(self) -> Iterator[tuple[int, str, Any]]:
         """Every FlashInfer wrapper vLLM's builders hold: (ubatch, role, wrapper)."""
@@ -253,6 +257,15 @@ class ReservingVllmBuilder(VllmFlashInferBuilder):
             with self._standins(), _current_config(self.vllm_config):
                 for b in self.builders.values():
                     getattr(b, self.api.rebind)()
+
+
+def _role_trtllm_workspace() -> None:
+    """vLLM's process-wide trtllm-gen workspace (a module global its builders make on first use) gets its role:
+    FlashInfer's wrappers give theirs in torch mode, this one no wrapper takes."""
+    from pytest_kvprofile.memory.torch_mode import assign_role
+
+    module = sys.modules.get(_BACKEND_MODULE)
+    assign_role(getattr(module, "trtllm_workspace_buffer", None), Role.TRTLLM_WORKSPACE)
 
 
 def _current_config(config: Any) -> Any:

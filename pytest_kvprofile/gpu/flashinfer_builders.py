@@ -23,6 +23,7 @@ from pytest_kvprofile.contract.protocol import (
     BuilderContext,
     WorkspaceDeclaration,
 )
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.gpu.reference import (
     PagedLayout,
@@ -102,7 +103,7 @@ class FlashInferCudaBuilder:
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> RealWrapper:
         arena = ctx.get_workspace(self.float_bytes(), ubatch)
         float_buf = self._device_view(ctx, arena.ptr, arena.nbytes)
-        int_alloc = ctx.allocate(self.int_bytes(), f"{route} int workspace [ubatch {ubatch}]")
+        int_alloc = ctx.allocate(self.int_bytes(), f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
         try:
             int_buf = ctx.device.tensor(int_alloc)
             tc = route == "decode" and decode_tensor_cores(self.case)
@@ -209,8 +210,8 @@ class FlashInferCudaBuilder:
         """The layers' dummy forward allocates nothing of the builder's own."""
 
     def bound_workspaces(self) -> list[BoundWorkspace]:
-        return [BoundWorkspace(w.ubatch, f"{w.route} float workspace", w.float_ptr, w.float_bytes)
-                for w in self.wrappers.values()]
+        return [BoundWorkspace(w.ubatch, f"{w.route} float workspace", w.float_ptr, w.float_bytes, w.int_alloc.ptr,
+                               w.int_alloc.nbytes) for w in self.wrappers.values()]
 
     def close(self) -> None:
         """Drop the wrappers (and so their device buffers) once the run's figures are recorded."""

@@ -732,16 +732,18 @@ def _graph_batch(capture: DecodeCapture) -> Batch:
 
 
 def _bound(w: Any, device_ptr: Callable[[int, int], int]) -> BoundWorkspace:
-    """A reported range as a BoundWorkspace in the ledger's addresses (duck-typed ones with the same four fields
-    are accepted; ``device_ptr`` maps a host ``data_ptr()`` of a simulated tensor to its simulated address)."""
+    """A reported range as a BoundWorkspace in the ledger's addresses (duck-typed ones with the same fields are
+    accepted; ``device_ptr`` maps a host ``data_ptr()`` of a simulated tensor to its simulated address)."""
     try:
         ub, role, ptr, nbytes = int(w.ubatch), str(w.role), int(w.ptr), int(w.nbytes)
+        int_ptr, int_nbytes = int(getattr(w, "int_ptr", 0)), int(getattr(w, "int_nbytes", 0))
     except (AttributeError, TypeError, ValueError):
         raise TypeError(f"bound_workspaces() yielded {type(w).__name__}, not a BoundWorkspace") from None
     mapped = device_ptr(ptr, nbytes)
-    if isinstance(w, BoundWorkspace) and mapped == ptr:
+    int_mapped = device_ptr(int_ptr, int_nbytes) if int_ptr else 0
+    if isinstance(w, BoundWorkspace) and (mapped, int_mapped) == (ptr, int_ptr):
         return w
-    return BoundWorkspace(ub, role, mapped, nbytes)
+    return BoundWorkspace(ub, role, mapped, nbytes, int_mapped, int_nbytes)
 
 
 def _with_ubatch(batch: Batch, ubatch: int) -> Batch:

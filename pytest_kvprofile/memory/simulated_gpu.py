@@ -13,11 +13,13 @@ nvcc for a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
 from pytest_kvprofile.memory.device import SimDevice
 
@@ -145,6 +147,48 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
             "(pytest_kvprofile.sizing.host_plan)")
 
     patches.set(flashinfer.jit.core.JitSpec, "build_and_load", build_and_load)
+    _patch_wrapper_roles(patches)
+
+
+# What a FlashInfer wrapper keeps in each buffer attribute, by role (prefill, ragged prefill, decode, sparse).
+_WRAPPER_BUFFERS = (("_float_workspace_buffer", Role.FLOAT_WORKSPACE), ("_int_workspace_buffer", Role.INT_WORKSPACE),
+                    ("_pin_memory_int_workspace_buffer", Role.PINNED_MIRROR))
+_ROLE_METHODS = ("__init__", "reset_workspace_buffer")  # where a wrapper takes its buffers
+
+
+def _patch_wrapper_roles(patches: _Patches) -> None:
+    """Every FlashInfer wrapper class that takes workspace buffers gives them their roles when it takes them: the
+    float workspace (``FLOAT_WORKSPACE`` unless it is the engine's arena), the int workspace and its pinned mirror.
+    Why here: in torch mode nothing else says which tensor a wrapper plans into, and the checks read roles."""
+    for name in ("flashinfer.prefill", "flashinfer.decode", "flashinfer.sparse"):
+        module = sys.modules.get(name)
+        for cls in list(vars(module).values()) if module is not None else ():
+            if not isinstance(cls, type) or cls.__module__ != name or "reset_workspace_buffer" not in dir(cls):
+                continue
+            for method in _ROLE_METHODS:
+                if method in vars(cls):
+                    patches.set(cls, method, _assigning_roles(vars(cls)[method], lambda wrapper: wrapper))
+    mla = sys.modules.get("flashinfer.mla")
+    cls = getattr(mla, "BatchMLAPagedAttentionWrapper", None)
+    if isinstance(cls, type) and "plan" in vars(cls):  # its FA backend makes the int workspace in plan()
+        patches.set(cls, "plan", _assigning_roles(vars(cls)["plan"], lambda w: getattr(w, "_planned_backend", None)))
+
+
+def _assigning_roles(method: Callable[..., Any], holder: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``method``, then the roles of the buffers ``holder(wrapper)`` keeps (the wrapper, or MLA's planned backend)."""
+    from pytest_kvprofile.memory.torch_mode import assign_role
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = method(self, *args, **kwargs)
+        buffers = holder(self)
+        for attr, role in _WRAPPER_BUFFERS:
+            if role is Role.FLOAT_WORKSPACE and getattr(buffers, "_backend", None) == "trtllm-gen":
+                role = Role.TRTLLM_WORKSPACE  # a trtllm-gen wrapper's float buffer is the trtllm-gen workspace
+            assign_role(getattr(buffers, attr, None), role, keep=(Role.FLOAT_ARENA,))
+        return out
+
+    return wrapper
 
 
 def _flashinfer_mla_loader() -> Callable[..., Any] | None:

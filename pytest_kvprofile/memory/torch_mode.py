@@ -25,10 +25,11 @@ import torch.cuda.nvtx
 import torch.cuda.streams
 from torch.overrides import TorchFunctionMode
 
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.memory.allocator import GraphPool
 from pytest_kvprofile.memory.device import Allocation, DeviceOutOfMemory, ForeignUse, SimDevice
 
-__all__ = ["active_simulation", "SimEvent", "SimStream", "SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
+__all__ = ["active_simulation", "assign_role", "SimEvent", "SimStream", "SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
 
 OwnerResolver = Callable[[FrameType, str], "str | tuple[str, str] | None"]
 
@@ -65,6 +66,21 @@ def active_device() -> SimDevice | None:
 def active_simulation() -> "SimulatedCuda | None":
     """The innermost active :class:`SimulatedCuda`, if any."""
     return _active[-1] if _active else None
+
+
+def assign_role(tensor: Any, role: Role, keep: tuple[Role, ...] = ()) -> Allocation | None:
+    """Give the simulated allocation behind ``tensor`` the role it plays (``contract/roles.py``), so checks read
+    roles in torch mode as they do in ctx mode; a role in ``keep`` stays (an arena view handed to a wrapper is
+    still the arena). Returns the allocation, or None off the simulator or for a plain CPU tensor. Looked up
+    without counting as a use of the tensor."""
+    sim = active_simulation()
+    if sim is None or not isinstance(tensor, torch.Tensor):
+        return None
+    with torch._C.DisableTorchFunction():
+        alloc = sim._registry.get(_storage_ptr(tensor))
+    if alloc is not None and alloc.role not in keep:
+        alloc.role = role
+    return alloc
 
 
 def _is_cuda(device: Any) -> bool:

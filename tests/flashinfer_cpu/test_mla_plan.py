@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import pytest_kvprofile
+from pytest_kvprofile import Role
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -128,6 +129,7 @@ def test_int_workspace_created_in_plan_is_in_the_ledger_with_flashinfers_line():
         assert "flashinfer/mla/" in filename, alloc.stack
         assert "torch.empty(" in linecache.getline(filename, int(lineno)), alloc.stack  # FlashInfer's own line
         assert alloc.owner.startswith("flashinfer.mla."), alloc.owner
+    assert (int_ws[0].role, mirror[0].role) == (Role.INT_WORKSPACE, Role.PINNED_MIRROR)  # given when plan() makes them
 
 
 def test_plan_info_is_mlaplans_for_the_simulated_sm_count():

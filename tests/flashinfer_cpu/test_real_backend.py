@@ -75,6 +75,18 @@ def test_lazy_twin_fails_naming_flashinfer_and_the_builder(case_id: str) -> None
     assert "after KV sizing" in message
 
 
+@pytest.mark.parametrize("case_id", LAYOUTS[:2])
+def test_shared_int_workspace_twin_fails_from_flashinfers_own_buffers(case_id: str) -> None:
+    """FlashInfer's wrappers give their int workspaces their role in torch mode; handing every wrapper the prefill
+    wrapper's (``reset_workspace_buffer``) is seen from the ledger, whatever the builder says."""
+    result = driver.run_lifecycle(REAL_FLASHINFER_MUTANTS[1], _cases()[case_id])
+    failures = failing_checks(result)
+    assert set(failures) == {"int_workspace_per_wrapper"}, failures
+    message = " ".join(failures["int_workspace_per_wrapper"])
+    assert "holds 2 int workspaces" in message and "flashinfer/prefill.py:" in message
+    assert "share one int workspace" in message
+
+
 def test_mla_layouts_are_refused_by_name() -> None:
     mla = next(c for c in _cases().values() if c.model.attention == "mla")
     with pytest.raises(ValueError, match="MLA"):

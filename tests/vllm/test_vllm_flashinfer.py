@@ -22,6 +22,7 @@ except vs.VllmUnavailable as exc:
 import torch  # noqa: E402
 
 from pytest_kvprofile.contract.backends import Backend  # noqa: E402
+from pytest_kvprofile.contract.roles import Role  # noqa: E402
 from pytest_kvprofile.contract.support import ProfilingSupport  # noqa: E402
 from pytest_kvprofile.engines import vllm_config as vc  # noqa: E402
 from pytest_kvprofile.engines.vllm_flashinfer import (  # noqa: E402
@@ -241,6 +242,19 @@ def test_v2_makes_one_eager_float_workspace_shared_by_every_builder():
     assert len(spaces) == 1 and spaces[0].phase == "rebind"
     first, second = (b._workspace_buffer for b in result.builders[0].builders.values())
     assert first is second
+
+
+@pytest.mark.parametrize("backend", VLLM_BACKENDS, ids=lambda b: b.name)
+def test_vllms_wrapper_buffers_carry_their_roles(backend):
+    """FlashInfer's wrappers give the buffers vLLM hands them their roles: vLLM's own float workspace is a float
+    workspace beside the arena (it counts as float workspace), each wrapper's int workspace and pinned mirror."""
+    result = run_lifecycle(backend, small_case())
+    assert not result.errors, result.errors[0].traceback
+    assert {a.role for a in _float_workspaces(result)} == {Role.FLOAT_WORKSPACE}
+    roles = {a.role for a in result.allocations if a.owner == result.builders[0].name}
+    assert {Role.FLOAT_WORKSPACE, Role.INT_WORKSPACE, Role.PINNED_MIRROR} <= roles
+    ints = [a for a in result.allocations if a.role is Role.INT_WORKSPACE]
+    assert ints and all("/flashinfer/" in (a.stack or "") for a in ints)
 
 
 def test_cuda_graph_decode_wrappers_are_vllms_own_per_captured_size():

@@ -14,6 +14,7 @@ from pytest_kvprofile import (
     Backend,
     BoundWorkspace,
     ProfilingSupport,
+    Role,
     WorkspaceDeclaration,
 )
 from pytest_kvprofile.sizing import for_case
@@ -51,9 +52,13 @@ class PagedAttentionBuilder:
         for ub in range(ctx.num_ubatches):
             self.views[ub] = ctx.get_workspace(float_workspace_bytes(self.case), ub)
             if ub not in self.int_workspaces:
-                self.int_workspaces[ub] = ctx.allocate(INT_WORKSPACE, f"int workspace [ubatch {ub}]")
+                self.int_workspaces[ub] = self._int_workspace(ctx, ub)
                 made.append(self.int_workspaces[ub])
         return made
+
+    def _int_workspace(self, ctx: Any, ubatch: int) -> Any:
+        """The micro-batch's dedicated int workspace; its role tells the harness what it is for."""
+        return ctx.allocate(INT_WORKSPACE, f"int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
 
     def _drop(self, ctx: Any) -> None:
         for ub in list(self.int_workspaces):
@@ -67,11 +72,17 @@ class PagedAttentionBuilder:
 
     def build(self, ctx: Any, batch: Any) -> None:
         if batch.ubatch not in self.int_workspaces:
-            self.int_workspaces[batch.ubatch] = ctx.allocate(INT_WORKSPACE, f"int workspace [ubatch {batch.ubatch}]")
+            self.int_workspaces[batch.ubatch] = self._int_workspace(ctx, batch.ubatch)
         self.views[batch.ubatch] = ctx.get_workspace(float_workspace_bytes(self.case), batch.ubatch)
 
     def bound_workspaces(self) -> list[BoundWorkspace]:
-        return [BoundWorkspace(ub, "float workspace", v.ptr, v.nbytes) for ub, v in self.views.items()]
+        """One entry per wrapper (here one per micro-batch): its float view and its int workspace."""
+        out = []
+        for ub, v in self.views.items():
+            int_ws = self.int_workspaces.get(ub)
+            out.append(BoundWorkspace(ub, "float workspace", v.ptr, v.nbytes, int_ws.ptr if int_ws else 0,
+                                      int_ws.nbytes if int_ws else 0))
+        return out
 
 
 class LazyPagedAttentionBuilder(PagedAttentionBuilder):

@@ -1,0 +1,174 @@
+"""The check of each wrapper's dedicated int workspace, judged from what the harness observes.
+
+Why: a FlashInfer wrapper plans into its own int workspace, and a captured CUDA graph keeps that workspace's raw
+pointer. One smaller than the plan overflows; one shared by two wrappers or two micro-batches is overwritten by
+the other's plan; one freed, re-made or moved after capture leaves the graph's pointer dangling. None of this
+shows in the memory figures, so the check reads the ledger: allocations whose role is ``Role.INT_WORKSPACE``
+(``ctx.allocate(..., role=)`` in ctx mode, FlashInfer's own wrapper buffers in torch mode) and the wrappers a
+builder reports in ``bound_workspaces()``, located in the ledger.
+"""
+
+from __future__ import annotations
+
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.checks.base import Check, CheckOptions
+from pytest_kvprofile.checks.evidence import fmt_alloc, grouped, resource_names
+from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclaration
+from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.memory.device import Allocation
+from pytest_kvprofile.units import MiB
+
+# Phases at whose end the serving wrappers exist and plan: from the rebind after KV sizing to the end. (Between
+# the lease release and the rebind a builder may legally hold wrappers it has dropped the int workspaces of.)
+SERVING_STATE = (lc.REBIND, lc.WARMUP, lc.CAPTURE, lc.LOCK, lc.SERVING, lc.WARMUP_REPEAT)
+LAST = lc.PHASE_INDEX[lc.WARMUP_REPEAT]
+
+
+def alive_at(result: LifecycleResult, a: Allocation, phase: str) -> bool:
+    """Whether ``a`` was alive at the end of ``phase``; at the end of the run, before any ``close()`` freed it."""
+    k = lc.PHASE_INDEX[phase]
+    made = lc.PHASE_INDEX.get(a.phase)
+    if made is None or made > k:
+        return False
+    return a.freed_phase is None or lc.PHASE_INDEX.get(a.freed_phase, LAST + 1) > k  # teardown comes after every phase
+
+
+def held(result: LifecycleResult, a: Allocation) -> bool:
+    """Alive at the end of the phase it was made in: kept, not a constructor's buffer replaced at once."""
+    return alive_at(result, a, a.phase) if a.phase in lc.PHASE_INDEX else False
+
+
+def _within(ptr: int, nbytes: int, start: int, size: int) -> bool:
+    return start <= ptr and ptr + nbytes <= start + size
+
+
+def check_int_workspace_per_wrapper(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    from pytest_kvprofile.sizing.case import for_case
+
+    need = for_case(result.case).int_bytes
+    resources = resource_names(result)
+    out: list[str] = []
+    for b in result.builders:
+        name = getattr(b, "name", "")
+        decl = result.declared.get(name)
+        if name in resources or decl is None or declared_support(b) is not ProfilingSupport.REQUIRED:
+            continue
+        mine = [a for a in result.allocations if a.owner == name and a.kind == "device"]
+        ints = [a for a in mine if a.role is Role.INT_WORKSPACE]
+        out.extend(_sizes(result, name, decl, need, [a for a in ints if held(result, a)]))
+        if decl.int_bytes > 0 and mine:  # none: the device does not attribute this builder's memory (torch on a GPU)
+            out.extend(_per_wrapper(result, name, mine, ints))
+        out.extend(_after_capture(result, name, ints))
+    return out
+
+
+def _sizes(result: LifecycleResult, name: str, decl: WorkspaceDeclaration, need: int,
+           kept: list[Allocation]) -> list[str]:
+    """Each int workspace a builder keeps covers the planner's int bytes and what the builder declared."""
+    out = []
+    short = [a for a in kept if a.nbytes < need]
+    if short:
+        out.append(
+            f"builder {name!r} keeps int workspaces smaller than FlashInfer's planner writes for one wrapper's plan "
+            f"({need / MiB:.2f} MiB, {need} bytes: pytest_kvprofile.sizing.for_case(case).int_bytes): "
+            f"{grouped(result, short)}; plan() overflows them. Give each wrapper at least that many bytes")
+    under = [a for a in kept if a.nbytes < decl.int_bytes]
+    if under:
+        out.append(
+            f"builder {name!r} declares {decl.int_bytes / MiB:.2f} MiB ({decl.int_bytes} bytes) of int workspace "
+            f"per wrapper but allocates less: {grouped(result, under)}; allocate what you declare (or declare what "
+            "your wrappers really get)")
+    return out
+
+
+def _wrappers(result: LifecycleResult, name: str, phase: str, own_floats: list[Allocation]) -> list[BoundWorkspace]:
+    """The wrappers a builder reports at the end of ``phase`` that plan into the float arena or into a float
+    workspace of its own: each one needs its own int workspace."""
+    rec = result.phase(phase)
+    if rec is None:
+        return []
+    floats = [(v.ptr, v.nbytes) for v in rec.arena if v.nbytes]
+    floats += [(a.ptr, a.nbytes) for a in own_floats if alive_at(result, a, phase)]
+    return [r.workspace for r in rec.bound if r.owner == name and r.workspace.nbytes > 0
+            and any(_within(r.workspace.ptr, r.workspace.nbytes, p, n) for p, n in floats)]
+
+
+def _per_wrapper(result: LifecycleResult, name: str, mine: list[Allocation], ints: list[Allocation]) -> list[str]:
+    """One int workspace per wrapper, alive while it plans: counted against the wrappers the builder reports,
+    and, where a wrapper reports its int workspace, located in the ledger (shared or freed)."""
+    found: dict[str, str] = {}
+    own_floats = [a for a in mine if a.role is Role.FLOAT_WORKSPACE]
+    by_ptr: dict[int, list[Allocation]] = {}
+    for a in mine:
+        by_ptr.setdefault(a.ptr, []).append(a)
+    for phase in SERVING_STATE:
+        wrappers = _wrappers(result, name, phase, own_floats)
+        live = [a for a in ints if alive_at(result, a, phase)]
+        if len(wrappers) > len(live) and "count" not in found:
+            why = ("two wrappers or two micro-batches share one, and each plan overwrites the other's" if live else
+                   "its wrappers plan into int workspaces that are freed, or that were not allocated with their role")
+            found["count"] = (
+                f"builder {name!r} has {len(wrappers)} wrappers planning into its float workspace at the end of phase "
+                f"{phase!r} (bound_workspaces()) but holds {len(live)} int workspaces (role INT_WORKSPACE): "
+                f"{grouped(result, live) if live else 'none'}. So {why}; give every wrapper its own, alive to the "
+                "end, allocated with role=Role.INT_WORKSPACE")
+        owners: dict[int, list[BoundWorkspace]] = {}
+        for w in wrappers:
+            behind = (_behind(w, phase, by_ptr.get(w.int_ptr, [])) or _behind(w, phase, mine)) if w.int_nbytes else None
+            if behind is None:
+                continue
+            if alive_at(result, behind, phase):
+                owners.setdefault(behind.id, []).append(w)
+            elif "freed" not in found:
+                found["freed"] = (
+                    f"builder {name!r}'s wrapper {w.role!r} (ubatch {w.ubatch}) plans into an int workspace that is "
+                    f"gone at the end of phase {phase!r}: {fmt_alloc(behind)}, freed in phase {behind.freed_phase!r}. "
+                    "Keep each wrapper's int workspace alive as long as the wrapper plans")
+        shared = next(((aid, ws) for aid, ws in owners.items() if len(ws) > 1), None)
+        if shared is not None and "shared" not in found:
+            alloc = next(a for a in mine if a.id == shared[0])
+            users = ", ".join(f"{w.role!r} (ubatch {w.ubatch})" for w in shared[1])
+            found["shared"] = (
+                f"builder {name!r}'s wrappers {users} share one int workspace at the end of phase {phase!r}: "
+                f"{fmt_alloc(alloc)}. Each plan overwrites the other's; give every wrapper its own")
+    return list(found.values())
+
+
+def _behind(w: BoundWorkspace, phase: str, candidates: list[Allocation]) -> Allocation | None:
+    """Of the builder's ``candidates``, the latest made by the end of ``phase`` whose range holds the int workspace
+    ``w`` reports (the ledger reuses a freed address, so the latest is the one the wrapper took); None when the
+    address is none of the builder's (a host address, say: nothing to judge)."""
+    k = lc.PHASE_INDEX[phase]
+    return max((a for a in candidates if lc.PHASE_INDEX.get(a.phase, LAST + 1) <= k
+                and _within(w.int_ptr, w.int_nbytes, a.ptr, a.nbytes)), key=lambda a: a.id, default=None)
+
+
+def _after_capture(result: LifecycleResult, name: str, ints: list[Allocation]) -> list[str]:
+    """A captured graph keeps its wrapper's int workspace pointer: nothing held when capture began is freed
+    before the end, and no int workspace is made from capture on (a re-make, same size or not, moves it)."""
+    out = []
+    freed = [a for a in ints if alive_at(result, a, lc.WARMUP) and not alive_at(result, a, lc.WARMUP_REPEAT)]
+    if freed:
+        out.append(
+            f"builder {name!r} frees int workspaces its wrappers held when CUDA-graph capture began, before the "
+            f"end: {grouped(result, freed)}, freed in phase "
+            f"{', '.join(sorted({repr(a.freed_phase) for a in freed}))}; the captured graphs keep their pointers. "
+            "Keep every wrapper's int workspace to the end")
+    capture = lc.PHASE_INDEX[lc.CAPTURE]
+    remade = [a for a in ints if lc.PHASE_INDEX.get(a.phase, -1) >= capture]
+    if remade:
+        out.append(
+            f"builder {name!r} makes int workspaces from CUDA-graph capture on: {grouped(result, remade)}; a graph "
+            "captured on the old one keeps a dangling pointer (a same-size re-make moves it too). Make each "
+            "wrapper's int workspace once, inside the profiling window, and keep it")
+    return out
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("int_workspace_per_wrapper", "each wrapper has its own int workspace, at least the planner's int bytes "
+          "and what the builder declares, never shared across wrappers or micro-batches, alive while it plans, "
+          "and never freed, re-made or moved after CUDA-graph capture", PROFILING, lc.WARMUP_REPEAT, (15,),
+          check_int_workspace_per_wrapper),
+)
