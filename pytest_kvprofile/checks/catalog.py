@@ -1,17 +1,29 @@
 """The conformance checks, in the order the suite runs and reports them, gathered from their families.
 
 A check lives in the module of its family (``support``, ``leases``, ``warmup``, ``arena``, ``capture``,
-``resources``, ``isolation``, ``budget``, ``workspace``), which lists it in its own ``CHECKS``; adding a check
+``resources``, ``isolation``, ``budget``, ``workspace``, ``reservation``, ``freed``), which lists it in its own ``CHECKS``; adding a check
 to a family touches that module only.
 """
 
 from __future__ import annotations
 
-from pytest_kvprofile.checks import arena, budget, capture, isolation, leases, resources, support, warmup, workspace
+from pytest_kvprofile.checks import (
+    arena,
+    budget,
+    capture,
+    freed,
+    isolation,
+    leases,
+    reservation,
+    resources,
+    support,
+    warmup,
+    workspace,
+)
 from pytest_kvprofile.checks.base import DEFAULT_WASTE_SLACK, Check, CheckOptions
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 
-FAMILIES = (support, leases, warmup, arena, capture, resources, isolation, budget, workspace)
+FAMILIES = (support, leases, reservation, warmup, arena, freed, capture, resources, isolation, budget, workspace)
 CHECKS: tuple[Check, ...] = tuple(check for family in FAMILIES for check in family.CHECKS)
 CHECKS_BY_NAME = {c.name: c for c in CHECKS}
 

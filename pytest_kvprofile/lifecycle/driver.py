@@ -10,6 +10,7 @@ what was recorded into verdicts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import traceback
 from typing import Any, Callable
@@ -60,6 +61,7 @@ from pytest_kvprofile.lifecycle.record import (
     LifecycleResult,
     PhaseError,
     PhaseRecord,
+    MemoryUse,
     ProbeTarget,
     Refusal,
     ViewGrant,
@@ -95,6 +97,7 @@ class RecordingWorkspaceManager(WorkspaceManager):
 
     def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
         run = self._run
+        run._in_manager = True  # the manager slicing its own arena tensor is not a builder's use of it
         try:
             view = super().get_workspace(requester, nbytes, ubatch)
         except WorkspaceLockedError as exc:
@@ -102,6 +105,8 @@ class RecordingWorkspaceManager(WorkspaceManager):
                 run.result.refusals.append(Refusal(
                     run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current))
             raise
+        finally:
+            run._in_manager = False
         run.result.grants.append(ViewGrant(
             run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes))
         return view
@@ -127,6 +132,8 @@ class LifecycleRun:
         self._torch: Any = None
         self._parts: dict[int, str] = {}
         self._part_modules: dict[str, str] = {}
+        self._in_manager = False
+        self._use_index: dict[tuple, int] = {}  # MemoryUse.key -> its position in result.uses
         self.result = LifecycleResult(
             backend=getattr(self.backend, "name", str(self.backend)), case=self.case, probe=target,
             policy=self.policy,
@@ -199,6 +206,56 @@ class LifecycleRun:
         self.result.aborted_in = self.device.phase
         raise _Abort from exc
 
+    # -- memory uses (no_use_after_free, ubatch_arenas_disjoint) ------------------------------------
+    def note_plan(self, owner: str, target: Any) -> None:
+        """``ctx.plan_into(target)``: judge the use from the manager's generations and the ledger."""
+        if isinstance(target, ArenaView):
+            stale = not self.manager.is_current(target)
+            freed = self.manager.retired.get((target.ubatch, target.generation), "?") if stale else None
+            what = f"its view of micro-batch {target.ubatch}'s float arena (generation {target.generation})"
+            self._note_use(owner, self._current_call, target.ubatch, what, target.nbytes, freed, "ctx.plan_into",
+                           _caller_site)
+        elif isinstance(target, Allocation):
+            what = f"allocation {target.tag!r}"
+            self._note_use(owner, self._current_call, self.manager.ubatch_of(target), what, target.nbytes,
+                           None if target.alive else (target.freed_phase or "?"), "ctx.plan_into", _caller_site)
+        else:
+            raise TypeError(f"ctx.plan_into() takes an ArenaView or an Allocation, not {type(target).__name__}")
+
+    def _on_torch_use(self, alloc: Allocation, api: str) -> None:
+        """A torch call read or wrote a freed storage or an arena (``SimulatedCuda.on_use``)."""
+        if self._in_manager:
+            return
+        ubatch = self.manager.ubatch_of(alloc)
+        if alloc.alive and (self._current_ubatch is None or ubatch in (None, self._current_ubatch)):
+            return  # the common case, decided without attributing the call
+        retired = self.manager.generation_of(alloc)
+        sim = self._torch
+        owner, method, stack = sim.attribution(api) if sim is not None else ("<unknown>", None, "")
+        if retired is not None:
+            ubatch = retired[0]
+            what = f"micro-batch {retired[0]}'s float arena (generation {retired[1]})"
+        else:
+            what = f"allocation {alloc.tag!r} of {alloc.owner}"
+        self._note_use(owner, method, ubatch, what, alloc.nbytes, None if alloc.alive else (alloc.freed_phase or "?"),
+                       api, lambda: stack)
+
+    def _note_use(self, owner: str, method: str | None, ubatch: int | None, what: str, nbytes: int,
+                  freed: str | None, via: str, site: Callable[[], str]) -> None:
+        """Record a use a check refuses: of freed memory, or of another micro-batch's arena while building a batch."""
+        cross = self._current_ubatch is not None and ubatch is not None and ubatch != self._current_ubatch
+        if freed is None and not cross:
+            return
+        use = MemoryUse(self.device.phase, owner, method, self._current_ubatch, ubatch, what, nbytes, freed, via,
+                        site())
+        at = self._use_index.get(use.key)
+        if at is None:
+            self._use_index[use.key] = len(self.result.uses)
+            self.result.uses.append(use)
+        else:
+            prev = self.result.uses[at]
+            self.result.uses[at] = dataclasses.replace(prev, count=prev.count + 1)
+
     def ctx(self, builder: Any) -> BuilderContext:
         return self._contexts[builder_name(builder)]
 
@@ -256,6 +313,7 @@ class LifecycleRun:
 
         with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device, self._part_owner) as sim:
             self._torch = sim
+            sim.on_use = self._on_torch_use
             try:
                 yield
             finally:
@@ -631,6 +689,20 @@ def _cached_blocks(device: Any) -> tuple[tuple[int, int], ...]:
         return ()
     return tuple((b["address"], b["size"]) for seg in allocator.snapshot() for b in seg["blocks"]
                  if b["state"] == "inactive")
+
+
+def _caller_site() -> str:
+    """``path:line in func`` of the builder code that called ``ctx.plan_into`` (the first frame outside the harness's
+    protocol and driver)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _HARNESS_FILES:
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+_HARNESS_FILES = frozenset({__file__, sys.modules[BuilderContext.__module__].__file__})
 
 
 def _graph_batch(capture: DecodeCapture) -> Batch:

@@ -24,6 +24,7 @@ import torch.cuda.nvtx
 import torch.cuda.streams
 from torch.overrides import TorchFunctionMode
 
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.memory.allocator import GraphPool
 from pytest_kvprofile.memory.device import Allocation, DeviceOutOfMemory, ForeignUse, SimDevice
 
@@ -319,6 +320,9 @@ class SimulatedCuda:
         self._saved: list[tuple[Any, str, Any]] = []
         self._mode: _Mode | None = None
         self.foreign: dict[int, ForeignUse] = {}  # id(allocation) -> its first use here
+        # Called with (allocation, torch API) when a torch call reads or writes a storage the ledger already freed
+        # (an arena a growth gave back) or a float arena; the lifecycle judges the use (no_use_after_free).
+        self.on_use: Callable[[Allocation, str], None] | None = None
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -353,6 +357,10 @@ class SimulatedCuda:
         if alloc is not None and id(alloc) not in self.foreign:
             owner, tag, stack = self._attribution(api)
             self.foreign[id(alloc)] = ForeignUse(owner, tag, stack, alloc)
+
+    def attribution(self, api: str) -> tuple[str, str, str]:
+        """Owner, tag (the running method) and source line of the torch call being made now."""
+        return self._attribution(api)
 
     def is_simulated(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a simulated device (or pinned host) tensor."""
@@ -602,10 +610,14 @@ class _Mode(TorchFunctionMode):
             to_cuda = None
         host_inputs = set()
         any_sim = False
+        on_use = self.sim.on_use
         for tensor in _tensor_inputs(args, kwargs):
             ptr = _storage_ptr(tensor)
-            if ptr in registry:
+            alloc = registry.get(ptr)
+            if alloc is not None:
                 any_sim = True
+                if on_use is not None and (not alloc.alive or alloc.role is Role.FLOAT_ARENA):
+                    on_use(alloc, _api_name(func))
             else:
                 host_inputs.add(ptr)
         for ptr in host_inputs:
