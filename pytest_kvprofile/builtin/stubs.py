@@ -85,8 +85,9 @@ class FlashInferCore:
         view = self._float_view(ctx, ubatch)
         int_ws = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
         try:
-            mirror = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, f"{route} int workspace pinned mirror [ubatch {ubatch}]",
-                                  pinned_host=True, role=Role.PINNED_MIRROR)
+            mirror = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES,
+                                  f"{route} int workspace pinned mirror [ubatch {ubatch}]", pinned_host=True,
+                                  role=Role.PINNED_MIRROR)
         except BaseException:
             ctx.free(int_ws)  # a wrapper that fails to construct leaves nothing behind
             raise

@@ -1,8 +1,8 @@
 """The conformance checks, in the order the suite runs and reports them, gathered from their families.
 
-A check lives in the module of its family (``support``, ``leases``, ``warmup``, ``arena``, ``capture``,
-``resources``, ``isolation``, ``budget``, ``workspace``, ``reservation``, ``freed``), which lists it in its own ``CHECKS``; adding a check
-to a family touches that module only.
+A check lives in the module of its family (``support``, ``leases``, ``reservation``, ``warmup``, ``arena``,
+``freed``, ``capture``, ``resources``, ``isolation``, ``budget``, ``workspace``), which lists it in its own ``CHECKS``;
+adding a check to a family touches that module only.
 """
 
 from __future__ import annotations

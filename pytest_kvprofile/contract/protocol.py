@@ -34,8 +34,8 @@ from pytest_kvprofile.contract.roles import Role
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
-    from pytest_kvprofile.memory.device import Allocation
     from pytest_kvprofile.matrix.schema import Case
+    from pytest_kvprofile.memory.device import Allocation
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import gc
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.contract.protocol import call_optional
@@ -113,7 +113,7 @@ def _probe(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[
             with _fresh(target, state) as clean:
                 if clean is None:
                     continue
-                count = _count_allocations(clean.device, lambda r=clean: _warmup(r, r.builders[index]))
+                count = len(_allocations_of(clean.device, lambda r=clean, i=index: _warmup(r, r.builders[i])))
                 expected = _persistent(clean.device, name)
         except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
             cause = exc.__cause__ or exc  # a builder error the run recorded and aborted on
@@ -170,14 +170,6 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
     return out
 
 
-def _count_allocations(device: Any, fn: Any) -> int:
-    seen = []
-    unsubscribe = device.subscribe(lambda e: seen.append(e) if e.kind == "alloc" else None)
-    try:
-        fn()
-    finally:
-        unsubscribe()
-    return len(seen)
 
 
 # -- reservation ---------------------------------------------------------------------------------------------------
@@ -185,8 +177,9 @@ def _count_allocations(device: Any, fn: Any) -> int:
 # stops fresh builders where the engine asks one of them to reserve (``reserve_persistent_workspace``, a resource's
 # ``materialize``), fails that reservation at an allocation, and checks: the injected error is what it raises (or
 # the explicit cause of it), nothing it made stays allocated, and a second reservation holds exactly what a clean one
-# holds. The fault points are the first allocation of each distinct site (owner, kind, role, bytes, source line or
-# tag) and the last allocation, so the cost per builder is bounded by its distinct sites, not by its wrappers.
+# holds. The fault points are the first allocation of each distinct site (owner, kind, role and source line; bytes
+# in ctx mode, which has no source line) and the last allocation, so the cost per builder is bounded by its
+# distinct sites, not by its wrappers (the last one fails with the most made before it).
 
 Held = Counter  # (tag, bytes, kind, source line) -> count, of the builder's live allocations
 
@@ -225,7 +218,7 @@ def _fault_points(allocs: list[Any]) -> list[int]:
     """Indices of the first allocation of each distinct site, and of the last allocation."""
     seen, points = set(), []
     for i, a in enumerate(allocs):
-        key = (a.owner, a.kind, a.role, a.nbytes, a.stack or a.tag)
+        key = (a.owner, a.kind, a.role, a.stack or a.nbytes)  # the source line; in ctx mode, role and bytes
         if key not in seen:
             seen.add(key)
             points.append(i)
@@ -242,24 +235,31 @@ def _probe_reservations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) 
                 if clean is None:
                     continue
                 before = {a.id for a in clean.device.live_allocations()}
-                allocs: list[Any] = []
-                unsubscribe = clean.device.subscribe(lambda e: allocs.append(e.alloc) if e.kind == "alloc" else None)
-                try:
-                    _reserve(clean, clean.builders[index])
-                finally:
-                    unsubscribe()
+                allocs = _allocations_of(clean.device, lambda r=clean, i=index: _reserve(r, r.builders[i]))
                 expected = _held(clean.device, name, before)
         except Exception as exc:  # noqa: BLE001 - the builder cannot even reserve once
             cause = exc.__cause__ or exc
             return [f"the reservation probe could not run: {name} failed before or during its reservation: "
                     f"{type(cause).__name__}: {cause}"]
-        for k in _fault_points(allocs):
+        points = _fault_points(allocs)
+        for k in points:
             with _fresh(target, lc.RESERVATION, reserving=name) as run:
                 assert run is not None
-                out.extend(_fail_reservation(run, index, name, k, allocs[k], expected))
+                out.extend(_fail_reservation(run, index, name, k, allocs[k], expected, retry=k == points[-1]))
         if out:
             return out
     return out
+
+
+def _allocations_of(device: Any, fn: Callable[[], object]) -> list[Any]:
+    """The allocations (ledger entries) made while ``fn`` runs, in order."""
+    seen: list[Any] = []
+    unsubscribe = device.subscribe(lambda e: seen.append(e.alloc) if e.kind == "alloc" else None)
+    try:
+        fn()
+    finally:
+        unsubscribe()
+    return seen
 
 
 def _first_error_wins(exc: BaseException) -> bool:
@@ -286,8 +286,11 @@ def _total(held: Held) -> int:
     return sum(nbytes * n for (_tag, nbytes, _kind, _stack), n in held.items())
 
 
-def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, expected: Held) -> list[str]:
-    """Fail ``name``'s reservation at its allocation ``k``, then reserve again; report what breaks the rule."""
+def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, expected: Held,
+                      retry: bool) -> list[str]:
+    """Fail ``name``'s reservation at its allocation ``k`` and, with ``retry``, reserve again; report what breaks the
+    rule. The second reservation follows the last fault point only (the one with the most made before it): a real
+    builder's reservation costs as much as its lifecycle, and a leak or a wrong error shows at every point."""
     b, dev = run.builders[index], run.device
     what = f"its reservation failed at allocation #{k + 1} ({site.tag!r}, {site.nbytes / MiB:.2f} MiB)"
     before = {a.id for a in dev.live_allocations()}
@@ -320,6 +323,8 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
         out.append(f"builder {name!r}: {what}, and {_total(leaked) / MiB:.2f} MiB ({_total(leaked)} bytes) of what it "
                    f"made stays allocated: {_fmt_held(leaked)}. A reservation that fails leaks nothing: free (or drop) "
                    "what it made before raising")
+    if not retry:
+        return out
     try:
         _reserve(run, b)
     except Exception as exc:  # noqa: BLE001

