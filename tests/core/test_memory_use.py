@@ -204,7 +204,8 @@ def test_the_correct_stubs_reserve_all_or_nothing(case):
 def test_fault_points_are_bounded_by_distinct_sites():
     class A:
         def __init__(self, stack: str | None, nbytes: int, tag: str = "t") -> None:
-            self.owner, self.kind, self.role, self.stack, self.nbytes, self.tag = "b", "device", "other", stack, nbytes, tag
+            self.owner, self.kind, self.role = "b", "device", "other"
+            self.stack, self.nbytes, self.tag = stack, nbytes, tag
 
     ctx_mode = [A(None, 8 * MiB, f"int [{i}]") for i in range(6)] + [A(None, MiB)]
     assert probes._fault_points(ctx_mode) == [0, 6]  # tags differ, the site (role, bytes) does not
