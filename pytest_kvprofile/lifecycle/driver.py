@@ -18,6 +18,7 @@ from typing import Any, Callable
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.resources import ResourceAdapter
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.protocol import (
     Batch,
     BoundWorkspace,
@@ -210,15 +211,16 @@ class LifecycleRun:
     def note_plan(self, owner: str, target: Any) -> None:
         """``ctx.plan_into(target)``: judge the use from the manager's generations and the ledger."""
         if isinstance(target, ArenaView):
-            stale = not self.manager.is_current(target)
-            freed = self.manager.retired.get((target.ubatch, target.generation), "?") if stale else None
-            what = f"its view of micro-batch {target.ubatch}'s float arena (generation {target.generation})"
-            self._note_use(owner, self._current_call, target.ubatch, what, target.nbytes, freed, "ctx.plan_into",
-                           _caller_site)
+            freed = None if self.manager.is_current(target) else self.manager.retired.get(
+                (target.ubatch, target.generation), "?")
+            self._note_use(owner, self._current_call, target.ubatch, target.nbytes, freed, "ctx.plan_into",
+                           lambda: f"its view of micro-batch {target.ubatch}'s float arena (generation "
+                                   f"{target.generation})", _caller_site)
         elif isinstance(target, Allocation):
-            what = f"allocation {target.tag!r}"
-            self._note_use(owner, self._current_call, self.manager.ubatch_of(target), what, target.nbytes,
-                           None if target.alive else (target.freed_phase or "?"), "ctx.plan_into", _caller_site)
+            freed = None if target.alive else (target.freed_phase or "?")
+            ubatch = self.manager.ubatch_of(target) if target.role is Role.FLOAT_ARENA else None
+            self._note_use(owner, self._current_call, ubatch, target.nbytes, freed, "ctx.plan_into",
+                           lambda: f"allocation {target.tag!r}", _caller_site)
         else:
             raise TypeError(f"ctx.plan_into() takes an ArenaView or an Allocation, not {type(target).__name__}")
 
@@ -230,23 +232,27 @@ class LifecycleRun:
         if alloc.alive and (self._current_ubatch is None or ubatch in (None, self._current_ubatch)):
             return  # the common case, decided without attributing the call
         retired = self.manager.generation_of(alloc)
-        sim = self._torch
-        owner, method, stack = sim.attribution(api) if sim is not None else ("<unknown>", None, "")
         if retired is not None:
             ubatch = retired[0]
-            what = f"micro-batch {retired[0]}'s float arena (generation {retired[1]})"
-        else:
-            what = f"allocation {alloc.tag!r} of {alloc.owner}"
-        self._note_use(owner, method, ubatch, what, alloc.nbytes, None if alloc.alive else (alloc.freed_phase or "?"),
-                       api, lambda: stack)
+        sim = self._torch
+        owner, method, stack = sim.attribution(api) if sim is not None else ("<unknown>", None, "")
 
-    def _note_use(self, owner: str, method: str | None, ubatch: int | None, what: str, nbytes: int,
-                  freed: str | None, via: str, site: Callable[[], str]) -> None:
-        """Record a use a check refuses: of freed memory, or of another micro-batch's arena while building a batch."""
+        def what() -> str:
+            if retired is not None:
+                return f"micro-batch {retired[0]}'s float arena (generation {retired[1]})"
+            return f"allocation {alloc.tag!r} of {alloc.owner}"
+
+        self._note_use(owner, method, ubatch, alloc.nbytes, None if alloc.alive else (alloc.freed_phase or "?"), api,
+                       what, lambda: stack)
+
+    def _note_use(self, owner: str, method: str | None, ubatch: int | None, nbytes: int, freed: str | None, via: str,
+                  what: Callable[[], str], site: Callable[[], str]) -> None:
+        """Record a use a check refuses: of freed memory, or of another micro-batch's arena while building a batch.
+        ``what`` and ``site`` are called only then (most uses are neither)."""
         cross = self._current_ubatch is not None and ubatch is not None and ubatch != self._current_ubatch
         if freed is None and not cross:
             return
-        use = MemoryUse(self.device.phase, owner, method, self._current_ubatch, ubatch, what, nbytes, freed, via,
+        use = MemoryUse(self.device.phase, owner, method, self._current_ubatch, ubatch, what(), nbytes, freed, via,
                         site())
         at = self._use_index.get(use.key)
         if at is None:
