@@ -146,13 +146,9 @@ class RealFlashInferBuilder:
                 w.reset_workspace_buffer(ws, torch.empty(need, dtype=torch.uint8, device="cuda"))
         return slot
 
-    def _materialize(self, ctx: BuilderContext) -> list[Slot]:
-        made = []
-        for ub in range(ctx.num_ubatches):
-            if ub not in self.slots:
-                self.slots[ub] = self._new_slot(ctx, ub)
-                made.append(self.slots[ub])
-        return made
+    def _materialize(self, ctx: BuilderContext) -> dict[int, Slot]:
+        """The missing micro-batches' slots, not yet kept: a failure part-way drops them all with the exception."""
+        return {ub: self._new_slot(ctx, ub) for ub in range(ctx.num_ubatches) if ub not in self.slots}
 
     def _slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
         slot = self.slots.get(ubatch)
@@ -196,9 +192,10 @@ class RealFlashInferBuilder:
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         """Build (and prime) every wrapper now, so the closing measurement sees all of FlashInfer's memory.
         The builder keeps them after the lease is released: they are the serving wrappers."""
-        slots = self._materialize(ctx)
-        self._prime(slots)
-        return ctx.lease(slots)
+        made = self._materialize(ctx)
+        self._prime(list(made.values()))
+        self.slots.update(made)  # all or nothing: a reservation that raised above keeps none of them
+        return ctx.lease(list(made.values()))
 
     def rebind(self, ctx: BuilderContext) -> None:
         """Point every wrapper at the final arena if it moved (it does not under a correct engine)."""

@@ -529,6 +529,107 @@ class TorchRemadeIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
             self.captured.discard(key)
             w.int_workspace = torch.empty(self.int_bytes(), dtype=torch.uint8, device="cuda")
             w.int_ptr, w.int_nbytes = with_role(w.int_workspace, Role.INT_WORKSPACE)
+class PlansIntoOtherUbatchBuilder(FlashInferLikeBuilder):
+    """Bug 5d: asks for every micro-batch's arena view, but plans every batch with micro-batch 0's wrapper, so
+    micro-batch 1's plans land in micro-batch 0's arena (its grants and bound_workspaces() look right)."""
+
+    def _wrapper_for(self, ctx: BuilderContext, batch: Batch) -> Any:
+        return super()._wrapper_for(ctx, Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, 0))
+
+
+class TorchWritesOtherUbatchBuilder(TorchFlashInferLikeBuilder):
+    """Bug 5e (torch mode): the same as 5d with plain torch writes: every build writes micro-batch 0's arena
+    tensor, whichever micro-batch it builds."""
+
+    def _wrapper_for(self, ctx: BuilderContext, batch: Batch) -> Any:
+        return super()._wrapper_for(ctx, Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, 0))
+
+
+class PlansIntoReleasedWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 16a: its lease release frees the wrappers' int workspaces and pinned mirrors but keeps the wrappers, so
+    rebind re-creates nothing and every plan after KV sizing lands in memory the release gave back."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        wrappers = self._materialize(ctx)
+
+        def release() -> None:
+            for w in wrappers:
+                ctx.free(w.int_workspace)
+                ctx.free(w.pinned_mirror)
+
+        return ctx.lease(wrappers, on_release=release)
+
+
+class StaleViewAfterGrowthBuilder(FlashInferLikeBuilder):
+    """Bug 16b: keeps its wrappers after the lease (legal), but its in-window warmup asks the arena for 2 MiB more
+    than it declared, so the arena grows and every wrapper keeps a view of the arena the growth gave back. It does not
+    report bound_workspaces() (optional): only its uses show the stale views."""
+
+    bound_workspaces = None
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        return ctx.lease(self._materialize(ctx))
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if ctx.profiling and not self.warmed:
+            for ub in range(ctx.num_ubatches):
+                ctx.get_workspace(self.float_bytes() + 2 * MiB, ub)
+        super().warmup(ctx)
+
+
+class TorchStaleArenaViewBuilder(TorchFlashInferLikeBuilder):
+    """Bug 16c (torch mode): 16b with plain torch: its wrappers keep the arena tensors they were given, the arena
+    grows under them in warmup, and every build writes the old arena's storage (no bound_workspaces() either)."""
+
+    bound_workspaces = None
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        return ctx.lease(self._materialize(ctx))
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if ctx.profiling and not self.warmed:
+            for ub in range(ctx.num_ubatches):
+                ctx.get_workspace(self.float_bytes() + 2 * MiB, ub)
+        super().warmup(ctx)
+
+
+class ReservationKeepsPartialBuilder(FlashInferLikeBuilder):
+    """Bug 17a: a reservation that fails part-way keeps the wrappers it already made; the engine's second
+    reservation makes them all again, so it holds more than a clean one (and the first ones leak)."""
+
+    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+        made = []
+        for route in self.routes():
+            for ub in range(ctx.num_ubatches):
+                self.wrappers[(route, ub)] = self._new_wrapper(ctx, route, ub)
+                made.append(self.wrappers[(route, ub)])
+        return made
+
+
+class TorchReservationKeepsPartialBuilder(TorchFlashInferLikeBuilder):
+    """Bug 17b (torch mode): 17a with plain torch tensors: the wrappers made before the failure stay referenced
+    (and allocated) until a second reservation replaces them."""
+
+    _materialize = ReservationKeepsPartialBuilder._materialize
+
+
+class CleanupMasksErrorBuilder(FlashInferLikeBuilder):
+    """Bug 17c: a reservation that fails frees what it made twice (by hand, then through its drop helper); the
+    double free it raises replaces the out-of-memory error, so the engine reports the wrong failure."""
+
+    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+        made: list[Any] = []
+        try:
+            for route in self.routes():
+                for ub in range(ctx.num_ubatches):
+                    self.wrappers[(route, ub)] = self._new_wrapper(ctx, route, ub)
+                    made.append(self.wrappers[(route, ub)])
+        except BaseException:
+            for w in made:
+                ctx.free(w.int_workspace)
+            self._drop(ctx, made)
+            raise
+        return made
 
 
 def _mutant(name: str, bug: int, cls: type, policy: EnginePolicy | None = None, extra: tuple = ()) -> Backend:
@@ -591,6 +692,14 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-15f-torch-int-workspace-shared-by-ubatches", 15, TorchSharedIntWorkspaceBuilder),
     _mutant("mutant-15g-torch-int-workspace-freed-early", 15, TorchFreedIntWorkspaceBuilder),
     _mutant("mutant-15h-torch-int-workspace-remade-after-capture", 15, TorchRemadeIntWorkspaceBuilder),
+    _mutant("mutant-05d-plans-into-other-ubatch", 5, PlansIntoOtherUbatchBuilder),
+    _mutant("mutant-05e-torch-writes-other-ubatch", 5, TorchWritesOtherUbatchBuilder),
+    _mutant("mutant-16a-plans-into-released-workspace", 16, PlansIntoReleasedWorkspaceBuilder),
+    _mutant("mutant-16b-stale-view-after-growth", 16, StaleViewAfterGrowthBuilder),
+    _mutant("mutant-16c-torch-stale-arena-view", 16, TorchStaleArenaViewBuilder),
+    _mutant("mutant-17a-reservation-keeps-partial", 17, ReservationKeepsPartialBuilder),
+    _mutant("mutant-17b-torch-reservation-keeps-partial", 17, TorchReservationKeepsPartialBuilder),
+    _mutant("mutant-17c-cleanup-masks-first-error", 17, CleanupMasksErrorBuilder),
 )
 
 

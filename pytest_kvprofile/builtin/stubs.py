@@ -43,6 +43,7 @@ class Wrapper:
     pinned_mirror: Any
     int_ptr: int = 0  # the int workspace's ledger address and bytes, reported in bound_workspaces()
     int_nbytes: int = 0
+    view: Any = None  # the ArenaView the float workspace is (what build plans into)
 
 
 class FlashInferCore:
@@ -89,9 +90,13 @@ class FlashInferCore:
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         view = self._float_view(ctx, ubatch)
         int_ws = ctx.allocate(self.int_bytes(), f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
-        mirror = ctx.allocate(self.int_bytes(), f"{route} int workspace pinned mirror [ubatch {ubatch}]",
-                              pinned_host=True, role=Role.PINNED_MIRROR)
-        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror, int_ws.ptr, int_ws.nbytes)
+        try:
+            mirror = ctx.allocate(self.int_bytes(), f"{route} int workspace pinned mirror [ubatch {ubatch}]",
+                                  pinned_host=True, role=Role.PINNED_MIRROR)
+        except BaseException:
+            ctx.free(int_ws)  # a wrapper that fails to construct leaves nothing behind
+            raise
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror, int_ws.ptr, int_ws.nbytes, view)
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
         for w in wrappers:
@@ -101,12 +106,17 @@ class FlashInferCore:
             del self.wrappers[key]
 
     def _materialize(self, ctx: BuilderContext) -> list[Wrapper]:
-        made = []
-        for route in self.routes():
-            for ub in range(ctx.num_ubatches):
-                w = self._new_wrapper(ctx, route, ub)
-                self.wrappers[(route, ub)] = w
-                made.append(w)
+        """Every route's wrapper for every micro-batch; all or nothing (a failure drops what was made, then raises)."""
+        made: list[Wrapper] = []
+        try:
+            for route in self.routes():
+                for ub in range(ctx.num_ubatches):
+                    w = self._new_wrapper(ctx, route, ub)
+                    self.wrappers[(route, ub)] = w
+                    made.append(w)
+        except BaseException:
+            self._drop(ctx, made)
+            raise
         return made
 
     def _wrapper_for(self, ctx: BuilderContext, batch: Batch) -> Wrapper:
@@ -135,6 +145,12 @@ class FlashInferCore:
                 f"alignment 16, but only {w.float_bytes} bytes available in AlignedAllocator. "
                 "Increase the workspace buffer size."
             )
+        self._plan(ctx, w)
+
+    def _plan(self, ctx: BuilderContext, w: Wrapper) -> None:
+        """The plan lands in the wrapper's int workspace and its float arena view: say so (ctx mode)."""
+        ctx.plan_into(w.view)
+        ctx.plan_into(w.int_workspace)
 
     def warmup(self, ctx: BuilderContext) -> None:
         if self.warmed:
@@ -267,18 +283,19 @@ class TorchFlashInferLikeBuilder(FlashInferLikeBuilder):
         mirror = torch.empty(self.int_bytes(), dtype=torch.uint8, pin_memory=True)
         int_ptr, int_nbytes = with_role(int_ws, Role.INT_WORKSPACE)
         with_role(mirror, Role.PINNED_MIRROR)
-        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror, int_ptr, int_nbytes)
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror, int_ptr, int_nbytes, view)
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
         for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:
             del self.wrappers[key]
 
-    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+    def _plan(self, ctx: BuilderContext, w: Wrapper) -> None:
+        """Plain torch writes, which the harness observes: the plan in the int workspace, partial outputs in the
+        float arena view (what ``run()`` writes there)."""
         import torch
 
-        super().build(ctx, batch)
-        plan = self._wrapper_for(ctx, batch).int_workspace
-        plan[:64].copy_(torch.arange(64, dtype=torch.uint8))  # the plan lands in the int workspace
+        w.int_workspace[:64].copy_(torch.arange(64, dtype=torch.uint8))
+        w.view.tensor[:64].zero_()
 
     def warmup(self, ctx: BuilderContext) -> None:
         import torch

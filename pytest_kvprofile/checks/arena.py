@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions, aborted_before
+from pytest_kvprofile.checks.freed import describe_use
 from pytest_kvprofile.contract.protocol import BoundWorkspace
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
@@ -122,6 +123,7 @@ def _observed_ubatch_violations(result: LifecycleResult) -> list[str]:
             f"ubatch_arenas_disjoint: in phase {phase!r} {who} {method}() for micro-batch {mine} asked for "
             f"{nbytes} bytes of micro-batch {other}'s arena{times}: both micro-batches would plan into the same memory"
         )
+    out.extend(_observed_cross_ubatch_uses(result))
     built = {c.builder for c in result.calls if c.method == "build"}
     count = result.case.envelope.num_ubatches
     for who in sorted(asked.keys() & built):
@@ -132,6 +134,16 @@ def _observed_ubatch_violations(result: LifecycleResult) -> list[str]:
                 f"the engine builds micro-batch(es) {missing} through it: their plans use another micro-batch's arena"
             )
     return out
+
+
+def _observed_cross_ubatch_uses(result: LifecycleResult) -> list[str]:
+    """What the builds really used, whatever views they asked for: a build for micro-batch u that plans into
+    (``ctx.plan_into``) or, in torch mode, reads or writes another micro-batch's arena."""
+    return [
+        f"ubatch_arenas_disjoint: {describe_use(u)}: micro-batch {u.for_ubatch}'s plan lands in the arena micro-batch "
+        f"{u.ubatch} uses concurrently; plan each micro-batch's batches into its own arena view"
+        for u in result.uses if u.for_ubatch is not None and u.ubatch is not None and u.ubatch != u.for_ubatch
+    ]
 
 
 CHECKS: tuple[Check, ...] = (

@@ -1,8 +1,8 @@
 """The conformance checks, in the order the suite runs and reports them, gathered from their families.
 
-A check lives in the module of its family (``support``, ``leases``, ``warmup``, ``arena``, ``capture``,
-``resources``, ``isolation``, ``budget``, ``workspace``, ``int_workspace``), which lists it in its own ``CHECKS``; adding a check
-to a family touches that module only.
+A check lives in the module of its family (``support``, ``leases``, ``reservation``, ``warmup``, ``arena``,
+``freed``, ``capture``, ``resources``, ``isolation``, ``budget``, ``workspace``, ``int_workspace``), which lists it
+in its own ``CHECKS``; adding a check to a family touches that module only.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from pytest_kvprofile.checks import (
     arena,
     budget,
     capture,
+    freed,
     int_workspace,
     isolation,
     leases,
+    reservation,
     resources,
     support,
     warmup,
@@ -22,7 +24,8 @@ from pytest_kvprofile.checks import (
 from pytest_kvprofile.checks.base import DEFAULT_WASTE_SLACK, Check, CheckOptions
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 
-FAMILIES = (support, leases, warmup, arena, capture, resources, isolation, budget, workspace, int_workspace)
+FAMILIES = (support, leases, reservation, warmup, arena, freed, capture, resources, isolation, budget, workspace,
+            int_workspace)
 CHECKS: tuple[Check, ...] = tuple(check for family in FAMILIES for check in family.CHECKS)
 CHECKS_BY_NAME = {c.name: c for c in CHECKS}
 

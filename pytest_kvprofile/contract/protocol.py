@@ -36,6 +36,7 @@ from pytest_kvprofile.contract.roles import Role
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
     from pytest_kvprofile.matrix.schema import Case
+    from pytest_kvprofile.memory.device import Allocation
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,16 @@ class BuilderContext:
 
     def get_workspace(self, nbytes: int, ubatch: int = 0) -> "ArenaView":
         return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch)
+
+    def plan_into(self, target: "ArenaView | Allocation") -> None:
+        """Say that the current call plans into, writes or reads ``target`` (an arena view or an allocation).
+
+        The harness judges the use from what it knows, not from the builder: a view whose arena grew or was
+        released since it was handed out, or an allocation already freed, is a use after free
+        (``no_use_after_free``); a view of another micro-batch's arena while building a batch is aliasing
+        (``ubatch_arenas_disjoint``). Torch mode observes tensor reads and writes without this call.
+        """
+        self._run.note_plan(self.owner, target)
 
     def lease(self, resources: Iterable[Any] = (), on_release: Callable[[], None] | None = None) -> Lease:
         return Lease(self.owner, resources, on_release)

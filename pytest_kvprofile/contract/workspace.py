@@ -39,6 +39,11 @@ class ArenaView:
     simulated device in torch mode (or the manager was asked for ``arena_tensors``), so a wrapper's
     float workspace can be the arena itself; views of one arena share its storage. ``None`` otherwise.
     It takes no part in equality, hashing or repr: phase records compare views by pointer and size.
+
+    ``generation``: which allocation of the micro-batch's arena the view points into (1 for the first, one more
+    for each growth). A growth or ``close()`` gives the arena back, so every view of an older generation is
+    stale: planning into it is a use after free (``WorkspaceManager.is_current``). It takes no part in equality
+    either.
     """
 
     ubatch: int
@@ -46,6 +51,7 @@ class ArenaView:
     nbytes: int
     arena_size: int
     tensor: Any = field(default=None, compare=False, hash=False, repr=False)
+    generation: int = field(default=0, compare=False)
 
     @property
     def end(self) -> int:
@@ -67,6 +73,9 @@ class WorkspaceManager:
         self.locked = False
         self.grow_count = 0
         self.requesters: dict[str, int] = {}
+        self._generations: list[int] = [0] * num_ubatches  # 0: never allocated
+        self.retired: dict[tuple[int, int], str] = {}  # (ubatch, generation) -> the phase it was given back in
+        self._allocation_generation: dict[int, tuple[int, int]] = {}  # arena allocation id -> (ubatch, generation)
 
     def _check_ubatch(self, ubatch: int) -> None:
         if not 0 <= ubatch < self.num_ubatches:
@@ -95,13 +104,38 @@ class WorkspaceManager:
             if self.locked:
                 raise WorkspaceLockedError(requester, ubatch, nbytes, current)
             if arena is not None:
-                self.device.free(arena)
-                self._tensors[ubatch] = None
+                self._retire(ubatch, arena)
             arena, self._tensors[ubatch] = self._allocate(nbytes, f"float-arena[ubatch {ubatch}] for {requester}")
             self._arenas[ubatch] = arena
+            self._generations[ubatch] += 1
+            if arena is not None:
+                self._allocation_generation[arena.id] = (ubatch, self._generations[ubatch])
             self.grow_count += 1
         return ArenaView(ubatch=ubatch, ptr=arena.ptr, nbytes=nbytes, arena_size=arena.nbytes,
-                         tensor=self._view(ubatch, nbytes))
+                         tensor=self._view(ubatch, nbytes), generation=self._generations[ubatch])
+
+    def _retire(self, ubatch: int, arena: Any) -> None:
+        """Give an arena back (growth or close): views of its generation are stale from now on."""
+        self.retired[(ubatch, self._generations[ubatch])] = str(getattr(self.device, "phase", ""))
+        self.device.free(arena)
+        self._arenas[ubatch] = None
+        self._tensors[ubatch] = None
+
+    def is_current(self, view: ArenaView) -> bool:
+        """Whether ``view`` still points into its micro-batch's live arena (not one a growth or close gave back)."""
+        return (0 <= view.ubatch < self.num_ubatches and self._arenas[view.ubatch] is not None
+                and view.generation == self._generations[view.ubatch])
+
+    def generation_of(self, alloc: Any) -> tuple[int, int] | None:
+        """``(ubatch, generation)`` of an arena allocation this manager made, live or given back; None otherwise."""
+        return self._allocation_generation.get(alloc.id)
+
+    def ubatch_of(self, alloc: Any) -> int | None:
+        """The micro-batch whose arena ``alloc`` is (live now), or None."""
+        for u, arena in enumerate(self._arenas):
+            if arena is alloc:
+                return u
+        return None
 
     def _allocate(self, nbytes: int, tag: str) -> tuple[Any, Any]:
         """The arena's ledger entry and, on a simulated device in torch mode or on request, its tensor."""
@@ -129,7 +163,8 @@ class WorkspaceManager:
         out = []
         for u, arena in enumerate(self._arenas):
             ptr, size = (arena.ptr, arena.nbytes) if arena is not None else (0, 0)
-            out.append(ArenaView(ubatch=u, ptr=ptr, nbytes=size, arena_size=size, tensor=self._view(u, size)))
+            out.append(ArenaView(ubatch=u, ptr=ptr, nbytes=size, arena_size=size, tensor=self._view(u, size),
+                                 generation=self._generations[u]))
         return tuple(out)
 
     def lock(self) -> None:
@@ -139,9 +174,7 @@ class WorkspaceManager:
         """Free every arena (end of a case); the manager is unusable afterwards."""
         for u, arena in enumerate(self._arenas):
             if arena is not None:
-                self.device.free(arena)
-                self._arenas[u] = None
-                self._tensors[u] = None
+                self._retire(u, arena)
         self.locked = True
 
 

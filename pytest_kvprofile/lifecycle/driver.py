@@ -10,6 +10,7 @@ what was recorded into verdicts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import traceback
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from pytest_kvprofile.contract.protocol import (
     call_optional,
 )
 from pytest_kvprofile.contract.resources import ResourceAdapter
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import (
     DeclarationError,
     ProfilingSupport,
@@ -32,7 +34,11 @@ from pytest_kvprofile.contract.support import (
     declared_support,
     resolve_support,
 )
-from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceLockedError, WorkspaceManager
+from pytest_kvprofile.contract.workspace import (
+    ArenaView,
+    WorkspaceLockedError,
+    WorkspaceManager,
+)
 from pytest_kvprofile.lifecycle.phases import (
     BASELINE,
     CAPTURE,
@@ -60,6 +66,7 @@ from pytest_kvprofile.lifecycle.record import (
     CallRecord,
     LeaseRecord,
     LifecycleResult,
+    MemoryUse,
     PhaseError,
     PhaseRecord,
     ProbeTarget,
@@ -97,6 +104,7 @@ class RecordingWorkspaceManager(WorkspaceManager):
 
     def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
         run = self._run
+        run._in_manager = True  # the manager slicing its own arena tensor is not a builder's use of it
         try:
             view = super().get_workspace(requester, nbytes, ubatch)
         except WorkspaceLockedError as exc:
@@ -104,6 +112,8 @@ class RecordingWorkspaceManager(WorkspaceManager):
                 run.result.refusals.append(Refusal(
                     run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current))
             raise
+        finally:
+            run._in_manager = False
         run.result.grants.append(ViewGrant(
             run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes))
         return view
@@ -131,6 +141,8 @@ class LifecycleRun:
         self._sim: Any = None  # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
         self._parts: dict[int, str] = {}
         self._part_modules: dict[str, str] = {}
+        self._in_manager = False
+        self._use_index: dict[tuple, int] = {}  # MemoryUse.key -> its position in result.uses
         self.result = LifecycleResult(
             backend=getattr(self.backend, "name", str(self.backend)), case=self.case, probe=target,
             policy=self.policy,
@@ -212,6 +224,61 @@ class LifecycleRun:
         self.result.aborted_in = self.device.phase
         raise _Abort from exc
 
+    # -- memory uses (no_use_after_free, ubatch_arenas_disjoint) ------------------------------------
+    def note_plan(self, owner: str, target: Any) -> None:
+        """``ctx.plan_into(target)``: judge the use from the manager's generations and the ledger."""
+        if isinstance(target, ArenaView):
+            freed = None if self.manager.is_current(target) else self.manager.retired.get(
+                (target.ubatch, target.generation), "?")
+            self._note_use(owner, self._current_call, target.ubatch, target.nbytes, freed, "ctx.plan_into",
+                           lambda: f"its view of micro-batch {target.ubatch}'s float arena (generation "
+                                   f"{target.generation})", _caller_site)
+        elif isinstance(target, Allocation):
+            freed = None if target.alive else (target.freed_phase or "?")
+            ubatch = self.manager.ubatch_of(target) if target.role is Role.FLOAT_ARENA else None
+            self._note_use(owner, self._current_call, ubatch, target.nbytes, freed, "ctx.plan_into",
+                           lambda: f"allocation {target.tag!r}", _caller_site)
+        else:
+            raise TypeError(f"ctx.plan_into() takes an ArenaView or an Allocation, not {type(target).__name__}")
+
+    def _on_torch_use(self, alloc: Allocation, api: str) -> None:
+        """A torch call read or wrote a freed storage or an arena (``SimulatedCuda.on_use``)."""
+        if self._in_manager:
+            return
+        ubatch = self.manager.ubatch_of(alloc)
+        if alloc.alive and (self._current_ubatch is None or ubatch in (None, self._current_ubatch)):
+            return  # the common case, decided without attributing the call
+        retired = self.manager.generation_of(alloc)
+        if retired is not None:
+            ubatch = retired[0]
+        sim = self._torch
+        owner, method, stack = sim.attribution(api) if sim is not None else ("<unknown>", None, "")
+
+        def what() -> str:
+            if retired is not None:
+                return f"micro-batch {retired[0]}'s float arena (generation {retired[1]})"
+            return f"allocation {alloc.tag!r} of {alloc.owner}"
+
+        self._note_use(owner, method, ubatch, alloc.nbytes, None if alloc.alive else (alloc.freed_phase or "?"), api,
+                       what, lambda: stack)
+
+    def _note_use(self, owner: str, method: str | None, ubatch: int | None, nbytes: int, freed: str | None, via: str,
+                  what: Callable[[], str], site: Callable[[], str]) -> None:
+        """Record a use a check refuses: of freed memory, or of another micro-batch's arena while building a batch.
+        ``what`` and ``site`` are called only then (most uses are neither)."""
+        cross = self._current_ubatch is not None and ubatch is not None and ubatch != self._current_ubatch
+        if freed is None and not cross:
+            return
+        use = MemoryUse(self.device.phase, owner, method, self._current_ubatch, ubatch, what(), nbytes, freed, via,
+                        site())
+        at = self._use_index.get(use.key)
+        if at is None:
+            self._use_index[use.key] = len(self.result.uses)
+            self.result.uses.append(use)
+        else:
+            prev = self.result.uses[at]
+            self.result.uses[at] = dataclasses.replace(prev, count=prev.count + 1)
+
     def ctx(self, builder: Any) -> BuilderContext:
         return self._contexts[builder_name(builder)]
 
@@ -274,6 +341,7 @@ class LifecycleRun:
         noted = len(sim.foreign)
         with simulated_gpu_on(self.device, self.case.gpu), sim:
             self._torch = sim
+            sim.on_use = self._on_torch_use
             try:
                 yield
             finally:
@@ -725,6 +793,20 @@ def _cached_blocks(device: Any) -> tuple[tuple[int, int], ...]:
         return ()
     return tuple((b["address"], b["size"]) for seg in allocator.snapshot() for b in seg["blocks"]
                  if b["state"] == "inactive")
+
+
+def _caller_site() -> str:
+    """``path:line in func`` of the builder code that called ``ctx.plan_into`` (the first frame outside the harness's
+    protocol and driver)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _HARNESS_FILES:
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+_HARNESS_FILES = frozenset({__file__, sys.modules[BuilderContext.__module__].__file__})
 
 
 def _graph_batch(capture: DecodeCapture) -> Batch:

@@ -1,4 +1,5 @@
-"""Fault-injection probes that need fresh builders (not the main lifecycle run).
+"""Fault-injection probes that need fresh builders (not the main lifecycle run): warmup retries, and reservations
+that fail part-way (at the end of the module).
 
 The retry probe drives fresh builders on a fresh device up to each phase the engine calls warmup in
 (inside the profiling window when it warms up there, and after KV sizing), fails the warmup at each of its
@@ -12,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.contract.protocol import call_optional
@@ -21,31 +23,44 @@ from pytest_kvprofile.contract.support import builder_name
 from pytest_kvprofile.lifecycle.driver import LifecycleRun, make_device
 from pytest_kvprofile.lifecycle.record import ProbeTarget
 from pytest_kvprofile.matrix.cases import Case
+from pytest_kvprofile.memory.device import DeviceOutOfMemory
 from pytest_kvprofile.units import MiB
+
 
 class _Stop(Exception):
     """Stops a probe run as it enters the phase whose warmup is probed."""
 
 
 class _ProbeRun(LifecycleRun):
-    """The engine's lifecycle up to a phase in which it calls warmup: the state a warmup starts from there."""
+    """The engine's lifecycle up to a phase in which it calls warmup (the state a warmup starts from there), or up
+    to the moment it asks one builder to reserve (``stop_before_reserving``: the arena and the earlier builders'
+    leases are in place)."""
 
     stop_at = lc.PROFILE_WARMUP
+    stop_before_reserving: str | None = None
     reached = False
 
     def _enter(self, phase: str) -> None:
         super()._enter(phase)
         if lc.PHASE_INDEX[phase] >= lc.PHASE_INDEX[self.stop_at]:
-            self.reached = phase == self.stop_at
+            self.reached = phase == self.stop_at and self.stop_before_reserving is None
             raise _Stop
+
+    def _call(self, builder: Any, method: str, *args: Any) -> Any:
+        if method == "reserve_persistent_workspace" and builder_name(builder) == self.stop_before_reserving:
+            self.reached = True
+            raise _Stop
+        return super()._call(builder, method, *args)
 
 
 @contextlib.contextmanager
-def _fresh(target: ProbeTarget, state: str) -> Iterator[_ProbeRun | None]:
-    """New builders on a new device, driven up to ``state``; None when the engine never reaches it (no
-    warmup inside the window). The backend's device mode stays active for the block."""
+def _fresh(target: ProbeTarget, state: str, reserving: str | None = None) -> Iterator[_ProbeRun | None]:
+    """New builders on a new device, driven up to ``state`` (or to ``reserving``'s reservation); None when the
+    engine never reaches it (no warmup inside the window, a builder it never asks to reserve). The backend's
+    device mode stays active for the block."""
     run = _ProbeRun(target, target.device_factory(target.case))
-    run.stop_at = state
+    run.stop_at = lc.PROFILE_RUN if reserving is not None else state
+    run.stop_before_reserving = reserving
     try:
         with run.device_mode():
             run.make_builders()
@@ -98,7 +113,7 @@ def _probe(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[
             with _fresh(target, state) as clean:
                 if clean is None:
                     continue
-                count = _count_allocations(clean.device, lambda r=clean: _warmup(r, r.builders[index]))
+                count = len(_allocations_of(clean.device, lambda r=clean, i=index: _warmup(r, r.builders[i])))
                 expected = _persistent(clean.device, name)
         except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
             cause = exc.__cause__ or exc  # a builder error the run recorded and aborted on
@@ -155,11 +170,174 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
     return out
 
 
-def _count_allocations(device: Any, fn: Any) -> int:
-    seen = []
-    unsubscribe = device.subscribe(lambda e: seen.append(e) if e.kind == "alloc" else None)
+
+
+# -- reservation ---------------------------------------------------------------------------------------------------
+# A reservation that fails leaks nothing, and the first error wins (the open vLLM pull request's rule). The probe
+# stops fresh builders where the engine asks one of them to reserve (``reserve_persistent_workspace``, a resource's
+# ``materialize``), fails that reservation at an allocation, and checks: the injected error is what it raises (or
+# the explicit cause of it), nothing it made stays allocated, and a second reservation holds exactly what a clean one
+# holds. The fault points are the first allocation of each distinct site (owner, kind, role and source line; bytes
+# in ctx mode, which has no source line) and the last allocation, so the cost per builder is bounded by its
+# distinct sites, not by its wrappers (the last one fails with the most made before it).
+
+Held = Counter  # (tag, bytes, kind, source line) -> count, of the builder's live allocations
+
+
+def reservation_violations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) -> list[str]:
+    """For each ``(builder index, name)`` of ``plan`` (the parts whose reservation allocated in the main run), fail
+    its reservation at each fault point and retry. Memoized per case without its gmu, like the warmup probe."""
+    if not plan:
+        return []
+    if target.device_factory is make_device:
+        try:
+            return list(_reservation_simulated(target.backend, dataclasses.replace(target.case, id="", gmu=0.0), plan))
+        except TypeError:  # an unhashable backend: probe without the memo
+            pass
+    return _probe_reservations(target, plan)
+
+
+@functools.lru_cache(maxsize=256)
+def _reservation_simulated(backend: Any, case: Case, plan: tuple[tuple[int, str], ...]) -> tuple[str, ...]:
+    return tuple(_probe_reservations(ProbeTarget(backend, case, make_device), plan))
+
+
+def _reserve(run: _ProbeRun, builder: Any) -> Any:
+    """Call the reservation as the engine does: attributed to the builder (in torch mode too), never recorded."""
+    with run._as_part(builder_name(builder), "reserve_persistent_workspace"):
+        return call_optional(builder, "reserve_persistent_workspace", run.ctx(builder))
+
+
+def _held(device: Any, owner: str, before: set[int]) -> Held:
+    """What ``owner`` made since ``before`` (live allocation ids) and still holds: device and pinned host memory."""
+    return Counter((a.tag, a.nbytes, a.kind, a.stack or "") for a in device.live_allocations()
+                   if a.owner == owner and a.id not in before)
+
+
+def _fault_points(allocs: list[Any]) -> list[int]:
+    """Indices of the first allocation of each distinct site, and of the last allocation."""
+    seen, points = set(), []
+    for i, a in enumerate(allocs):
+        key = (a.owner, a.kind, a.role, a.stack or a.nbytes)  # the source line; in ctx mode, role and bytes
+        if key not in seen:
+            seen.add(key)
+            points.append(i)
+    if allocs and points[-1] != len(allocs) - 1:
+        points.append(len(allocs) - 1)
+    return points
+
+
+def _probe_reservations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) -> list[str]:
+    out: list[str] = []
+    for index, name in plan:
+        try:
+            with _fresh(target, lc.RESERVATION, reserving=name) as clean:
+                if clean is None:
+                    continue
+                before = {a.id for a in clean.device.live_allocations()}
+                allocs = _allocations_of(clean.device, lambda r=clean, i=index: _reserve(r, r.builders[i]))
+                expected = _held(clean.device, name, before)
+        except Exception as exc:  # noqa: BLE001 - the builder cannot even reserve once
+            cause = exc.__cause__ or exc
+            return [f"the reservation probe could not run: {name} failed before or during its reservation: "
+                    f"{type(cause).__name__}: {cause}"]
+        points = _fault_points(allocs)
+        for k in points:
+            with _fresh(target, lc.RESERVATION, reserving=name) as run:
+                assert run is not None
+                out.extend(_fail_reservation(run, index, name, k, allocs[k], expected, retry=k == points[-1]))
+        if out:
+            return out
+    return out
+
+
+def _allocations_of(device: Any, fn: Callable[[], object]) -> list[Any]:
+    """The allocations (ledger entries) made while ``fn`` runs, in order."""
+    seen: list[Any] = []
+    unsubscribe = device.subscribe(lambda e: seen.append(e.alloc) if e.kind == "alloc" else None)
     try:
         fn()
     finally:
         unsubscribe()
-    return len(seen)
+    return seen
+
+
+def _first_error_wins(exc: BaseException) -> bool:
+    """Whether the raised error is the injected out-of-memory error or names it as its explicit cause."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, DeviceOutOfMemory) and seen.injected:
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def _fmt_held(held: Held) -> str:
+    parts = []
+    for (tag, nbytes, kind, stack), n in sorted(held.items(), key=lambda kv: (-kv[0][1] * kv[1], kv[0])):
+        times = f" x {n} = {nbytes * n / MiB:.2f} MiB" if n > 1 else ""
+        where = f" at {stack}" if stack else ""
+        host = " (pinned host)" if kind != "device" else ""
+        parts.append(f"{tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){host}{times}{where}")
+    return "; ".join(parts)
+
+
+def _total(held: Held) -> int:
+    return sum(nbytes * n for (_tag, nbytes, _kind, _stack), n in held.items())
+
+
+def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, expected: Held,
+                      retry: bool) -> list[str]:
+    """Fail ``name``'s reservation at its allocation ``k`` and, with ``retry``, reserve again; report what breaks the
+    rule. The second reservation follows the last fault point only (the one with the most made before it): a real
+    builder's reservation costs as much as its lifecycle, and a leak or a wrong error shows at every point."""
+    b, dev = run.builders[index], run.device
+    what = f"its reservation failed at allocation #{k + 1} ({site.tag!r}, {site.nbytes / MiB:.2f} MiB)"
+    before = {a.id for a in dev.live_allocations()}
+    ooms: list[Any] = []
+    unsubscribe = dev.subscribe(lambda e: ooms.append(e) if e.kind == "oom" else None)
+    dev.fail_after(k)
+    raised: str | None = None
+    try:
+        _reserve(run, b)
+    except Exception as exc:  # noqa: BLE001 - the injected failure, or what the builder made of it
+        if not _first_error_wins(exc):
+            raised = f"{type(exc).__name__}: {exc}"
+    else:
+        if ooms:
+            return [f"builder {name!r}: {what}, and it returned a lease instead of raising: a failed reservation "
+                    "raises its first error, so the engine falls back instead of running with half a reservation"]
+    finally:
+        unsubscribe()
+    if not ooms:
+        return []  # the fault point was never reached (a reservation that allocates differently each time)
+    out = []
+    if raised is not None:
+        out.append(f"builder {name!r}: {what}, and it raised {raised} instead of the out-of-memory error: the first "
+                   "error wins (an error in the cleanup must not replace it; chain it with `raise ... from`)")
+    leaked = _held(dev, name, before)
+    if leaked and getattr(run.backend, "torch_mode", False):
+        gc.collect()  # tensors a reference cycle still holds are not leaks the builder made
+        leaked = _held(dev, name, before)
+    if leaked:
+        out.append(f"builder {name!r}: {what}, and {_total(leaked) / MiB:.2f} MiB ({_total(leaked)} bytes) of what it "
+                   f"made stays allocated: {_fmt_held(leaked)}. A reservation that fails leaks nothing: free (or drop) "
+                   "what it made before raising")
+    if not retry:
+        return out
+    try:
+        _reserve(run, b)
+    except Exception as exc:  # noqa: BLE001
+        out.append(f"builder {name!r}: after {what}, a second reservation raised {type(exc).__name__}: {exc}")
+        return out
+    got = _held(dev, name, before)
+    if got != expected:
+        parts = []
+        if got - expected:
+            parts.append("extra " + _fmt_held(got - expected))
+        if expected - got:
+            parts.append("missing " + _fmt_held(expected - got))
+        out.append(f"builder {name!r}: after {what}, a second reservation holds {_total(got) / MiB:.2f} MiB "
+                   f"({_total(got)} bytes) against {_total(expected) / MiB:.2f} MiB ({_total(expected)} bytes) of a "
+                   f"clean one ({'; '.join(parts)}): it must hold exactly what a clean reservation holds")
+    return out

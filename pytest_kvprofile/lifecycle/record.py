@@ -110,6 +110,34 @@ class ViewGrant:
 
 
 @dataclass(frozen=True)
+class MemoryUse:
+    """A use of memory the harness observed and a check may refuse: memory a growth, a lease release or a free had
+    given back (``freed_phase`` set: a use after free), or a micro-batch's arena used while the engine built another
+    micro-batch's batch (``for_ubatch`` is not ``ubatch``).
+
+    ``via`` is ``ctx.plan_into`` (ctx mode) or the torch call that read or wrote the storage (torch mode); ``what``
+    names the memory; ``count`` is how often the same use was seen (one record per distinct use).
+    """
+
+    phase: str
+    owner: str
+    method: str | None
+    for_ubatch: int | None  # the micro-batch of the batch being built (``build``), else None
+    ubatch: int | None  # the micro-batch whose arena the memory is, None for other memory
+    what: str
+    nbytes: int
+    freed_phase: str | None
+    via: str
+    stack: str = ""
+    count: int = 1
+
+    @property
+    def key(self) -> tuple:
+        return (self.phase, self.owner, self.method, self.for_ubatch, self.ubatch, self.what, self.freed_phase,
+                self.via, self.stack)
+
+
+@dataclass(frozen=True)
 class ProbeTarget:
     """What a probe needs to build the same builders again on a fresh device."""
 
@@ -151,6 +179,7 @@ class LifecycleResult:
     grants: list[ViewGrant] = field(default_factory=list)
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
+    uses: list[MemoryUse] = field(default_factory=list)  # freed memory used, other micro-batches' arenas used
     module_held: list[ModuleHeld] = field(default_factory=list)  # device memory reachable from module state
     second_engine: SecondEngine | None = None  # a second engine in the same process, when state held memory
     aborted_in: str | None = None

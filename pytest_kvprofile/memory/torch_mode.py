@@ -27,7 +27,12 @@ from torch.overrides import TorchFunctionMode
 
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.memory.allocator import GraphPool
-from pytest_kvprofile.memory.device import Allocation, DeviceOutOfMemory, ForeignUse, SimDevice
+from pytest_kvprofile.memory.device import (
+    Allocation,
+    DeviceOutOfMemory,
+    ForeignUse,
+    SimDevice,
+)
 
 __all__ = ["active_simulation", "assign_role", "SimEvent", "SimStream", "SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
 
@@ -337,6 +342,9 @@ class SimulatedCuda:
         self._mode: _Mode | None = None
         self.foreign: dict[int, ForeignUse] = {}  # id(allocation) -> its first use here
         self._direct: dict[int, Allocation] = {}  # caching_allocator_alloc's pointers: kept across re-entries
+        # Called with (allocation, torch API) when a torch call reads or writes a storage the ledger already freed
+        # (an arena a growth gave back) or a float arena; the lifecycle judges the use (no_use_after_free).
+        self.on_use: Callable[[Allocation, str], None] | None = None
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -391,6 +399,10 @@ class SimulatedCuda:
         if alloc is not None and id(alloc) not in self.foreign:
             owner, tag, stack = self._attribution(api)
             self.foreign[id(alloc)] = ForeignUse(owner, tag, stack, alloc)
+
+    def attribution(self, api: str) -> tuple[str, str, str]:
+        """Owner, tag (the running method) and source line of the torch call being made now."""
+        return self._attribution(api)
 
     def is_simulated(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a simulated device (or pinned host) tensor."""
@@ -672,10 +684,14 @@ class _Mode(TorchFunctionMode):
             to_cuda = None
         host_inputs = set()
         any_sim = False
+        on_use = self.sim.on_use
         for tensor in _tensor_inputs(args, kwargs):
             ptr = _storage_ptr(tensor)
-            if ptr in registry:
+            alloc = registry.get(ptr)
+            if alloc is not None:
                 any_sim = True
+                if on_use is not None and (not alloc.alive or alloc.role is Role.FLOAT_ARENA):
+                    on_use(alloc, _api_name(func))
             else:
                 host_inputs.add(ptr)
         for ptr in host_inputs:

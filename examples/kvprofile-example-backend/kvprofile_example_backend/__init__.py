@@ -48,13 +48,19 @@ class PagedAttentionBuilder:
         return WorkspaceDeclaration(float_bytes=float_workspace_bytes(case), int_bytes=INT_WORKSPACE)
 
     def _materialize(self, ctx: Any) -> list[Any]:
-        made = []
-        for ub in range(ctx.num_ubatches):
-            self.views[ub] = ctx.get_workspace(float_workspace_bytes(self.case), ub)
-            if ub not in self.int_workspaces:
-                self.int_workspaces[ub] = self._int_workspace(ctx, ub)
-                made.append(self.int_workspaces[ub])
-        return made
+        """All or nothing: a reservation that fails frees what it made, then raises (it must leak nothing)."""
+        made: dict[int, Any] = {}
+        try:
+            for ub in range(ctx.num_ubatches):
+                self.views[ub] = ctx.get_workspace(float_workspace_bytes(self.case), ub)
+                if ub not in self.int_workspaces:
+                    made[ub] = self._int_workspace(ctx, ub)
+        except BaseException:
+            for alloc in made.values():
+                ctx.free(alloc)
+            raise
+        self.int_workspaces.update(made)
+        return list(made.values())
 
     def _int_workspace(self, ctx: Any, ubatch: int) -> Any:
         """The micro-batch's dedicated int workspace; its role tells the harness what it is for."""
@@ -74,6 +80,8 @@ class PagedAttentionBuilder:
         if batch.ubatch not in self.int_workspaces:
             self.int_workspaces[batch.ubatch] = self._int_workspace(ctx, batch.ubatch)
         self.views[batch.ubatch] = ctx.get_workspace(float_workspace_bytes(self.case), batch.ubatch)
+        ctx.plan_into(self.views[batch.ubatch])  # the harness judges what the plan lands in
+        ctx.plan_into(self.int_workspaces[batch.ubatch])
 
     def bound_workspaces(self) -> list[BoundWorkspace]:
         """One entry per wrapper (here one per micro-batch): its float view and its int workspace."""
