@@ -8,7 +8,7 @@ to a family touches that module only.
 from __future__ import annotations
 
 from pytest_kvprofile.checks import arena, budget, capture, isolation, leases, resources, support, warmup, workspace
-from pytest_kvprofile.checks.base import DEFAULT_WASTE_SLACK, Check, CheckOptions
+from pytest_kvprofile.checks.base import Check, CheckOptions, WasteBudget, parse_waste_budget
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 
 FAMILIES = (support, leases, warmup, arena, capture, resources, isolation, budget, workspace)
@@ -33,4 +33,5 @@ def failing_checks(result: LifecycleResult, options: CheckOptions = CheckOptions
 
 
 
-__all__ = ["CHECKS", "CHECKS_BY_NAME", "DEFAULT_WASTE_SLACK", "Check", "CheckOptions", "checks_for", "failing_checks"]
+__all__ = ["CHECKS", "CHECKS_BY_NAME", "Check", "CheckOptions", "WasteBudget", "checks_for", "failing_checks",
+           "parse_waste_budget"]

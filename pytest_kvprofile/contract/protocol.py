@@ -119,8 +119,17 @@ class BuilderContext:
     def free(self, alloc: Any) -> None:
         self._run.device.free(alloc)
 
-    def get_workspace(self, nbytes: int, ubatch: int = 0) -> "ArenaView":
-        return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch)
+    def get_workspace(self, nbytes: int, ubatch: int = 0, *, route: str | None = None) -> "ArenaView":
+        """A view of ``ubatch``'s float arena. ``route`` (``"prefill"``, ``"decode"``): the case route whose wrapper
+        plans into it, so ``workspace_covers_planner`` sizes the view for that route alone; without one the view
+        is sized for every route of the case. A route sent to trtllm-gen asks for no view."""
+        if route is None:
+            return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch)
+        from pytest_kvprofile.sizing.case import routes
+
+        if route not in routes(self.case):
+            raise ValueError(f"route must be one of the case's routes {routes(self.case)}, not {route!r}")
+        return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch, route=route)
 
     def lease(self, resources: Iterable[Any] = (), on_release: Callable[[], None] | None = None) -> Lease:
         return Lease(self.owner, resources, on_release)

@@ -93,7 +93,7 @@ class RecordingWorkspaceManager(WorkspaceManager):
         super().__init__(device, num_ubatches=num_ubatches)
         self._run = run
 
-    def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
+    def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0, route: str | None = None) -> ArenaView:
         run = self._run
         try:
             view = super().get_workspace(requester, nbytes, ubatch)
@@ -103,7 +103,8 @@ class RecordingWorkspaceManager(WorkspaceManager):
                     run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current))
             raise
         run.result.grants.append(ViewGrant(
-            run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes))
+            run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes,
+            route))
         return view
 
 

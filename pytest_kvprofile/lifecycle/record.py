@@ -97,7 +97,9 @@ class Refusal:
 class ViewGrant:
     """An arena view the manager handed out, with the call and micro-batch it was handed for.
 
-    ``for_ubatch`` is the micro-batch of the batch being built (``build``), else None.
+    ``for_ubatch`` is the micro-batch of the batch being built (``build``), else None. ``route``: the case route
+    (``prefill``, ``decode``) the builder said its wrapper plans into the view (``ctx.get_workspace(route=)``);
+    None when it named none, which sizes the view against every route of the case.
     """
 
     phase: str
@@ -107,6 +109,7 @@ class ViewGrant:
     ubatch: int
     ptr: int
     nbytes: int
+    route: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from importlib import metadata
 from typing import Any
 
-from pytest_kvprofile.report.summary import legacy_costs, summarize
+from pytest_kvprofile.report.summary import legacy_costs, summarize, waste_costs, waste_reason
 
 SCHEMA_VERSION = 1
 
@@ -91,6 +91,7 @@ def verdict_document(session: Any) -> dict:
         if rec.get("backend"):
             by_backend[rec["backend"]].append(rec)
     costs = legacy_costs(session.records)
+    wastes = waste_costs(session.records)
     for backend in session.backends:
         recs = sorted(by_backend.get(backend.name, []), key=lambda r: (r["check"], r["case"]))
         failed = [r for r in recs if r["outcome"] == "failed"]
@@ -124,5 +125,7 @@ def verdict_document(session: Any) -> dict:
             "may_opt_in": not reasons,
             "reasons": reasons,
             "legacy_cost": cost,
+            "waste": wastes.get(backend.name, []),
+            "cost_reasons": [r for r in (waste_reason(wastes.get(backend.name, [])),) if r],
         })
     return doc
