@@ -185,7 +185,8 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     views = [g for g in result.grants if g.requester == name]
     named = {g.route for g in views}
     arena_need, subs = need_for_routes(case, None if None in named else tuple(r for r in named if r is not None))
-    if views and declared < arena_need:
+    declared_short = bool(views) and declared < arena_need
+    if declared_short:
         out.append(
             f"builder {name!r} declares {declared / MiB:.2f} MiB ({declared} bytes) of float workspace but FlashInfer "
             f"{need.flashinfer_version}'s planner carves {arena_need / MiB:.2f} MiB ({need.method}) on "
@@ -199,8 +200,8 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
             by_route[g.route] = g
     for route, g in sorted(by_route.items(), key=lambda kv: kv[0] or ""):
         route_need, subs = need_for_routes(case, None if route is None else (route,))
-        if g.nbytes >= route_need:
-            continue
+        if g.nbytes >= route_need or (declared_short and g.nbytes == _aligned(declared, result.arena_alignment)):
+            continue  # covered, or the declaration's shortfall already says it
         via = f"{g.method}()" if g.method else "a call"
         what = f"route {route!r}" if route else "every route of the case (the views name none)"
         out.append(
