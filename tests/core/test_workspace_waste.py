@@ -154,3 +154,32 @@ def test_the_summary_and_the_verdict_quote_the_worst_case():
     lines = waste_lines(records)
     assert lines[0].startswith("b: workspace waste") and "routes sized decode_tc" in lines[1]
     assert waste_reason(waste_costs(records[2:])["b"]) is None
+
+
+def _size(*args: str) -> dict:
+    import contextlib
+    import io
+
+    from pytest_kvprofile.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["size", "--model", "qwen3-8b", "--gpu", "L40S", "--matrix", str(CI), "--json", *args]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_kvprofile_size_says_which_routes_it_sized(case):
+    """``--routes`` sizes the routes a builder plans natively, as the check does; the default is every route."""
+    every, decode, none = _size(), _size("--routes", "decode"), _size("--routes", "")
+    assert every["sized_routes"] == ["prefill", "prefill_cuda_graph", "decode_tc", "decode_tc_cuda_graph"]
+    assert every["float_workspace_bytes"] == need_for_routes(case, None)[0] and every["trtllm_routes"] == []
+    assert decode["sized_routes"] == ["decode_tc", "decode_tc_cuda_graph"] and decode["trtllm_routes"] == ["prefill"]
+    assert decode["float_workspace_bytes"] == need_for_routes(case, ("decode",))[0]
+    assert (none["float_workspace_bytes"], none["int_workspace_bytes"], none["sized_routes"]) == (0, 0, [])
+
+
+def test_kvprofile_size_refuses_a_route_the_case_does_not_have(capsys):
+    from pytest_kvprofile.cli import main
+
+    assert main(["size", "--model", "qwen3-8b", "--gpu", "L40S", "--routes", "xqa"]) == 2
+    assert "--routes: xqa is not a route of the case" in capsys.readouterr().err

@@ -200,8 +200,8 @@ def test_a_neutral_builder_that_keeps_memory_of_its_own_fails_its_declaration(ca
     ("mutant-07d-post-kv-warmup-leaks", "warmup_retryable", ["after KV sizing", "'autotune scratch' 64.00 MiB"]),
     ("mutant-07d-post-kv-warmup-leaks", "no_post_kv_overrun", ["64.00 MiB cached after flashinfer: 'autotune scratch'"]),
     ("mutant-07e-torch-warmup-keeps-partial", "warmup_retryable", ["inside the profiling window", "extra 'warmup'"]),
-    ("mutant-11b-fixed-default-view", "workspace_covers_planner", ["asks the arena for views of up to 394.00 MiB",
-                                                                   "wasted"]),
+    ("mutant-11c-short-native-route", "workspace_covers_planner", ["declares", "short by",
+                                                                   "for routes prefill, prefill_cuda_graph"]),
     ("mutant-14-module-global-workspace", "no_state_outlives_case",
      ["_SHARED_WORKSPACES['trtllm-gen']", "32.00 MiB", "mutants.py"]),
 ])
