@@ -119,6 +119,21 @@ def _required_builders(result: LifecycleResult) -> list[str]:
             if builder_name(b) not in resources and declared_support(b) is ProfilingSupport.REQUIRED]
 
 
+def _native_routes(result: LifecycleResult, name: str, views: list[ViewGrant],
+                   private: tuple[Allocation, ...]) -> tuple[str, ...]:
+    """The case routes the builder's wrappers plan into float workspace, as observed: the routes of FlashInfer
+    ``plan()`` calls seen in torch mode and the routes its arena views name; without plans, a view that names no
+    route or a float buffer of its own stands for every route."""
+    case_routes = routes(result.case)
+    named = {g.route for g in views}
+    planned = {p.route for p in result.plans if p.builder == name}
+    if planned:
+        return tuple(r for r in case_routes if r in planned or r in named)
+    if None in named or private:
+        return case_routes
+    return tuple(r for r in case_routes if r in named)
+
+
 def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     """What ``name`` reserves (the arena it declares or asks for on each micro-batch, its own float workspace,
     its trtllm-gen workspace) against the need of the routes it was observed to plan."""
@@ -126,8 +141,7 @@ def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     views = [g for g in result.grants if g.requester == name]
     mine = [a for a in result.allocations if a.owner == name and _alive_at_closing(a)]
     private = tuple(a for a in mine if a.role is Role.FLOAT_WORKSPACE)
-    named = {g.route for g in views}
-    native = tuple(routes(case)) if (None in named or private) else tuple(r for r in routes(case) if r in named)
+    native = _native_routes(result, name, views, private)
     need, sized = need_for_routes(case, native)
     decl = result.declared.get(name)
     declared = _aligned(decl.float_bytes, result.arena_alignment) if decl is not None and decl.float_bytes else 0
@@ -183,8 +197,7 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     need = for_case(result.case)
     case, out = result.case, []
     views = [g for g in result.grants if g.requester == name]
-    named = {g.route for g in views}
-    arena_need, subs = need_for_routes(case, None if None in named else tuple(r for r in named if r is not None))
+    arena_need, subs = need_for_routes(case, _native_routes(result, name, views, ()))
     declared_short = bool(views) and declared < arena_need
     if declared_short:
         out.append(
@@ -198,7 +211,11 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
         best = by_route.get(g.route)
         if best is None or (g.nbytes, -lc.PHASE_INDEX.get(g.phase, 0)) > (best.nbytes, -lc.PHASE_INDEX.get(best.phase, 0)):
             by_route[g.route] = g
+    out.extend(_short_plans(result, name))
+    planned = any(p.builder == name for p in result.plans)
     for route, g in sorted(by_route.items(), key=lambda kv: kv[0] or ""):
+        if route is None and planned:
+            continue  # the plan() calls observed into it are judged one by one
         route_need, subs = need_for_routes(case, None if route is None else (route,))
         if g.nbytes >= route_need or (declared_short and g.nbytes == _aligned(declared, result.arena_alignment)):
             continue  # covered, or the declaration's shortfall already says it
@@ -209,6 +226,32 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
             f"from {via} in phase {g.phase!r}, ubatch {g.ubatch}) but FlashInfer {need.flashinfer_version}'s planner "
             f"carves {route_need / MiB:.2f} MiB for {', '.join(subs)}: short by {(route_need - g.nbytes) / MiB:.2f} MiB "
             "(Buffer overflow ... Increase the workspace buffer size)")
+    return out
+
+
+def _short_plans(result: LifecycleResult, name: str) -> list[str]:
+    """Torch mode: a FlashInfer ``plan()`` of the builder into a float workspace below its route's need."""
+    need, case_routes = for_case(result.case), routes(result.case)
+    allocs = {a.id: a for a in result.allocations}
+    short: dict[tuple[str, int, int | None], list[str]] = {}
+    for p in result.plans:
+        if p.builder != name or p.route not in case_routes:
+            continue
+        route_need = need_for_routes(result.case, (p.route,))[0]
+        if p.nbytes < route_need:
+            short.setdefault((p.route, p.nbytes, p.alloc_id), []).append(p.phase)
+    out = []
+    for (route, nbytes, alloc_id), phases in sorted(short.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        alloc = allocs.get(alloc_id) if alloc_id is not None else None
+        into = (f"{alloc.role} {alloc.tag!r} of {alloc.owner}" + (f" at {alloc.stack}" if alloc.stack else "")
+                if alloc else "memory outside the simulated device")
+        route_need, subs = need_for_routes(result.case, (route,))
+        out.append(
+            f"builder {name!r}: its {route} wrappers plan() into {nbytes / MiB:.2f} MiB ({nbytes} bytes) of float "
+            f"workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, but FlashInfer "
+            f"{need.flashinfer_version}'s planner carves {route_need / MiB:.2f} MiB for the worst batch of "
+            f"{', '.join(subs)}: short by {(route_need - nbytes) / MiB:.2f} MiB (Buffer overflow ... Increase the "
+            "workspace buffer size)")
     return out
 
 

@@ -60,6 +60,7 @@ from pytest_kvprofile.lifecycle.record import (
     LifecycleResult,
     PhaseError,
     PhaseRecord,
+    PlanRecord,
     ProbeTarget,
     Refusal,
     ViewGrant,
@@ -254,14 +255,26 @@ class LifecycleRun:
             return
         from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
         from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+        from pytest_kvprofile.sizing.host_plan import observe_plans
 
         with simulated_gpu_on(self.device, self.case.gpu), SimulatedCuda(self.device, self._part_owner) as sim:
             self._torch = sim
+            stop = observe_plans(self._on_plan)
             try:
                 yield
             finally:
+                stop()
                 self.result.foreign_uses.extend(sim.foreign.values())
                 self._torch = None
+
+    def _on_plan(self, device: Any, route: str, float_ws: Any, cuda_graph: bool) -> None:
+        """Record a FlashInfer ``plan()`` of this run: the route, the builder being called, the buffer planned into."""
+        if device is not self.device or self._torch is None:
+            return
+        alloc = self._torch.memory_of(float_ws)
+        builder = self.result.calls[-1].builder if self.result.calls else None
+        self.result.plans.append(PlanRecord(self.device.phase, builder, route, alloc.id if alloc else None,
+                                            int(float_ws.numel()) * int(float_ws.element_size()), cuda_graph))
 
     def make_builders(self) -> None:
         """Construct the backend's parts for the case, once, on this run's device (phase ``setup``)."""

@@ -113,6 +113,22 @@ class ViewGrant:
 
 
 @dataclass(frozen=True)
+class PlanRecord:
+    """One FlashInfer ``plan()`` seen in torch mode: the wrapper's route and the float workspace it planned into.
+
+    ``alloc_id``: the ledger entry behind the float workspace tensor (the arena, or a buffer of the builder's own),
+    None when it is not simulated memory; ``nbytes``: the bytes of the tensor the planner was handed.
+    """
+
+    phase: str
+    builder: str | None
+    route: str
+    alloc_id: int | None
+    nbytes: int
+    cuda_graph: bool
+
+
+@dataclass(frozen=True)
 class ProbeTarget:
     """What a probe needs to build the same builders again on a fresh device."""
 
@@ -152,6 +168,7 @@ class LifecycleResult:
     lock_probe_error: str | None = None
     refusals: list[Refusal] = field(default_factory=list)
     grants: list[ViewGrant] = field(default_factory=list)
+    plans: list[PlanRecord] = field(default_factory=list)  # torch mode: every FlashInfer plan() and where it planned
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     module_held: list[ModuleHeld] = field(default_factory=list)  # device memory reachable from module state
