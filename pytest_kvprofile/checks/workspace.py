@@ -166,19 +166,19 @@ def case_waste(result: LifecycleResult) -> CaseWaste | None:
 
 def check_workspace_covers_planner(result: LifecycleResult, options: CheckOptions) -> list[str]:
     need = for_case(result.case)
+    cost = case_waste(result)
+    sized = {b.builder: b.sized for b in cost.builders} if cost is not None else {}
     out: list[str] = []
     for name in _required_builders(result):
         decl = result.declared.get(name)
         if decl is None:
             out.append(f"builder {name!r} is REQUIRED but has no declared_workspace(case)")
             continue
-        waste = builder_waste(result, name)
         out.extend(_short(result, name, decl.float_bytes))
-        int_need = max((need.routes[r].int_bytes for r in waste.sized), default=0)
+        int_need = max((need.routes[r].int_bytes for r in sized[name]), default=0)
         if decl.int_bytes < int_need:
             out.append(f"builder {name!r} reserves {decl.int_bytes} bytes of int workspace per wrapper but the planner "
-                       f"needs {int_need} for routes {', '.join(waste.sized)}")
-    cost = case_waste(result)
+                       f"needs {int_need} for routes {', '.join(sized[name])}")
     if options.max_waste is not None and cost is not None:
         limit = options.max_waste.limit_bytes(cost.kv_bytes_per_token, cost.kv_pool_bytes)
         if limit is not None and cost.nbytes > limit:
@@ -233,19 +233,17 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
     """Torch mode: a FlashInfer ``plan()`` of the builder into a float workspace below its route's need."""
     need, case_routes = for_case(result.case), routes(result.case)
     allocs = {a.id: a for a in result.allocations}
+    needs = {r: need_for_routes(result.case, (r,)) for r in case_routes}
     short: dict[tuple[str, int, int | None], list[str]] = {}
     for p in result.plans:
-        if p.builder != name or p.route not in case_routes:
-            continue
-        route_need = need_for_routes(result.case, (p.route,))[0]
-        if p.nbytes < route_need:
+        if p.builder == name and p.route in needs and p.nbytes < needs[p.route][0]:
             short.setdefault((p.route, p.nbytes, p.alloc_id), []).append(p.phase)
     out = []
     for (route, nbytes, alloc_id), phases in sorted(short.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         alloc = allocs.get(alloc_id) if alloc_id is not None else None
         into = (f"{alloc.role} {alloc.tag!r} of {alloc.owner}" + (f" at {alloc.stack}" if alloc.stack else "")
                 if alloc else "memory outside the simulated device")
-        route_need, subs = need_for_routes(result.case, (route,))
+        route_need, subs = needs[route]
         out.append(
             f"builder {name!r}: its {route} wrappers plan() into {nbytes / MiB:.2f} MiB ({nbytes} bytes) of float "
             f"workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, but FlashInfer "
