@@ -101,6 +101,9 @@ class CaseWaste:
         }
 
 
+_WASTE_ROLES = (Role.FLOAT_WORKSPACE, Role.TRTLLM_WORKSPACE)  # what a builder reserves beside the arena
+
+
 def _alive_at_closing(a: Allocation) -> bool:
     """Made before the closing measurement and not freed by then: what KV sizing counted."""
     closing = lc.PHASE_INDEX[lc.CLOSING]
@@ -139,7 +142,7 @@ def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     its trtllm-gen workspace) against the need of the routes it was observed to plan."""
     case = result.case
     views = [g for g in result.grants if g.requester == name]
-    mine = [a for a in result.allocations if a.owner == name and _alive_at_closing(a)]
+    mine = [a for a in result.allocations if a.owner == name and a.role in _WASTE_ROLES and _alive_at_closing(a)]
     private = tuple(a for a in mine if a.role is Role.FLOAT_WORKSPACE)
     native = _native_routes(result, name, views, private)
     need, sized = need_for_routes(case, native)
@@ -231,13 +234,15 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
 
 def _short_plans(result: LifecycleResult, name: str) -> list[str]:
     """Torch mode: a FlashInfer ``plan()`` of the builder into a float workspace below its route's need."""
+    if not result.plans:
+        return []
     need, case_routes = for_case(result.case), routes(result.case)
-    allocs = {a.id: a for a in result.allocations}
     needs = {r: need_for_routes(result.case, (r,)) for r in case_routes}
     short: dict[tuple[str, int, int | None], list[str]] = {}
     for p in result.plans:
         if p.builder == name and p.route in needs and p.nbytes < needs[p.route][0]:
             short.setdefault((p.route, p.nbytes, p.alloc_id), []).append(p.phase)
+    allocs = {a.id: a for a in result.allocations} if short else {}
     out = []
     for (route, nbytes, alloc_id), phases in sorted(short.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         alloc = allocs.get(alloc_id) if alloc_id is not None else None

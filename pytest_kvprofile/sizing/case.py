@@ -21,6 +21,7 @@ from pytest_kvprofile.sizing.requirement import SizingResult, required_workspace
 DECODE_TC_MIN_GROUP = 4  # vLLM plans decode on tensor cores from a GQA group of 4 (and always under MTP)
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an inline matrix GPU without one is sized as a Hopper part
 _MEMO = "_kvprofile_for_case"  # per-case answers, in the (frozen) case's instance dict like cached_property
+_ROUTE_MEMO = "_kvprofile_route_need"  # need_for_routes' answers per set of routes, kept the same way
 
 
 def decode_tensor_cores(case: Case) -> bool:
@@ -93,10 +94,14 @@ def need_for_routes(case: Case, planned: Iterable[str] | None) -> tuple[int, tup
     own workspace) needs nothing here, so a builder whose routes are all trtllm-gen needs 0 bytes. Routes share
     one float workspace per micro-batch and plan one after another, so the need is the maximum, not the sum.
     """
-    sized = for_case(case)
-    wanted = set(routes(case)) if planned is None else set(planned)
-    subs = tuple(name for name in sized.routes if route_of(name) in wanted)
-    return max((sized.routes[name].float_bytes for name in subs), default=0), subs
+    wanted = frozenset(routes(case) if planned is None else planned)
+    memo = case.__dict__.setdefault(_ROUTE_MEMO, {})
+    answer = memo.get(wanted)
+    if answer is None:
+        sized = for_case(case)
+        subs = tuple(name for name in sized.routes if route_of(name) in wanted)
+        answer = memo[wanted] = (max((sized.routes[name].float_bytes for name in subs), default=0), subs)
+    return answer
 
 
 def vllm_default_float_bytes(case: Case) -> int:
