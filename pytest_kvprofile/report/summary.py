@@ -94,12 +94,15 @@ def waste_lines(records: list[dict]) -> list[str]:
             continue
         lines.append(f"{backend}: {reason}")
         for b in costs[0]["builders"]:
-            if b["waste_bytes"]:
-                lines.append(
-                    f"    {b['builder']}: routes sized {', '.join(b['sized_routes']) or 'none (all trtllm-gen)'}; "
-                    f"float {b['float_waste_bytes'] / MiB:.2f} MiB beyond the need (arena {b['arena_bytes'] / MiB:.2f} "
-                    f"MiB, own buffers {b['private_float_bytes'] / MiB:.2f} MiB), unused trtllm-gen workspace "
-                    f"{b['unused_trtllm_bytes'] / MiB:.2f} MiB")
+            if not b["waste_bytes"]:
+                continue
+            parts = [f"routes sized {', '.join(b['sized_routes']) or 'none (all trtllm-gen)'}"]
+            if b["float_waste_bytes"]:
+                parts.append(f"float workspace {b['float_waste_bytes'] / MiB:.2f} MiB beyond the need (arena "
+                             f"{b['arena_bytes'] / MiB:.2f} MiB, own buffers {b['private_float_bytes'] / MiB:.2f} MiB)")
+            if b["unused_trtllm_bytes"]:
+                parts.append(f"trtllm-gen workspace no route uses {b['unused_trtllm_bytes'] / MiB:.2f} MiB")
+            lines.append(f"    {b['builder']}: " + "; ".join(parts))
     return lines
 
 
