@@ -368,6 +368,8 @@ class NativeDecodeBuilder(TrtllmGenRoutesBuilder):
     NATIVE = ("decode",)
 
 
+# Correct builders for the routes-and-waste rules, by name only (``--kvprofile-backend stub-trtllm-gen``): not
+# in ``STUB_BACKENDS``, so the default run and ``stubs`` keep their backends.
 ROUTE_STUB_BACKENDS: tuple[Backend, ...] = (
     _builtin("stub-vllm-default-arena", "the vLLM pull request's design: vLLM's default float arena (REQUIRED; "
              "waste reported, refused only over --kvprofile-max-waste)", VllmDefaultArenaBuilder),
@@ -376,4 +378,3 @@ ROUTE_STUB_BACKENDS: tuple[Backend, ...] = (
     _builtin("stub-native-decode", "decode native, sized for decode alone; prefill on trtllm-gen (REQUIRED)",
              NativeDecodeBuilder),
 )
-STUB_BACKENDS = STUB_BACKENDS + ROUTE_STUB_BACKENDS

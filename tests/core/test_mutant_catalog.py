@@ -24,8 +24,8 @@ from pytest_kvprofile.builtin.mutants import (
     WrongVersionFormulaBuilder,
     check_options_for,
 )
+from pytest_kvprofile.builtin.stubs import ROUTE_STUB_BACKENDS, TORCH_STUB_BACKENDS
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS as CTX_STUB_BACKENDS
-from pytest_kvprofile.builtin.stubs import TORCH_STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import CHECKS, failing_checks
 from pytest_kvprofile.checks.sweep import catch_table, sweep
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
@@ -35,7 +35,7 @@ from pytest_kvprofile.memory.budget import KV_ALIGN
 from pytest_kvprofile.sizing import for_case
 
 GMU_DEPENDENT = "no_post_kv_overrun"
-STUB_BACKENDS = (*CTX_STUB_BACKENDS, *TORCH_STUB_BACKENDS)
+STUB_BACKENDS = (*CTX_STUB_BACKENDS, *TORCH_STUB_BACKENDS, *ROUTE_STUB_BACKENDS)
 M12 = "mutant-12-wrong-version-formula"
 
 # What each mutant fails over the default matrix: the columns of the catch table. Own-class checks

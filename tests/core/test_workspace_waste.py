@@ -12,10 +12,9 @@ import json
 
 import pytest
 
-from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
-from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 from pytest_kvprofile.checks.base import CheckOptions, WasteBudget, parse_waste_budget
 from pytest_kvprofile.checks.workspace import case_waste, check_workspace_covers_planner
+from pytest_kvprofile.contract.registry import builtin_backends
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
@@ -25,7 +24,7 @@ from pytest_kvprofile.sizing.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.units import MiB
 
 CI = packaged_matrix("ci")
-BACKENDS = {b.name: b for b in (*STUB_BACKENDS, *MUTANT_BACKENDS)}
+BACKENDS = builtin_backends()
 BUDGET = CheckOptions(max_waste=WasteBudget(64.0))
 NO_BUDGET = CheckOptions()
 
