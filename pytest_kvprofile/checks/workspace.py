@@ -139,11 +139,15 @@ def _native_routes(result: LifecycleResult, name: str, views: list[ViewGrant],
 
 def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     """What ``name`` reserves (the arena it declares or asks for on each micro-batch, its own float workspace,
-    its trtllm-gen workspace) against the need of the routes it was observed to plan."""
+    its trtllm-gen workspace) against the need of the routes it was observed to plan. Its own float workspace
+    is what carries ``Role.FLOAT_WORKSPACE`` and, in torch mode, any buffer of its own a ``plan()`` was seen
+    planning into (the arena belongs to the engine's manager, not to the builder)."""
     case = result.case
     views = [g for g in result.grants if g.requester == name]
-    mine = [a for a in result.allocations if a.owner == name and a.role in _WASTE_ROLES and _alive_at_closing(a)]
-    private = tuple(a for a in mine if a.role is Role.FLOAT_WORKSPACE)
+    planned_into = {p.alloc_id for p in result.plans if p.builder == name}
+    mine = [a for a in result.allocations
+            if a.owner == name and (a.role in _WASTE_ROLES or a.id in planned_into) and _alive_at_closing(a)]
+    private = tuple(a for a in mine if a.role is Role.FLOAT_WORKSPACE or a.id in planned_into)
     native = _native_routes(result, name, views, private)
     need, sized = need_for_routes(case, native)
     decl = result.declared.get(name)
