@@ -50,6 +50,8 @@ class BuilderWaste:
     arena_bytes: int
     private: tuple[Allocation, ...]
     unused_trtllm: tuple[Allocation, ...]
+    declared_bytes: int = 0  # its float declaration, aligned as the manager aligns views
+    largest_view: ViewGrant | None = None
 
     @property
     def private_bytes(self) -> int:
@@ -94,7 +96,7 @@ class CaseWaste:
             "builders": [{
                 "builder": b.builder, "native_routes": list(b.native), "sized_routes": list(b.sized),
                 "trtllm_routes": list(b.trtllm), "ubatches": b.ubatches, "need_bytes": b.need_per_ubatch * b.ubatches,
-                "arena_bytes": b.arena_bytes, "private_float_bytes": b.private_bytes,
+                "arena_bytes": b.arena_bytes, "declared_bytes": b.declared_bytes, "private_float_bytes": b.private_bytes,
                 "unused_trtllm_bytes": b.unused_trtllm_bytes, "float_waste_bytes": b.float_waste,
                 "waste_bytes": b.waste_bytes,
             } for b in self.builders],
@@ -156,7 +158,8 @@ def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     arena = sum(max([declared, *(g.nbytes for g in views if g.ubatch == u)]) for u in range(ubatches))
     trtllm = tuple(r for r in routes(case) if r not in native)
     unused = () if trtllm else tuple(a for a in mine if a.role is Role.TRTLLM_WORKSPACE)
-    return BuilderWaste(name, native, sized, trtllm, ubatches, need, arena, private, unused)
+    largest = max(views, key=lambda g: (g.nbytes, -lc.PHASE_INDEX.get(g.phase, 0)), default=None)
+    return BuilderWaste(name, native, sized, trtllm, ubatches, need, arena, private, unused, declared, largest)
 
 
 def case_waste(result: LifecycleResult) -> CaseWaste | None:
@@ -270,9 +273,13 @@ def describe_waste(result: LifecycleResult, cost: CaseWaste) -> str:
             continue
         bits = []
         if b.float_waste:
+            view = b.largest_view
+            via = (f"; largest view {view.nbytes / MiB:.2f} MiB ({view.nbytes} bytes) from "
+                   f"{view.method or 'a call'}() in phase {view.phase!r}" if view else "")
             bits.append(
                 f"float workspace {(b.arena_bytes + b.private_bytes) / MiB:.2f} MiB over {b.ubatches} micro-batch(es) "
-                f"(arena {b.arena_bytes / MiB:.2f} MiB, own buffers {b.private_bytes / MiB:.2f} MiB) where routes "
+                f"(arena {b.arena_bytes / MiB:.2f} MiB: declared {b.declared_bytes / MiB:.2f} MiB per micro-batch"
+                f"{via}; own buffers {b.private_bytes / MiB:.2f} MiB) where routes "
                 f"{_routes_text(b.sized)} need {b.need_per_ubatch / MiB:.2f} MiB per micro-batch: "
                 f"{b.float_waste / MiB:.2f} MiB ({b.float_waste} bytes) beyond the need"
                 + (f" [own buffers: {grouped(result, list(b.private))}]" if b.private else ""))
