@@ -6,8 +6,8 @@ larger than the need is safe (KV sizing sees it) and only costs KV capacity: it 
 and KV tokens, and fails only above the budget a user sets (``--kvprofile-max-waste``).
 
 Which routes are sized is observed, not assumed: the routes the builder's wrappers plan into the float arena
-(the arena views it asks for, each optionally naming its route) and into float workspace of its own
-(``Role.FLOAT_WORKSPACE``). A route the builder plans into neither goes to trtllm-gen, whose workspace
+(the arena views it asks for, each optionally naming its route; in torch mode the FlashInfer ``plan()`` calls
+seen, with the buffer each planned into) and into float workspace of its own (``Role.FLOAT_WORKSPACE``). A route the builder plans into neither goes to trtllm-gen, whose workspace
 (``Role.TRTLLM_WORKSPACE``) is used only when such a route exists; made when none does, it is waste too.
 """
 
