@@ -76,6 +76,9 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated CUDA-graph capture sizes in tokens (a decode capture of S tokens plans "
                         "S // (1 + mtp) requests)")
     p.add_argument("--no-cuda-graph", action="store_true", help="size without CUDA graphs")
+    p.add_argument("--routes", type=str, default=None,
+                   help="comma-separated routes the builder plans natively into the float workspace (prefill, "
+                        "decode); the others go to trtllm-gen and need none (default: every route of the case)")
     p.add_argument("--no-oracle", action="store_true", help="analytic model only")
     p.add_argument("--report", type=Path, metavar="MATRIX", help="sizing report for a matrix file")
     p.add_argument("--plot", type=Path, metavar="PNG", help="with --report: plot (needs matplotlib)")
@@ -174,7 +177,9 @@ def _cmd_size(args: argparse.Namespace) -> int:
         compute_capability,
         decode_tensor_cores,
         for_case,
+        need_for_routes,
         plan_envelope,
+        routes,
     )
     from pytest_kvprofile.sizing.oracle import OracleError
 
@@ -185,12 +190,21 @@ def _cmd_size(args: argparse.Namespace) -> int:
     except (OracleError, ValueError) as exc:
         print(f"kvprofile size: error: {exc}", file=sys.stderr)
         return 1
+    native = routes(case) if args.routes is None else tuple(r.strip() for r in args.routes.split(",") if r.strip())
+    unknown = [r for r in native if r not in routes(case)]
+    if unknown:
+        _fail(f"--routes: {', '.join(unknown)} is not a route of the case (its routes: {', '.join(routes(case))})")
+    float_bytes, sized = need_for_routes(case, native)
+    int_bytes = max((res.routes[r].int_bytes for r in sized), default=0)
     env = plan_envelope(case)
     qo, kv, graph = res.worst_batch if res.worst_batch else ((), (), False)
     out = {
         "case": case.id,
-        "float_workspace_bytes": res.float_bytes,
-        "int_workspace_bytes": res.int_bytes,
+        "float_workspace_bytes": float_bytes,
+        "int_workspace_bytes": int_bytes,
+        "native_routes": list(native),
+        "trtllm_routes": [r for r in routes(case) if r not in native],
+        "sized_routes": list(sized),
         "worst_batch": {"qo_lens": list(qo), "kv_lens": list(kv), "cuda_graph": graph},
         "worst_route": res.worst_route,
         "method": res.method,
@@ -217,11 +231,13 @@ def _cmd_size(args: argparse.Namespace) -> int:
     print(f"FlashInfer {res.flashinfer_version}, {case.gpu.num_sm} SMs (sm_{''.join(map(str, compute_capability(case)))}), "
           f"per rank {heads.heads_q} q / {heads.heads_kv} kv heads, head_dim {model.head_dim}/{model.dim_vo} "
           f"({res.method}, {'exact' if res.exact else 'upper bound'})")
-    print(f"{'route':<24}{'float MiB':>12}{'int KiB':>10}  exact")
+    print(f"{'route':<24}{'float MiB':>12}{'int KiB':>10}  exact  sized")
     for name, r in res.routes.items():
-        print(f"{name:<24}{r.float_bytes / MiB:>12.2f}{r.int_bytes / 1024:>10.1f}  {r.exact}")
-    print(f"{'required':<24}{res.float_bytes / MiB:>12.2f}{res.int_bytes / 1024:>10.1f}  "
-          f"(worst: {res.worst_route}, {len(qo)} requests, {sum(qo)} tokens, cuda_graph={graph})")
+        print(f"{name:<24}{r.float_bytes / MiB:>12.2f}{r.int_bytes / 1024:>10.1f}  {r.exact!s:<5}  "
+              f"{'yes' if name in sized else 'no (trtllm-gen)'}")
+    worst = f"worst: {res.worst_route}, {len(qo)} requests, {sum(qo)} tokens, cuda_graph={graph}" \
+        if sized == tuple(res.routes) else f"routes sized: {', '.join(sized) or 'none'}"
+    print(f"{'required':<24}{float_bytes / MiB:>12.2f}{int_bytes / 1024:>10.1f}  ({worst})")
     for note in res.notes:
         print(f"note: {note}")
     return 0

@@ -26,10 +26,13 @@ from pytest_kvprofile.builtin.stubs import (
     Wrapper,
     with_role,
 )
+from pytest_kvprofile.checks.base import CheckOptions, WasteBudget
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError
+from pytest_kvprofile.sizing.case import for_case, vllm_default_float_bytes
+from pytest_kvprofile.sizing.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.units import MiB
 
 
@@ -373,14 +376,14 @@ class TorchNeutralLateStateBuilder(GDNLikeBuilder):
 
 
 class RaisingCloseBuilder(FlashInferLikeBuilder):
-    """Bug 15a: ``close()`` raises (it tears down a wrapper that was never made)."""
+    """Bug 18a: ``close()`` raises (it tears down a wrapper that was never made)."""
 
     def close(self) -> None:
         raise RuntimeError("flashinfer.close(): no wrapper for route 'prefill-ragged'")
 
 
 class DoubleFreeCloseBuilder(FlashInferLikeBuilder):
-    """Bug 15b: ``close()`` frees every int workspace twice (once per wrapper, once per ubatch list)."""
+    """Bug 18b: ``close()`` frees every int workspace twice (once per wrapper, once per ubatch list)."""
 
     def rebind(self, ctx: BuilderContext) -> None:
         self.ctx = ctx
@@ -394,7 +397,7 @@ class DoubleFreeCloseBuilder(FlashInferLikeBuilder):
 
 
 class TorchDoubleFreeCloseBuilder(TorchFlashInferLikeBuilder):
-    """Bug 15c (torch mode): keeps a raw ``caching_allocator_alloc`` buffer from its reservation and hands it back
+    """Bug 18c (torch mode): keeps a raw ``caching_allocator_alloc`` buffer from its reservation and hands it back
     twice in ``close()``."""
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
@@ -732,3 +735,105 @@ def _resource_mutants() -> tuple[Backend, ...]:
 
 
 MUTANT_BACKENDS = MUTANT_BACKENDS + _resource_mutants()
+
+
+class _VllmDefaultArena:
+    """The open vLLM pull request's arena size (``sizing.case.vllm_default_float_bytes``), for a FlashInfer-like stub."""
+
+    case: Any
+
+    def float_bytes(self) -> int:
+        return vllm_default_float_bytes(self.case)
+
+
+class VllmDefaultArenaOverBudgetBuilder(_VllmDefaultArena, FlashInferLikeBuilder):
+    """Bug 19a (only under a waste budget): vLLM's default arena, max(394 MiB, tokens x heads x dim x 16 B), where
+    the planned routes need a fraction of it; safe, but over a project's ``--kvprofile-max-waste``."""
+
+
+class TorchVllmDefaultArenaOverBudgetBuilder(_VllmDefaultArena, TorchFlashInferLikeBuilder):
+    """Bug 19b (torch mode, only under a waste budget): 19a written with plain torch tensors."""
+
+
+class UnusedTrtllmWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 19c (only under a waste budget): every route plans natively into the arena, yet the reservation also makes
+    vLLM's 394 MiB trtllm-gen workspace, which no route of the case uses."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        self.trtllm_workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace",
+                                             role=Role.TRTLLM_WORKSPACE)
+        return super().reserve_persistent_workspace(ctx)
+
+
+class PrivateFloatWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 19d (only under a waste budget): each wrapper keeps vLLM's default float workspace of its own
+    (``Role.FLOAT_WORKSPACE``) beside the arena view it asks for; KV sizing sees it, the need comparison must too."""
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self.private: dict[int, Any] = {}
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Any:
+        w = super()._new_wrapper(ctx, route, ubatch)
+        self.private[id(w)] = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, f"{route} private float workspace [ubatch {ubatch}]",
+                                           role=Role.FLOAT_WORKSPACE)
+        return w
+
+    def _drop(self, ctx: BuilderContext, wrappers: list[Any]) -> None:
+        for w in wrappers:
+            buf = self.private.pop(id(w), None)
+            if buf is not None:
+                ctx.free(buf)
+        super()._drop(ctx, wrappers)
+
+
+class _PrefillSizedForDecode:
+    """Plans every route natively, naming each view's route, but sizes every view for the case's smallest planner
+    sub-route (the decode step; eager prefill where decode is not FA2), as if the larger routes went to trtllm-gen:
+    the largest plan overflows the view FlashInfer's planner writes into."""
+
+    case: Any
+
+    def float_bytes(self) -> int:
+        return min(r.float_bytes for r in for_case(self.case).routes.values())
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Any:
+        self._planning = route
+        return super()._new_wrapper(ctx, route, ubatch)  # type: ignore[misc]
+
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+        return ctx.get_workspace(self.float_bytes(), ubatch, route=self._planning)
+
+
+class ShortNativeRouteBuilder(_PrefillSizedForDecode, FlashInferLikeBuilder):
+    """Bug 11c: a native prefill route planned into an arena view sized for the decode route only."""
+
+
+class TorchShortNativeRouteBuilder(_PrefillSizedForDecode, TorchFlashInferLikeBuilder):
+    """Bug 11d (torch mode): 11c written with plain torch tensors."""
+
+
+BUDGET_MUTANT_BACKENDS: tuple[Backend, ...] = (
+    _mutant("mutant-19a-vllm-default-arena-over-budget", 19, VllmDefaultArenaOverBudgetBuilder),
+    _mutant("mutant-19b-torch-vllm-default-arena-over-budget", 19, TorchVllmDefaultArenaOverBudgetBuilder),
+    _mutant("mutant-19c-unused-trtllm-workspace", 19, UnusedTrtllmWorkspaceBuilder),
+    _mutant("mutant-19d-private-float-workspace", 19, PrivateFloatWorkspaceBuilder),
+)
+# Waste is refused only over a budget, so the mutants whose bug can be an oversized workspace are judged under one:
+# two micro-batch arenas x one 2 MiB caching-allocator block, the slack sizing mutants were judged with before.
+WASTE_BUDGET = WasteBudget(4.0)
+MUTANT_CHECK_OPTIONS: dict[str, CheckOptions] = {
+    name: CheckOptions(max_waste=WASTE_BUDGET)
+    for name in ("mutant-11-decode-heuristic-sizing", "mutant-11b-fixed-default-view",
+                 "mutant-12-wrong-version-formula", *(b.name for b in BUDGET_MUTANT_BACKENDS))
+}
+MUTANT_BACKENDS = MUTANT_BACKENDS + (
+    _mutant("mutant-11c-short-native-route", 11, ShortNativeRouteBuilder),
+    _mutant("mutant-11d-torch-short-native-route", 11, TorchShortNativeRouteBuilder),
+    *BUDGET_MUTANT_BACKENDS,
+)
+
+
+def check_options_for(backend: Any) -> CheckOptions:
+    """The options a mutant is judged under: a waste budget for the budget mutants, the defaults otherwise."""
+    return MUTANT_CHECK_OPTIONS.get(getattr(backend, "name", ""), CheckOptions())

@@ -18,8 +18,16 @@ from pytest_kvprofile.contract.protocol import (
 )
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.sizing.case import for_case, routes
-from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
+from pytest_kvprofile.sizing.case import (
+    for_case,
+    need_for_routes,
+    routes,
+    vllm_default_float_bytes,
+)
+from pytest_kvprofile.sizing.facts import (
+    FLASHINFER_INT_WORKSPACE_BYTES,
+    VLLM_DEFAULT_FLOAT_BYTES,
+)
 from pytest_kvprofile.units import MiB
 
 MODULE_GLOBAL_BYTES = 32 * MiB  # a trtllm-gen-like module-global workspace, created by kernel warmup
@@ -329,4 +337,78 @@ TORCH_STUB_BACKENDS: tuple[Backend, ...] = (
     Backend(name="stub-flashinfer-torch", make_builders=lambda case: [TorchFlashInferLikeBuilder(case)],
             description="the FlashInfer-like builder written with plain torch tensors (REQUIRED, torch mode)",
             origin="builtin", torch_mode=True),
+)
+
+
+class VllmDefaultArenaBuilder(FlashInferLikeBuilder):
+    """REQUIRED, the open vLLM pull request's design: it reserves vLLM's default float arena on purpose,
+    max(394 MiB, batched tokens x rank query heads x head dim x 16 B), and does not query per-plan sizes. Safe, since
+    KV sizing sees it; the waste is reported, and refused only over ``--kvprofile-max-waste``."""
+
+    name = "flashinfer-vllm-default"
+
+    def float_bytes(self) -> int:
+        return vllm_default_float_bytes(self.case)
+
+
+class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
+    """REQUIRED, Blackwell as vLLM routes it: the routes not in ``NATIVE`` go to trtllm-gen, which plans into its own
+    workspace (vLLM's one per process, 394 MiB), made inside the window with ``Role.TRTLLM_WORKSPACE``. Only the
+    native routes have FA2 wrappers; their arena views name their route, so each is sized for its own route."""
+
+    name = "flashinfer-trtllm-gen"
+    NATIVE: tuple[str, ...] = ()
+
+    def __init__(self, case: Any):
+        super().__init__(case)
+        self._routes = tuple(r for r in routes(case) if r in self.NATIVE)
+        self._trtllm = tuple(r for r in routes(case) if r not in self.NATIVE)
+        self._planning: str | None = None
+        self.trtllm_workspace: Any = None
+
+    def float_bytes(self) -> int:
+        return need_for_routes(self.case, self._routes)[0]
+
+    def planner_need(self) -> int:
+        return self.float_bytes()
+
+    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+        int_bytes = FLASHINFER_INT_WORKSPACE_BYTES if self._routes else 0
+        return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=int_bytes)
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        self._planning = route
+        return super()._new_wrapper(ctx, route, ubatch)
+
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+        return ctx.get_workspace(self.float_bytes(), ubatch, route=self._planning)
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        if self._trtllm and self.trtllm_workspace is None:
+            self.trtllm_workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace",
+                                                 role=Role.TRTLLM_WORKSPACE)
+        return super().reserve_persistent_workspace(ctx)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        route = "decode" if batch.kind == "decode" else "prefill"
+        if route in self._routes:
+            super().build(ctx, batch)
+
+
+class NativeDecodeBuilder(TrtllmGenRoutesBuilder):
+    """REQUIRED: decode plans natively into an arena view sized for decode alone; prefill goes to trtllm-gen."""
+
+    name = "flashinfer-native-decode"
+    NATIVE = ("decode",)
+
+
+# Correct builders for the routes-and-waste rules, by name only (``--kvprofile-backend stub-trtllm-gen``): not
+# in ``STUB_BACKENDS``, so the default run and ``stubs`` keep their backends.
+ROUTE_STUB_BACKENDS: tuple[Backend, ...] = (
+    _builtin("stub-vllm-default-arena", "the vLLM pull request's design: vLLM's default float arena (REQUIRED; "
+             "waste reported, refused only over --kvprofile-max-waste)", VllmDefaultArenaBuilder),
+    _builtin("stub-trtllm-gen", "every route on trtllm-gen: zero arena, the trtllm-gen workspace made in the window "
+             "(REQUIRED)", TrtllmGenRoutesBuilder),
+    _builtin("stub-native-decode", "decode native, sized for decode alone; prefill on trtllm-gen (REQUIRED)",
+             NativeDecodeBuilder),
 )

@@ -8,6 +8,7 @@ record's probe target on fresh devices (the fault injection cannot happen inside
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -15,15 +16,51 @@ import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.units import MiB
 
-DEFAULT_WASTE_SLACK = 2 * MiB  # one large-block rounding of the caching allocator
 BOTH = "both"
 
 
 @dataclass(frozen=True)
-class CheckOptions:
-    """The run's settings a check reads (ini ``kvprofile_workspace_slack_mib``)."""
+class WasteBudget:
+    """How much workspace waste a run tolerates per case before ``workspace_covers_planner`` fails.
 
-    waste_slack_bytes: int = DEFAULT_WASTE_SLACK
+    Waste is a cost, not a safety failure (KV sizing sees it), so there is no budget unless the user sets one
+    (``--kvprofile-max-waste``): ``amount`` MiB, KV tokens per rank (``tok``) or percent of the case's KV pool.
+    ``source`` names the option the budget came from, for messages.
+    """
+
+    amount: float
+    unit: str = "MiB"
+    source: str = "--kvprofile-max-waste"
+
+    def limit_bytes(self, kv_bytes_per_token: int, kv_pool_bytes: int | None) -> int | None:
+        """The budget in bytes for one case; None when it is a share of a KV pool the run never sized."""
+        if self.unit == "MiB":
+            return int(self.amount * MiB)
+        if self.unit == "tok":
+            return int(self.amount * kv_bytes_per_token)
+        return None if kv_pool_bytes is None else int(kv_pool_bytes * self.amount / 100)
+
+    def describe(self) -> str:
+        amount = f"{self.amount:g}"
+        text = {"MiB": f"{amount} MiB", "tok": f"{amount} KV tokens per rank", "%": f"{amount}% of the KV pool"}
+        return f"{text[self.unit]} ({self.source})"
+
+
+def parse_waste_budget(text: str, source: str = "--kvprofile-max-waste") -> WasteBudget:
+    """``64`` (MiB), ``64 MiB``, ``2000 tok`` or ``1.5%``; a ValueError that names ``source`` otherwise."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(mib|tok|tokens|%)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"{source}: expected MiB (64), KV tokens per rank (2000 tok) or a share of the KV pool "
+                         f"(1.5%), got {text!r}")
+    unit = (m.group(2) or "mib").lower()
+    return WasteBudget(float(m.group(1)), {"mib": "MiB", "tok": "tok", "tokens": "tok", "%": "%"}[unit], source)
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """The run's settings a check reads: the waste budget (``--kvprofile-max-waste``; None: waste reported only)."""
+
+    max_waste: WasteBudget | None = None
 
 
 CheckFn = Callable[[LifecycleResult, CheckOptions], list[str]]

@@ -21,7 +21,7 @@ from pytest_kvprofile.checks import (
     warmup,
     workspace,
 )
-from pytest_kvprofile.checks.base import DEFAULT_WASTE_SLACK, Check, CheckOptions
+from pytest_kvprofile.checks.base import Check, CheckOptions, WasteBudget, parse_waste_budget
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 
 FAMILIES = (support, leases, reservation, warmup, arena, freed, capture, resources, isolation, budget, workspace,
@@ -47,4 +47,5 @@ def failing_checks(result: LifecycleResult, options: CheckOptions = CheckOptions
 
 
 
-__all__ = ["CHECKS", "CHECKS_BY_NAME", "DEFAULT_WASTE_SLACK", "Check", "CheckOptions", "checks_for", "failing_checks"]
+__all__ = ["CHECKS", "CHECKS_BY_NAME", "Check", "CheckOptions", "WasteBudget", "checks_for", "failing_checks",
+           "parse_waste_budget"]

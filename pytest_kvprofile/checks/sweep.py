@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.checks.catalog import CheckOptions, failing_checks
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 
 
@@ -30,7 +30,9 @@ class Sweep:
         return self.cases > 0 and not self.escaped
 
 
-def sweep(backends: Iterable[Any], cases: Iterable[Any]) -> list[Sweep]:
+def sweep(backends: Iterable[Any], cases: Iterable[Any],
+          options_for: Callable[[Any], CheckOptions] = lambda backend: CheckOptions()) -> list[Sweep]:
+    """``options_for(backend)``: the options a backend is judged under (the budget mutants carry a waste budget)."""
     cases = [c for c in cases if c.skip_reason is None]
     out = []
     for backend in backends:
@@ -38,7 +40,7 @@ def sweep(backends: Iterable[Any], cases: Iterable[Any]) -> list[Sweep]:
         for case in cases:
             result = run_lifecycle(backend, case)
             close_parts(result)  # as the session does: teardown_clean reads the parts' close()
-            failed = failing_checks(result)
+            failed = failing_checks(result, options_for(backend))
             s.cases += 1
             if not failed:
                 s.escaped.append(case.id)

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from pytest_kvprofile.memory.device import Allocation
 
 
+ROUTES = ("prefill", "decode")  # what an arena view may name (ctx.get_workspace(route=)); MLA's decode is not sized
+
+
 @dataclass(frozen=True)
 class WorkspaceDeclaration:
     """What a builder says it will reserve for a case."""
@@ -125,8 +128,15 @@ class BuilderContext:
     def free(self, alloc: Any) -> None:
         self._run.device.free(alloc)
 
-    def get_workspace(self, nbytes: int, ubatch: int = 0) -> "ArenaView":
-        return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch)
+    def get_workspace(self, nbytes: int, ubatch: int = 0, *, route: str | None = None) -> "ArenaView":
+        """A view of ``ubatch``'s float arena. ``route`` (``"prefill"``, ``"decode"``): the case route whose wrapper
+        plans into it, so ``workspace_covers_planner`` sizes the view for that route alone; without one the view
+        is sized for every route of the case. A route sent to trtllm-gen asks for no view."""
+        if route is None:
+            return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch)
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
+        return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch, route=route)
 
     def plan_into(self, target: "ArenaView | Allocation") -> None:
         """Say that the current call plans into, writes or reads ``target`` (an arena view or an allocation).

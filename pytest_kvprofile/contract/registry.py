@@ -93,11 +93,11 @@ def builtin_backends() -> dict[str, Backend]:
     FlashInfer wrappers (``flashinfer``) with its lazy twin, which run FlashInfer on the simulated GPU."""
     from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS, REAL_FLASHINFER_MUTANTS
     from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
-    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS
+    from pytest_kvprofile.builtin.stubs import ROUTE_STUB_BACKENDS, STUB_BACKENDS, TORCH_STUB_BACKENDS
     from pytest_kvprofile.engines.vllm_flashinfer import VLLM_BACKENDS  # imports no vLLM: make_builders does
 
-    return {b.name: b for b in (*STUB_BACKENDS, *TORCH_STUB_BACKENDS, *MUTANT_BACKENDS, *REAL_FLASHINFER_BACKENDS,
-                                *REAL_FLASHINFER_MUTANTS, *VLLM_BACKENDS)}
+    return {b.name: b for b in (*STUB_BACKENDS, *TORCH_STUB_BACKENDS, *ROUTE_STUB_BACKENDS, *MUTANT_BACKENDS,
+                                *REAL_FLASHINFER_BACKENDS, *REAL_FLASHINFER_MUTANTS, *VLLM_BACKENDS)}
 
 
 def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True) -> list[Backend]:

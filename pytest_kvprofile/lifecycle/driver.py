@@ -69,6 +69,7 @@ from pytest_kvprofile.lifecycle.record import (
     MemoryUse,
     PhaseError,
     PhaseRecord,
+    PlanRecord,
     ProbeTarget,
     Refusal,
     ViewGrant,
@@ -102,7 +103,7 @@ class RecordingWorkspaceManager(WorkspaceManager):
         super().__init__(device, num_ubatches=num_ubatches)
         self._run = run
 
-    def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
+    def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0, route: str | None = None) -> ArenaView:
         run = self._run
         run._in_manager = True  # the manager slicing its own arena tensor is not a builder's use of it
         try:
@@ -115,7 +116,8 @@ class RecordingWorkspaceManager(WorkspaceManager):
         finally:
             run._in_manager = False
         run.result.grants.append(ViewGrant(
-            run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes))
+            run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes,
+            route))
         return view
 
 
@@ -333,6 +335,7 @@ class LifecycleRun:
             return
         from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
         from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+        from pytest_kvprofile.sizing.host_plan import observe_plans
 
         if self._sim is None:
             self._sim = SimulatedCuda(self.device, self._part_owner)
@@ -342,11 +345,22 @@ class LifecycleRun:
         with simulated_gpu_on(self.device, self.case.gpu), sim:
             self._torch = sim
             sim.on_use = self._on_torch_use
+            stop = observe_plans(self._on_plan)
             try:
                 yield
             finally:
+                stop()
                 self.result.foreign_uses.extend(list(sim.foreign.values())[noted:])
                 self._torch = None
+
+    def _on_plan(self, device: Any, route: str, float_ws: Any, cuda_graph: bool) -> None:
+        """Record a FlashInfer ``plan()`` of this run: the route, the builder being called, the buffer planned into."""
+        if device is not self.device or self._torch is None:
+            return
+        alloc = self._torch.memory_of(float_ws)
+        builder = self.result.calls[-1].builder if self.result.calls else None
+        self.result.plans.append(PlanRecord(self.device.phase, builder, route, alloc.id if alloc else None,
+                                            int(float_ws.numel()) * int(float_ws.element_size()), cuda_graph))
 
     def make_builders(self) -> None:
         """Construct the backend's parts for the case, once, on this run's device (phase ``setup``)."""

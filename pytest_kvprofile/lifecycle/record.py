@@ -97,7 +97,9 @@ class Refusal:
 class ViewGrant:
     """An arena view the manager handed out, with the call and micro-batch it was handed for.
 
-    ``for_ubatch`` is the micro-batch of the batch being built (``build``), else None.
+    ``for_ubatch`` is the micro-batch of the batch being built (``build``), else None. ``route``: the case route
+    (``prefill``, ``decode``) the builder said its wrapper plans into the view (``ctx.get_workspace(route=)``);
+    None when it named none, which sizes the view against every route of the case.
     """
 
     phase: str
@@ -107,6 +109,23 @@ class ViewGrant:
     ubatch: int
     ptr: int
     nbytes: int
+    route: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """One FlashInfer ``plan()`` seen in torch mode: the wrapper's route and the float workspace it planned into.
+
+    ``alloc_id``: the ledger entry behind the float workspace tensor (the arena, or a buffer of the builder's own),
+    None when it is not simulated memory; ``nbytes``: the bytes of the tensor the planner was handed.
+    """
+
+    phase: str
+    builder: str | None
+    route: str
+    alloc_id: int | None
+    nbytes: int
+    cuda_graph: bool
 
 
 @dataclass(frozen=True)
@@ -177,6 +196,7 @@ class LifecycleResult:
     lock_probe_error: str | None = None
     refusals: list[Refusal] = field(default_factory=list)
     grants: list[ViewGrant] = field(default_factory=list)
+    plans: list[PlanRecord] = field(default_factory=list)  # torch mode: every FlashInfer plan() and where it planned
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     uses: list[MemoryUse] = field(default_factory=list)  # freed memory used, other micro-batches' arenas used

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvprofile.checks.base import WasteBudget, parse_waste_budget
 from pytest_kvprofile.contract.backends import BackendError
 from pytest_kvprofile.matrix.schema import MatrixError
 from pytest_kvprofile.plugin.fixtures import CASE_ARG, case_params
@@ -103,6 +104,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write the opt-in verdict document here")
     group.addoption("--kvprofile-timeout", default=None, type=float, metavar="SECONDS",
                     help="per-check time limit; a hang becomes a failure with the hanging thread's stack")
+    group.addoption("--kvprofile-max-waste", default=None, metavar="BUDGET",
+                    help="workspace waste per case that fails workspace_covers_planner: MiB ('64'), KV tokens per "
+                         "rank ('2000 tok') or a share of the case's KV pool ('1.5%%'); default: none (waste is "
+                         "reported, not refused)")
     parser.addini("kvprofile", "add the packaged conformance suite to the collection (like --kvprofile)",
                   type="bool", default=False)
     parser.addini("kvprofile_gpu", "run the GPU tier (like --kvprofile-gpu)", type="bool", default=False)
@@ -111,9 +116,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("kvprofile_backends", "backends (like --kvprofile-backend)", type="linelist", default=[])
     parser.addini("kvprofile_verdict", "verdict document path (like --kvprofile-verdict)", default="")
     parser.addini("kvprofile_timeout", "per-check time limit in seconds (0: none)", default="0")
+    parser.addini("kvprofile_max_waste", "workspace waste budget per case (like --kvprofile-max-waste)", default="")
     parser.addini("kvprofile_workspace_slack_mib",
-                  "float workspace a builder may reserve beyond the planner's worst case before it counts as waste",
-                  default="2")
+                  "deprecated: a waste budget in MiB, used when kvprofile_max_waste and --kvprofile-max-waste are unset",
+                  default="")
 
 
 def _settings(config: pytest.Config) -> Settings:
@@ -124,7 +130,6 @@ def _settings(config: pytest.Config) -> Settings:
     timeout = opt.kvprofile_timeout
     if timeout is None:
         timeout = _ini_float(config, "kvprofile_timeout")
-    slack = _ini_float(config, "kvprofile_workspace_slack_mib")
     return Settings(
         gpu=bool(gpu),
         matrices=tuple(matrices),
@@ -132,8 +137,22 @@ def _settings(config: pytest.Config) -> Settings:
         verdict_path=opt.kvprofile_verdict or config.getini("kvprofile_verdict") or None,
         backend_specs=tuple(backends),
         timeout=max(0.0, timeout),
-        waste_slack_mib=max(0.0, slack),
+        max_waste=_max_waste(config),
     )
+
+
+def _max_waste(config: pytest.Config) -> WasteBudget | None:
+    """The waste budget: the option, else its ini twin, else the deprecated ``kvprofile_workspace_slack_mib``
+    (MiB; it used to fail any waste above it, and keeps doing so where a project set it); else none."""
+    for source, raw in (("--kvprofile-max-waste", config.option.kvprofile_max_waste),
+                        ("ini option kvprofile_max_waste", config.getini("kvprofile_max_waste")),
+                        ("ini option kvprofile_workspace_slack_mib", config.getini("kvprofile_workspace_slack_mib"))):
+        if raw not in (None, ""):
+            try:
+                return parse_waste_budget(str(raw), source)
+            except ValueError as exc:
+                raise pytest.UsageError(str(exc)) from None
+    return None
 
 
 def _ini_float(config: pytest.Config, name: str) -> float:
@@ -347,6 +366,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         summarize,
         table_lines,
         verdict_lines,
+        waste_lines,
     )
 
     terminalreporter.section("kvprofile summary")
@@ -362,6 +382,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if legacy:
         terminalreporter.section("kvprofile legacy-path cost (what KV sizing does not see; information)")
         for line in legacy:
+            terminalreporter.write_line(line)
+    waste = waste_lines(state.records)
+    if waste:
+        terminalreporter.section("kvprofile workspace waste (KV capacity lost; a cost, refused only over a budget)")
+        for line in waste:
             terminalreporter.write_line(line)
     verdict = verdict_document(state)
     partial = partial_lines(verdict)

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import pytest
 
-from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions
+from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, WasteBudget
 from pytest_kvprofile.contract.backends import (
     Backend,
     check_requirements,
@@ -38,7 +38,6 @@ from pytest_kvprofile.lifecycle.driver import (
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, Matrix
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_matrix
-from pytest_kvprofile.units import MiB
 
 RESULT_CACHE_SIZE = 32
 FACTORY_ERROR = "error"  # the path of a pair whose factory or declaration raised: every check reports it
@@ -52,11 +51,11 @@ class Settings:
     verdict_path: str | None = None
     backend_specs: tuple[str, ...] = ()
     timeout: float = 0.0
-    waste_slack_mib: float = 2.0
+    max_waste: WasteBudget | None = None  # --kvprofile-max-waste; None: waste reported, not refused
 
     @property
     def check_options(self) -> CheckOptions:
-        return CheckOptions(waste_slack_bytes=int(self.waste_slack_mib * MiB))
+        return CheckOptions(max_waste=self.max_waste)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from importlib import metadata
 from typing import Any
 
-from pytest_kvprofile.report.summary import legacy_costs, summarize
+from pytest_kvprofile.report.summary import legacy_costs, summarize, waste_costs, waste_reason
 
 SCHEMA_VERSION = 1
 
@@ -97,6 +97,7 @@ def verdict_document(session: Any) -> dict:
             by_backend[rec["backend"]].append(rec)
     costs = legacy_costs(session.records)
     refused_pairs = session.refused_pairs()
+    wastes = waste_costs(session.records)
     for backend in session.backends:
         results = [
             {"check": r["check"], "case": r["case"], "outcome": r["outcome"], "message": r.get("message")}
@@ -114,6 +115,7 @@ def verdict_document(session: Any) -> dict:
             "planned": session.planned(backend),
             "refused_layouts": refused,
             "legacy_cost": costs.get(backend.name, []),
+            "waste": wastes.get(backend.name, []),
         }))
     doc["partial"] = any(b["partial"] for b in doc["backends"])
     return doc
@@ -163,8 +165,10 @@ def backend_verdict(entry: dict) -> dict:
         worst = f"; up to {cost[0]['mib']:.2f} MiB ({cost[0]['kv_tokens']} KV tokens) appear after KV sizing " \
                 f"on {cost[0]['case']}" if cost and cost[0]["bytes"] else ""
         reasons.append(f"legacy path: nothing to opt in ({legacy}{worst})")
+    waste = waste_reason(entry.get("waste") or [])
     return dict(
         entry,
+        cost_reasons=[waste] if waste else [],
         results=recs,
         refused_layouts=sorted(entry["refused_layouts"], key=lambda r: r["case"]),
         counts=dict(Counter(r["outcome"] for r in recs)),
@@ -226,6 +230,7 @@ def _merge_backend(found: list[tuple[str, dict]]) -> dict:
     declared = dict(first.get("declared_support") or {})
     results: list[dict] = []
     costs: list[dict] = []
+    wastes: list[dict] = []
     disagreements: list[str] = []
     for source, b in found:
         for case, checks in (b.get("planned") or {}).items():
@@ -234,6 +239,7 @@ def _merge_backend(found: list[tuple[str, dict]]) -> dict:
             refused.setdefault(r["case"], r["reason"])
         results += [dict(r, source=source) for r in b.get("results") or []]
         costs += b.get("legacy_cost") or []
+        wastes += b.get("waste") or []
         if (b.get("declared_support") or {}) != declared:
             disagreements.append(source)
     entry = backend_verdict({
@@ -246,6 +252,7 @@ def _merge_backend(found: list[tuple[str, dict]]) -> dict:
         "planned": {case: sorted(checks) for case, checks in sorted(planned.items()) if case not in refused},
         "refused_layouts": [{"case": c, "reason": r} for c, r in refused.items()],
         "legacy_cost": sorted(costs, key=lambda c: (-c["bytes"], c["case"])),
+        "waste": sorted({w["case"]: w for w in wastes}.values(), key=lambda c: (-c["bytes"], c["case"])),
     })
     if disagreements:
         entry["reasons"].append(f"the runners disagree on declared support ({name} vs {', '.join(disagreements)})")

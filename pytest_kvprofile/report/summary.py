@@ -64,6 +64,48 @@ def legacy_cost_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def waste_costs(records: list[dict]) -> dict[str, list[dict]]:
+    """Per opted-in backend, each case's workspace waste (``checks/workspace.py``), largest first."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for rec in records:
+        waste = rec.get("waste")
+        if rec.get("backend") and waste:
+            out[rec["backend"]].append(waste)
+    return {b: sorted(costs, key=lambda c: (-c["bytes"], c["case"])) for b, costs in sorted(out.items())}
+
+
+def waste_reason(costs: list[dict]) -> str | None:
+    """The verdict's cost line: the worst case's waste in MiB, bytes and KV tokens, or None without waste."""
+    if not costs or not costs[0]["bytes"]:
+        return None
+    worst = costs[0]
+    wasting = sum(1 for c in costs if c["bytes"])
+    return (f"workspace waste (a cost, not a refusal unless over --kvprofile-max-waste): on {wasting} of "
+            f"{len(costs)} cases; at most {worst['mib']:.2f} MiB ({worst['bytes']} bytes, {worst['kv_tokens']} KV "
+            f"tokens per rank) on {worst['case']}")
+
+
+def waste_lines(records: list[dict]) -> list[str]:
+    """Information, not failures (unless a budget is set): what each backend reserves beyond the planned routes."""
+    lines = []
+    for backend, costs in waste_costs(records).items():
+        reason = waste_reason(costs)
+        if reason is None:
+            continue
+        lines.append(f"{backend}: {reason}")
+        for b in costs[0]["builders"]:
+            if not b["waste_bytes"]:
+                continue
+            parts = [f"routes sized {', '.join(b['sized_routes']) or 'none (all trtllm-gen)'}"]
+            if b["float_waste_bytes"]:
+                parts.append(f"float workspace {b['float_waste_bytes'] / MiB:.2f} MiB beyond the need (arena "
+                             f"{b['arena_bytes'] / MiB:.2f} MiB, own buffers {b['private_float_bytes'] / MiB:.2f} MiB)")
+            if b["unused_trtllm_bytes"]:
+                parts.append(f"trtllm-gen workspace no route uses {b['unused_trtllm_bytes'] / MiB:.2f} MiB")
+            lines.append(f"    {b['builder']}: " + "; ".join(parts))
+    return lines
+
+
 def table_lines(rows: list[dict]) -> list[str]:
     header = ("backend", "cases", "passed", "failed", "xfailed", "worst check", "fewest KV tokens (case)")
     body = []
@@ -86,6 +128,8 @@ def verdict_lines(doc: dict) -> list[str]:
         lines.append(f"{b['name']}: {verdict} ({counts or 'nothing ran'})")
         for reason in b["reasons"]:
             lines.append(f"    - {reason}")
+        for cost in b.get("cost_reasons", []):
+            lines.append(f"    - cost: {cost}")
     return lines
 
 

@@ -11,14 +11,17 @@ envelope through :func:`plan_envelope`, which reads the captured decode steps fr
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.sizing.analytic import PlanEnvelope
+from pytest_kvprofile.sizing.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.sizing.requirement import SizingResult, required_workspace
 
 DECODE_TC_MIN_GROUP = 4  # vLLM plans decode on tensor cores from a GQA group of 4 (and always under MTP)
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an inline matrix GPU without one is sized as a Hopper part
 _MEMO = "_kvprofile_for_case"  # per-case answers, in the (frozen) case's instance dict like cached_property
+_ROUTE_MEMO = "_kvprofile_route_need"  # need_for_routes' answers per set of routes, kept the same way
 
 
 def decode_tensor_cores(case: Case) -> bool:
@@ -76,3 +79,33 @@ def _for_layout(heads_q: int, heads_kv: int, heads_q_decode: int, head_dim: int,
         head_dim_vo=head_dim_vo, num_sm=num_sm, envelope=envelope, routes=route_names, decode_tensor_cores=tc,
         compute_capability=capability, use_oracle=use_oracle,
     )
+
+
+def route_of(sub_route: str) -> str:
+    """The case route (``prefill``, ``decode``, ``fa3``) a sized sub-route (``decode_tc_cuda_graph``) belongs to."""
+    return sub_route.split("_", 1)[0]
+
+
+def need_for_routes(case: Case, planned: Iterable[str] | None) -> tuple[int, tuple[str, ...]]:
+    """The float workspace the planner carves for the routes a builder plans natively, and those sub-routes.
+
+    ``planned``: case routes (``prefill``, ``decode``) whose wrappers plan into the float workspace; None means
+    every route of the case (a builder that names no route). A route sent elsewhere (trtllm-gen plans into its
+    own workspace) needs nothing here, so a builder whose routes are all trtllm-gen needs 0 bytes. Routes share
+    one float workspace per micro-batch and plan one after another, so the need is the maximum, not the sum.
+    """
+    wanted = frozenset(routes(case) if planned is None else planned)
+    memo = case.__dict__.setdefault(_ROUTE_MEMO, {})
+    answer = memo.get(wanted)
+    if answer is None:
+        sized = for_case(case)
+        subs = tuple(name for name in sized.routes if route_of(name) in wanted)
+        answer = memo[wanted] = (max((sized.routes[name].float_bytes for name in subs), default=0), subs)
+    return answer
+
+
+def vllm_default_float_bytes(case: Case) -> int:
+    """vLLM's default FlashInfer float workspace for the case's rank: max(394 MiB, batched tokens x rank query
+    heads x head dim x 16 B). The open vLLM pull request reserves it on purpose: safe, and a cost in KV capacity."""
+    tokens = case.envelope.max_num_batched_tokens
+    return max(VLLM_DEFAULT_FLOAT_BYTES, tokens * case.heads.heads_q * case.model.head_dim * 16)

@@ -81,6 +81,7 @@ def case_row(case: Case, *, use_oracle: bool | None = None) -> dict[str, Any]:
         "required_float_mib": round(need / MiB, 2),
         "required_int_bytes": res.int_bytes,
         "worst_route": res.worst_route,
+        "sized_routes": list(res.routes),
         "worst_batch": {"num_requests": len(qo), "tokens": sum(qo), "max_kv_len": max(kv, default=0),
                         "cuda_graph": graph},
         "exact": res.exact,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import threading
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -128,6 +129,40 @@ def get_host_planner() -> HostPlanner:
     return planner
 
 
+PlanObserver = Callable[[SimDevice, str, Any, bool], None]
+_plan_observers: list[PlanObserver] = []
+
+
+def observe_plans(callback: PlanObserver) -> Callable[[], None]:
+    """Call ``callback(device, route, float_workspace, cuda_graph)`` for every ``plan()`` served from now on; the
+    returned function stops it. ``route`` is the wrapper's (``prefill``, ``decode``, ``mla``): a tensor-core decode
+    wrapper plans with the prefill module but is a decode route. Why: the workspace check sizes the routes a
+    builder's wrappers really plan, into the buffers they really plan into."""
+    _plan_observers.append(callback)
+
+    def stop() -> None:
+        if callback in _plan_observers:
+            _plan_observers.remove(callback)
+
+    return stop
+
+
+def _note_plan(device: SimDevice, module_route: str, float_ws: Any, cuda_graph: bool) -> None:
+    if not _plan_observers:
+        return
+    route, frame = module_route, sys._getframe(2)
+    for _ in range(8):  # the wrapper whose plan() called the module: its class names the route
+        if frame is None:
+            break
+        kind = type(frame.f_locals.get("self")).__name__
+        if "Decode" in kind or "Prefill" in kind or "MLA" in kind:
+            route = "decode" if "Decode" in kind else "mla" if "MLA" in kind else "prefill"
+            break
+        frame = frame.f_back
+    for callback in tuple(_plan_observers):
+        callback(device, route, float_ws, bool(cuda_graph))
+
+
 def _device_tuple(device: SimDevice) -> tuple[int, int, int, int]:
     from pytest_kvprofile.memory.torch_mode import smem_optin_for
 
@@ -202,6 +237,7 @@ def _mla_module(device: SimDevice, backend: str) -> Any:
         if qo.numel() < lens.numel() + 1 or kv.numel() < lens.numel() + 1:
             raise ValueError("MLA plan needs qo_indptr and kv_indptr of at least len(kv_len) + 1 entries")
         try:
+            _note_plan(device, "mla", float_ws, True)
             return get_host_planner().mla(
                 float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
                 qo.data_ptr(), kv.data_ptr(), lens.data_ptr(), int(lens.numel()), int(num_heads), int(head_dim_o),
@@ -234,6 +270,7 @@ def _prefill_module(device: SimDevice, module_args: Sequence[Any]) -> SimpleName
         qo = _host_int32(qo_indptr, "qo_indptr")
         kv = _host_int32(kv_indptr, "kv_indptr")
         try:
+            _note_plan(device, "prefill", float_ws, cuda_graph)
             return get_host_planner().prefill(
                 float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
                 qo.data_ptr(), kv.data_ptr(), int(total_num_rows), int(batch_size), int(heads_q), int(heads_kv),
@@ -285,6 +322,7 @@ def _decode_module(device: SimDevice, module_args: Sequence[Any]) -> SimpleNames
         group = int(heads_q) // max(int(heads_kv), 1)
         blocks = decode_blocks_per_sm_bound(int(head_dim_qk), group, dev[1], kv_bytes)
         try:
+            _note_plan(device, "decode", float_ws, cuda_graph)
             return get_host_planner().decode(
                 float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
                 kv.data_ptr(), int(batch_size), int(heads_q), int(heads_kv), int(page_size), bool(cuda_graph),

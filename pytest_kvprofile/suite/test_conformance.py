@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pytest_kvprofile.checks.catalog import CHECKS
+from pytest_kvprofile.checks.workspace import case_waste
 from pytest_kvprofile.lifecycle.record import LEGACY
 from pytest_kvprofile.plugin.recorder import RECORD_KEY
 from pytest_kvprofile.plugin.timeouts import call_with_timeout
@@ -29,6 +30,10 @@ def _make_test(check: Any) -> Any:
         )
         if result is not None and result.budget is not None and check.name == "no_post_kv_overrun":
             record["budget"] = budget_record(result.budget, case.id)
+        if result is not None and check.name == "workspace_covers_planner":
+            waste = case_waste(result)
+            if waste is not None:
+                record["waste"] = waste.as_dict()
         if result is not None and result.path == LEGACY and check.name == "legacy_path_unchanged":
             cost = post_kv_cost(result)
             if cost is not None:

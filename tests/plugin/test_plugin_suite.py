@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, MUTANT_CHECK_OPTIONS
 from pytest_kvprofile.checks.catalog import CHECKS, checks_for
 
 # the tiny matrix carries no resource, so the resource-capacity check has nothing to look at there; no stub
@@ -44,7 +44,9 @@ def test_k_selects_by_check_backend_and_layout(pytester, suite_args):
 def test_each_mutant_fails_with_a_message_naming_the_rule(pytester, suite_args, mutant):
     backend = next(m for m in MUTANT_BACKENDS if m.name == mutant)
     own = [c for c in CHECKS if backend.bug_class in c.bugs]
-    result = pytester.runpytest(*suite_args, "--kvprofile-backend", mutant, "-q")
+    budget = MUTANT_CHECK_OPTIONS[mutant].max_waste if mutant in MUTANT_CHECK_OPTIONS else None
+    waste = ["--kvprofile-max-waste", f"{budget.amount:g}"] if budget else []  # judged under a waste budget
+    result = pytester.runpytest(*suite_args, "--kvprofile-backend", mutant, "-q", *waste)
     assert result.ret == 1
     text = result.stdout.str()
     assert any(f"[{c.name}] {c.rule}" in text for c in own), text[-3000:]

@@ -1,9 +1,9 @@
 """One number per case: what ``workspace_covers_planner`` demands is what the JSON sizing report and
 ``kvprofile size`` say, on every distinct layout of the default matrix.
 
-The check is exercised, not just ``for_case``: a REQUIRED builder declaring exactly the CLI's bytes
-passes it, 16 bytes less (one FlashInfer alignment unit) fails for a shortfall, and one byte past the
-allowed slack fails for waste.
+The check is exercised, not just ``for_case``: a REQUIRED builder declaring exactly the CLI's bytes (and
+planning every route into views of that size) passes it, 16 bytes less (one FlashInfer alignment unit) fails
+for a shortfall, and 2 MiB more per micro-batch is reported as waste, which fails only over a waste budget.
 """
 
 from __future__ import annotations
@@ -14,22 +14,25 @@ import json
 
 import pytest
 
-from pytest_kvprofile.checks.base import CheckOptions
+from pytest_kvprofile.checks.base import CheckOptions, WasteBudget
 from pytest_kvprofile.checks.workspace import check_workspace_covers_planner
 from pytest_kvprofile.cli import main
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.protocol import WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.lifecycle.driver import make_device
-from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult, ProbeTarget
+from pytest_kvprofile.lifecycle.phases import RESERVATION
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult, ProbeTarget, ViewGrant
 from pytest_kvprofile.matrix.cases import Envelope, layout_case
 from pytest_kvprofile.matrix.gpus import lookup_gpu
 from pytest_kvprofile.matrix.models import ModelSpec
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.sizing.comparison import distinct_layout_cases, report_for_matrix
+from pytest_kvprofile.units import MiB
 
 DEFAULT = packaged_matrix("default")
 OPTIONS = CheckOptions()
+BUDGET = CheckOptions(max_waste=WasteBudget(2.0))
 
 
 class Declares:
@@ -41,13 +44,17 @@ class Declares:
         return ProfilingSupport.REQUIRED
 
 
-def _verdict(case, float_bytes: int, int_bytes: int) -> list[str]:
+def _verdict(case, float_bytes: int, int_bytes: int, options: CheckOptions = OPTIONS) -> list[str]:
+    """The check on a record where the builder declared ``float_bytes`` and asked each micro-batch's arena for a
+    view of that size, naming no route (so every route of the case plans into it)."""
+    views = [ViewGrant(RESERVATION, Declares.name, "reserve_persistent_workspace", None, u, 0,
+                       -(-float_bytes // 256) * 256) for u in range(case.envelope.num_ubatches)]
     result = LifecycleResult(
         backend="one-truth", case=case, probe=ProbeTarget(None, case, make_device), policy=EnginePolicy(),
         builders=[Declares()], path=PROFILING,
-        declared={Declares.name: WorkspaceDeclaration(float_bytes, int_bytes)},
+        declared={Declares.name: WorkspaceDeclaration(float_bytes, int_bytes)}, grants=views,
     )
-    return check_workspace_covers_planner(result, OPTIONS)
+    return check_workspace_covers_planner(result, options)
 
 
 def _cli(case, *extra: str) -> dict:
@@ -71,8 +78,9 @@ def test_check_report_and_cli_agree_on_every_distinct_default_layout():
         assert _verdict(case, need, need_int) == [], case.id
         short = _verdict(case, need - 16, need_int)
         assert len(short) == 1 and "short by" in short[0], (case.id, short)
-        waste = _verdict(case, need + OPTIONS.waste_slack_bytes + 1, need_int)
-        assert len(waste) == 1 and "wasted" in waste[0], (case.id, waste)
+        assert _verdict(case, need + 2 * MiB, need_int) == [], case.id
+        waste = _verdict(case, need + 2 * MiB, need_int, BUDGET)
+        assert len(waste) == 1 and "wasted" in waste[0] and "over the waste budget" in waste[0], (case.id, waste)
 
 
 def test_capture_sizes_are_tokens_and_mtp_divides_them():
