@@ -201,6 +201,10 @@ def merge_verdicts(docs: dict[str, dict]) -> dict:
         for b in doc.get("backends", []):
             entries[b["name"]].append((name, b))
     for backend, found in entries.items():
+        unplanned = [name for name, b in found if not isinstance(b.get("planned"), dict)]
+        if unplanned:
+            raise MergeError(f"backend {backend!r} in {', '.join(unplanned)} does not say which cases its matrix has "
+                             "(no 'planned'; written by an older pytest-kvprofile): run it again to merge it")
         versions_seen = {name: b.get("version") for name, b in found}
         if len(set(versions_seen.values())) > 1:
             raise MergeError(f"backend {backend!r} has different versions: "

@@ -147,7 +147,7 @@ def _session(declared: dict[str, str]) -> Any:
     return SimpleNamespace(
         tier="cpu", hardware=None, matrix_digest=lambda: "d", matrices=[], records=[record], backends=[backend],
         profiles={"b": SimpleNamespace(declared_support=declared)},
-        planned=lambda backend: {"c": ["support_declaration"]}, refused_pairs=lambda: [],
+        planned=lambda backend: {"c": ["support_declaration"]}, refused_pairs=list,
     )
 
 

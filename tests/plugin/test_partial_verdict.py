@@ -161,3 +161,10 @@ def test_merging_what_is_not_a_verdict_is_an_error(tmp_path: Path, capsys):
     assert cli_main(["verdict", "merge", str(tmp_path / "x.json"), str(tmp_path / "missing.json"),
                      "-o", str(tmp_path / "o.json")]) == 2
     assert "not a kvprofile verdict" in capsys.readouterr().err
+
+
+def test_a_verdict_without_its_planned_matrix_cannot_be_merged():
+    old = _doc()
+    del old["backends"][0]["planned"]
+    with pytest.raises(MergeError, match=r"backend 'b' in OLD does not say which cases its matrix has"):
+        merge_verdicts({"NEW": _doc(), "OLD": old})
