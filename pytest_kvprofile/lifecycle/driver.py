@@ -475,13 +475,14 @@ class LifecycleRun:
 
     def _start_second_engine(self) -> None:
         """A second engine of the same backend in the same process, after this one, when this run left memory in
-        process-wide state: reusing it, the second makes none that the state keeps (simulated devices only)."""
+        process-wide state: reusing it, the second makes none that the state keeps (opted-in runs on simulated
+        devices only: the check that reads it judges the profiling path)."""
         from pytest_kvprofile.lifecycle.module_state import SecondEngine
         from pytest_kvprofile.memory.device import SimDevice
 
         parts = set(self._parts.values())
         mine = {id(a) for a in self.result.allocations}
-        if self.result.errors or not isinstance(self.device, SimDevice) or not any(
+        if self.result.errors or self.result.path != PROFILING or not isinstance(self.device, SimDevice) or not any(
                 id(h.alloc) in mine and h.alloc.owner in parts for h in self.result.module_held):
             return
         second = _SecondEngineRun(self.result.probe, self.result.probe.device_factory(self.case)).run()

@@ -99,27 +99,31 @@ def _modules_by_file() -> dict[str, types.ModuleType]:
     return _by_file[1]
 
 
-_stateful: dict[str, None] = {}  # modules in which a run's builders were found keeping memory, in order
+_stateful: dict[str, set[str]] = {}  # module -> the parts found keeping memory in it, modules in order
 
 
 def remember(held: Iterable[ModuleHeld]) -> None:
-    """The modules of ``held``: where ``fresh_view`` looks before every later run in this process."""
+    """The modules and owners of ``held``: what ``fresh_view`` takes back before every later run."""
     for h in held:
-        _stateful.setdefault(h.module, None)
+        _stateful.setdefault(h.module, set()).add(h.alloc.owner)
 
 
 def fresh_view(memory_of: MemoryOf) -> int:
     """Put what earlier runs left in process-wide state back to what a fresh process starts from; the count.
 
-    Only modules where a run was found keeping memory are looked at, so a process that never met such state
-    pays nothing. Memory no place the harness may change holds (frozen objects) stays: such memory is marked
+    Only modules where a run's parts were found keeping memory are looked at, so a process that never met
+    such state pays nothing, and only memory of parts of those names is taken back (a library's own state,
+    attributed to no part, stays). Memory no place the harness may change holds (frozen objects) stays: such memory is marked
     (``ModuleHeld.resettable``) and refused on the case that makes it.
     """
     if not _stateful:
         return 0
     modules = [sys.modules[n] for n in _stateful if n in sys.modules]
+    owners = set().union(*_stateful.values())
     cleared = 0
-    for _held, slots in _found(modules, memory_of).values():
+    for held, slots in _found(modules, memory_of).values():
+        if held.alloc.owner not in owners:
+            continue
         done = False
         for slot, outer in slots:  # every place that holds it (or, frozen, the place that holds that)
             done = (_clear(slot) or _clear(outer)) or done

@@ -96,9 +96,11 @@ def test_a_fresh_view_puts_every_place_back_to_what_a_fresh_process_holds(monkey
     device = SimDevice(name="x", total_memory=1 << 34, num_sm=100)
     mod = _module_with_state(device)
     monkeypatch.setitem(__import__("sys").modules, mod.__name__, mod)
-    monkeypatch.setattr(module_state, "_stateful", {mod.__name__: None})
+    monkeypatch.setattr(module_state, "_stateful", {mod.__name__: {"b"}})
+    mod.LIBRARY = device.allocate(1 << 20, owner="flashinfer/utils.py:12", tag="library cache")
     assert fresh_view(_memory) == 9
-    assert held_in_modules([mod], _memory) == []
+    assert mod.LIBRARY is not None  # no part of the backend made it: a library's own state stays
+    assert [h.alloc.tag for h in held_in_modules([mod], _memory)] == ["library cache"]
     assert mod.GLOBAL is None and mod.ALIAS == [] and mod.CACHE == {"decode": {}} and mod.Builder.shared == {"wrappers": []}
     assert mod.unbounded.cache_info().currsize == 0 and mod.bounded.cache_info().currsize == 0
     assert mod.get() is None and mod.with_default() == {} and not hasattr(mod.LOCAL, "ws")
@@ -120,7 +122,7 @@ def test_memory_a_fresh_view_cannot_take_back_is_marked_so(monkeypatch):
     mod.PINNED = [_Frozen(_Frozen(b))]  # two frozen levels: no place the harness may change holds it
     assert {h.alloc.tag: h.resettable for h in held_in_modules([mod], _memory)} == {"a": True, "b": False}
     monkeypatch.setitem(__import__("sys").modules, mod.__name__, mod)
-    monkeypatch.setattr(module_state, "_stateful", {mod.__name__: None})
+    monkeypatch.setattr(module_state, "_stateful", {mod.__name__: {"b"}})
     fresh_view(_memory)
     assert mod.FROZEN == {} and mod.ALSO is None and len(mod.PINNED) == 1
 
@@ -164,7 +166,8 @@ def fresh_process(monkeypatch):
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
     sim = SimulatedCuda(SimDevice(name="x", total_memory=1 << 34, num_sm=100))  # knows every simulation's tensors
-    monkeypatch.setattr(module_state, "_stateful", dict.fromkeys([process_state.__name__]))
+    owners = {"flashinfer", "flashinfer-torch"}
+    monkeypatch.setattr(module_state, "_stateful", {process_state.__name__: owners})
     fresh_view(lambda v: v if isinstance(v, Allocation) else sim.memory_of(v) if isinstance(v, torch.Tensor) else None)
     monkeypatch.setattr(module_state, "_stateful", {})
 
