@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
+    alive_at_end,
     builder_names,
     grouped,
     lease_released_sites,
@@ -47,7 +48,7 @@ def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> 
 def _cached_left_behind(result: LifecycleResult, names: set[str]) -> str:
     """Cached free blocks at the post-KV peak, each named by the post-KV builder allocations that last used it."""
     freed = [a for a in result.allocations
-             if a.owner in names and a.kind == "device" and a.phase in lc.POST_KV_PHASES and not a.alive]
+             if a.owner in names and a.kind == "device" and a.phase in lc.POST_KV_PHASES and not alive_at_end(a)]
     parts = []
     for ptr, size in sorted(result.post_kv_peak_cached, key=lambda b: (-b[1], b[0])):
         users = [a for a in freed if a.ptr < ptr + size and ptr < a.ptr + a.size]

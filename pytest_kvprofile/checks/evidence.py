@@ -24,18 +24,16 @@ def alive_at_end(a: Any) -> bool:
     return a.freed_phase is None or a.freed_phase == lc.TEARDOWN
 
 
+def alive_at(a: Any, phase: str) -> bool:
+    """Alive at the end of ``phase``: made in it or before, freed after it or never (``teardown`` is after all)."""
+    made, limit = lc.PHASE_INDEX.get(a.phase, -1), lc.PHASE_INDEX[phase]
+    return 0 <= made <= limit and (a.freed_phase is None or lc.PHASE_INDEX.get(a.freed_phase, -1) > limit)
+
+
 def live_device_bytes(result: LifecycleResult, owner: str, at_phase: str) -> int:
     """Device bytes owned by ``owner`` alive at the end of ``at_phase``."""
-    order = lc.PHASE_ORDER
-    limit = order.index(at_phase)
-    total = 0
-    for a in result.allocations:
-        if a.owner != owner or a.kind != "device" or a.phase not in order or order.index(a.phase) > limit:
-            continue
-        freed = a.freed_phase
-        if freed is None or (freed in order and order.index(freed) > limit):
-            total += a.nbytes
-    return total
+    return sum(a.nbytes for a in result.allocations
+               if a.owner == owner and a.kind == "device" and alive_at(a, at_phase))
 
 
 def lease_released_sites(result: LifecycleResult, owner: str) -> set[tuple[str, str, int]]:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
+    alive_at,
     fmt_alloc,
     grouped,
     lease_released_sites,
@@ -65,12 +66,6 @@ def check_lease_outlives_closing_measurement(result: LifecycleResult, options: C
     return out
 
 
-def _alive_at(a: Any, phase: str) -> bool:
-    """Alive at the end of ``phase`` (made in it or before, freed after it or never; ``teardown`` is after all)."""
-    made, limit = lc.PHASE_INDEX.get(a.phase, -1), lc.PHASE_INDEX[phase]
-    return 0 <= made <= limit and (a.freed_phase is None or lc.PHASE_INDEX.get(a.freed_phase, -1) > limit)
-
-
 def check_lease_released_before_graph_profiling(result: LifecycleResult, options: CheckOptions) -> list[str]:
     """The lease is released, and nothing the engine counted is counted twice, judged by bytes.
 
@@ -91,10 +86,10 @@ def check_lease_released_before_graph_profiling(result: LifecycleResult, options
         for phase in lc.PHASE_ORDER[lc.PHASE_INDEX[lc.GRAPH_PROFILING]:lc.PHASE_INDEX[lc.WARMUP_REPEAT] + 1]:
             if result.phase(phase) is None:
                 continue
-            kept = [by_id[aid] for aid in sorted(leased) if _alive_at(by_id[aid], phase)]
+            kept = [by_id[aid] for aid in sorted(leased) if alive_at(by_id[aid], phase)]
             remade = [a for a in result.allocations
                       if a.owner == rec.owner and a.kind == "device" and a.id not in leased
-                      and lc.PHASE_INDEX.get(a.phase, -1) >= released_at and _alive_at(a, phase)]
+                      and lc.PHASE_INDEX.get(a.phase, -1) >= released_at and alive_at(a, phase)]
             live = live_device_bytes(result, rec.owner, phase)
             if not kept or not remade or live <= counted:
                 continue

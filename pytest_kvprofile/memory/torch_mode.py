@@ -464,8 +464,8 @@ class SimulatedCuda:
         def caching_allocator_delete(mem_ptr: int) -> None:
             alloc = direct.pop(int(mem_ptr), None)
             if alloc is None:
-                raise ValueError(f"caching_allocator_delete: {mem_ptr:#x} is not a live caching_allocator_alloc pointer "
-                                 "(freed already: a double free; or never allocated by it)")
+                raise ValueError(f"caching_allocator_delete: {mem_ptr:#x} is not a live caching_allocator_alloc "
+                                 "pointer (freed already: a double free; or never allocated by it)")
             dev.free(alloc)
 
         def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, object]]:

@@ -49,8 +49,8 @@ class InitWrapperBuilder(TorchFlashInferLikeBuilder):
 
 
 def _backend(torch_mode: bool) -> Backend:
-    return Backend(name=f"init-wrapper-{'torch' if torch_mode else 'ctx'}", make_builders=lambda c: [InitWrapperBuilder(c)],
-                   origin="test", torch_mode=torch_mode)
+    return Backend(name=f"init-wrapper-{'torch' if torch_mode else 'ctx'}",
+                   make_builders=lambda c: [InitWrapperBuilder(c)], origin="test", torch_mode=torch_mode)
 
 
 def _first_case() -> Any:
