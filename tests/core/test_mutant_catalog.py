@@ -146,7 +146,25 @@ def _m12_reserves_what_the_planner_needs(case: Case) -> str | None:
 # 0.7.x's CUDA-graph padding adds nothing the 0.6.x formula misses for head_dim 256 at TP 4 on
 # 132 SMs (H100/H200, no MTP) and on the L40S's 142 SMs with MTP 1 or 3; it lands 1.13 to 1.63 MiB
 # above the requirement on each of its two micro-batch arenas, inside the 4 MiB waste budget it is judged under.
+def _every_route_needs_the_same(case: Case) -> str | None:
+    """Why mutants 11c/11d are correct on a case: the smallest sub-route needs what the largest does, so a view
+    sized for it covers every route planned into it."""
+    needs = [r.float_bytes for r in for_case(case).routes.values()]
+    return None if min(needs) == max(needs) else f"sub-routes need {min(needs)} to {max(needs)} B"
+
+
+# Mutants 11c/11d size every view for the case's smallest sub-route: at MTP 3 with DCP (or TP 8) on these layouts
+# every sub-route of the planner needs the same bytes, so they are the correct stub there.
+SAME_NEED_LAYOUTS = frozenset([
+    "llama-3-70b-tp8-dcp4-mtp3-b200", "llama-3-70b-tp8-dcp4-mtp3-rtx-pro-6000-blackwell",
+    "glm-4-9b-32q2kv-tp4-dcp4-mtp3-b200", "glm-4-9b-32q2kv-tp2-dcp2-mtp3-rtx-pro-6000-blackwell",
+    "glm-4-9b-32q2kv-tp4-dcp4-mtp3-rtx-pro-6000-blackwell", "gemma-2-9b-hd256-tp8-dcp4-mtp3-l40s",
+    "gemma-2-9b-hd256-tp8-dcp4-mtp3-b200", "gemma-2-9b-hd256-tp8-dcp4-mtp3-rtx-pro-6000-blackwell",
+])
+
 EQUIVALENT: dict[str, tuple[frozenset[str], Callable[[Case], str | None]]] = {
+    "mutant-11c-short-native-route": (SAME_NEED_LAYOUTS, _every_route_needs_the_same),
+    "mutant-11d-torch-short-native-route": (SAME_NEED_LAYOUTS, _every_route_needs_the_same),
     M12: (frozenset(
         [f"gemma-2-9b-hd256-tp4-dcp{d}-mtp{m}-l40s" for d in (1, 2, 4) for m in (1, 3)]
         + [f"gemma-2-9b-hd256-tp4-dcp{d}-mtp0-{g}" for d in (1, 2, 4) for g in ("h100", "h200")]

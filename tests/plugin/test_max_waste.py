@@ -39,3 +39,14 @@ def test_the_deprecated_slack_ini_is_a_budget_in_mib(pytester, suite_args):
                                 "-k", "workspace_covers and tp1-dcp1")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*over the waste budget of 64 MiB (ini option kvprofile_workspace_slack_mib)*"])
+
+
+def test_the_ini_twin_takes_a_share_of_the_kv_pool(pytester, suite_args):
+    pytester.makeini("[pytest]\nkvprofile_max_waste = 1%\n")
+    result = pytester.runpytest(*suite_args, "--kvprofile-backend", "stub-vllm-default-arena",
+                                "-k", "workspace_covers and tp1-dcp1")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*over the waste budget of 1% of the KV pool (ini option kvprofile_max_waste)*"])
+    lenient = pytester.runpytest(*suite_args, "--kvprofile-backend", "stub-vllm-default-arena",
+                                 "-k", "workspace_covers and tp1-dcp1", "--kvprofile-max-waste", "100000 tok")
+    lenient.assert_outcomes(passed=1)  # the option wins over the ini
