@@ -61,7 +61,7 @@ def test_kvprofile_runs_the_suite_from_an_empty_directory(pytester):
 def test_kvprofile_alone_collects_the_default_matrix(pytester):
     result = pytester.runpytest("--kvprofile", "--collect-only", "-q", "-p", "no:cacheprovider")
     assert result.ret == 0
-    result.stdout.fnmatch_lines(["*55956 tests collected*"])
+    result.stdout.fnmatch_lines(["*58932 tests collected*"])
 
 
 def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_doubled(pytester):
@@ -69,9 +69,9 @@ def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_double
     args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--kvprofile-matrix", CI]
     with_suite = pytester.runpytest("--kvprofile", "test_own.py", *args)
     assert "test_own.py::test_own" in with_suite.stdout.lines
-    with_suite.stdout.fnmatch_lines(["2081/2082 tests collected (1 deselected)*"])
+    with_suite.stdout.fnmatch_lines(["2193/2194 tests collected (1 deselected)*"])
     named = pytester.runpytest("--kvprofile", "--pyargs", "pytest_kvprofile.suite", *args)
-    named.stdout.fnmatch_lines(["2080/2081 tests collected (1 deselected)*"])
+    named.stdout.fnmatch_lines(["2192/2193 tests collected (1 deselected)*"])
     without = pytester.runpytest("test_own.py", *args)
     without.stdout.fnmatch_lines(["*1 test collected*"])
 
