@@ -58,7 +58,9 @@ def check_int_workspace_per_wrapper(result: LifecycleResult, options: CheckOptio
         mine = [a for a in result.allocations if a.owner == name and a.kind == "device"]
         ints = [a for a in mine if a.role is Role.INT_WORKSPACE]
         out.extend(_sizes(result, name, decl, need, [a for a in ints if held(result, a)]))
-        if decl.int_bytes > 0 and mine:  # none: the device does not attribute this builder's memory (torch on a GPU)
+        # Its wrappers have int workspaces if it declares or makes any; with no memory of the builder attributed
+        # (torch-mode code on a real GPU) there is nothing to count.
+        if (decl.int_bytes > 0 or ints) and mine:
             out.extend(_per_wrapper(result, name, mine, ints))
         out.extend(_after_capture(result, name, ints))
     return out

@@ -47,7 +47,7 @@ def test_impossible_tp_is_skipped_with_its_reason_in_the_id_list(pytester):
     result.stdout.fnmatch_lines(["*tp=3 does not divide the 32 query heads of m32*"])
     assert "m32-tp3-dcp1-mtp0-l40s-gmu0.90" in result.stdout.str()
     # a one-micro-batch envelope has nothing to alias: that check is not generated at all
-    result.assert_outcomes(skipped=1, passed=14)
+    result.assert_outcomes(skipped=1, passed=15)
     assert "test_ubatch_arenas_disjoint" not in result.stdout.str()
 
 
