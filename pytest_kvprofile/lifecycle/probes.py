@@ -209,9 +209,11 @@ def _reserve(run: _ProbeRun, builder: Any) -> Any:
 
 
 def _held(device: Any, owner: str, before: set[int]) -> Held:
-    """What ``owner`` made since ``before`` (live allocation ids) and still holds: device and pinned host memory."""
+    """The device memory ``owner`` made since ``before`` (live allocation ids) and still holds: what KV sizing sees
+    (pinned host memory is not judged, as in the warmup probe; process-wide host caches such as FlashInfer's pinned
+    range buffer outlive any one reservation)."""
     return Counter((a.tag, a.nbytes, a.kind, a.stack or "") for a in device.live_allocations()
-                   if a.owner == owner and a.id not in before)
+                   if a.owner == owner and a.kind == "device" and a.id not in before)
 
 
 def _fault_points(allocs: list[Any]) -> list[int]:
@@ -277,8 +279,7 @@ def _fmt_held(held: Held) -> str:
     for (tag, nbytes, kind, stack), n in sorted(held.items(), key=lambda kv: (-kv[0][1] * kv[1], kv[0])):
         times = f" x {n} = {nbytes * n / MiB:.2f} MiB" if n > 1 else ""
         where = f" at {stack}" if stack else ""
-        host = " (pinned host)" if kind != "device" else ""
-        parts.append(f"{tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){host}{times}{where}")
+        parts.append(f"{tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){times}{where}")
     return "; ".join(parts)
 
 
