@@ -178,8 +178,8 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
 # ``materialize``), fails that reservation at an allocation, and checks: the injected error is what it raises (or
 # the explicit cause of it), nothing it made stays allocated, and a second reservation holds exactly what a clean one
 # holds. The fault points are the first allocation of each distinct site (owner, kind, role and source line; bytes
-# in ctx mode, which has no source line) and the last allocation, so the cost per builder is bounded by its
-# distinct sites, not by its wrappers (the last one fails with the most made before it).
+# in ctx mode, which has no source line) and the last allocation, at most MAX_FAULT_POINTS of them, so the cost per
+# builder is bounded, not proportional to its wrappers (the last one fails with the most made before it).
 
 Held = Counter  # (tag, bytes, kind, source line) -> count, of the builder's live allocations
 
@@ -216,8 +216,12 @@ def _held(device: Any, owner: str, before: set[int]) -> Held:
                    if a.owner == owner and a.kind == "device" and a.id not in before)
 
 
+MAX_FAULT_POINTS = 8  # per builder: each fault re-runs fresh builders up to their reservation
+
+
 def _fault_points(allocs: list[Any]) -> list[int]:
-    """Indices of the first allocation of each distinct site, and of the last allocation."""
+    """Indices of the first allocation of each distinct site, and of the last allocation; at most
+    ``MAX_FAULT_POINTS``, spread evenly over the sites (the first and the last always among them)."""
     seen, points = set(), []
     for i, a in enumerate(allocs):
         key = (a.owner, a.kind, a.role, a.stack or a.nbytes)  # the source line; in ctx mode, role and bytes
@@ -226,6 +230,9 @@ def _fault_points(allocs: list[Any]) -> list[int]:
             points.append(i)
     if allocs and points[-1] != len(allocs) - 1:
         points.append(len(allocs) - 1)
+    if len(points) > MAX_FAULT_POINTS:
+        step = (len(points) - 1) / (MAX_FAULT_POINTS - 1)
+        points = [points[round(j * step)] for j in range(MAX_FAULT_POINTS)]
     return points
 
 

@@ -211,6 +211,9 @@ def test_fault_points_are_bounded_by_distinct_sites():
     assert probes._fault_points(ctx_mode) == [0, 6]  # tags differ, the site (role, bytes) does not
     torch_mode = [A("x.py:1", 8 * MiB), A("x.py:2", 4), A("x.py:1", 8 * MiB), A("x.py:2", 4)]
     assert probes._fault_points(torch_mode) == [0, 1, 3]  # each source line once, and the last
+    many = [A(f"x.py:{i}", 4) for i in range(30)]
+    points = probes._fault_points(many)
+    assert len(points) == probes.MAX_FAULT_POINTS and points[0] == 0 and points[-1] == 29  # bounded, spread out
 
 
 def test_the_verdict_is_the_same_for_a_case_run_alone(case):

@@ -95,6 +95,7 @@ class ReservingFlashInferBuilder(VllmFlashInferBuilder):
         except BaseException:
             for ub in [ub for ub, b in self.builders.items() if any(b is m for m in made)]:
                 del self.builders[ub]  # nothing half-built stays: the first error is the one raised
+            self.last_metadata = None  # it holds the last wrapper built (its int workspace) alive
             raise
         return ctx.lease([*self.builders.values(), *views, self.trtllm_workspace])
 
