@@ -14,6 +14,7 @@ import dataclasses
 import sys
 import traceback
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any, Callable, Sequence
 
 from pytest_kvprofile.contract.backends import EnginePolicy
@@ -144,7 +145,7 @@ class LifecycleRun:
         self._parts: dict[int, str] = {}
         self._part_modules: dict[str, str] = {}
         self._in_manager = False
-        self._use_index: dict[tuple, int] = {}  # MemoryUse.key -> its position in result.uses
+        self._use_index: dict[tuple[object, ...], int] = {}  # MemoryUse.key -> its position in result.uses
         self.result = LifecycleResult(
             backend=getattr(self.backend, "name", str(self.backend)), case=self.case, probe=target,
             policy=self.policy,
@@ -813,7 +814,7 @@ def _cached_blocks(device: Any) -> tuple[tuple[int, int], ...]:
 def _caller_site() -> str:
     """``path:line in func`` of the builder code that called ``ctx.plan_into`` (the first frame outside the harness's
     protocol and driver)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename in _HARNESS_FILES:
         frame = frame.f_back
     if frame is None:

@@ -113,7 +113,7 @@ def _probe(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[
             with _fresh(target, state) as clean:
                 if clean is None:
                     continue
-                count = len(_allocations_of(clean.device, lambda r=clean, i=index: _warmup(r, r.builders[i])))
+                count = len(_allocations_of(clean.device, functools.partial(_warmup, clean, clean.builders[index])))
                 expected = _persistent(clean.device, name)
         except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
             cause = exc.__cause__ or exc  # a builder error the run recorded and aborted on
@@ -181,7 +181,7 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
 # in ctx mode, which has no source line) and the last allocation, at most MAX_FAULT_POINTS of them, so the cost per
 # builder is bounded, not proportional to its wrappers (the last one fails with the most made before it).
 
-Held = Counter  # (tag, bytes, kind, source line) -> count, of the builder's live allocations
+Held = Counter[tuple[str, int, str]]  # (tag, bytes, source line) -> count, of live device allocations
 
 
 def reservation_violations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) -> list[str]:
@@ -212,7 +212,7 @@ def _held(device: Any, owner: str, before: set[int]) -> Held:
     """The device memory ``owner`` made since ``before`` (live allocation ids) and still holds: what KV sizing sees
     (pinned host memory is not judged, as in the warmup probe; process-wide host caches such as FlashInfer's pinned
     range buffer outlive any one reservation)."""
-    return Counter((a.tag, a.nbytes, a.kind, a.stack or "") for a in device.live_allocations()
+    return Counter((a.tag, a.nbytes, a.stack or "") for a in device.live_allocations()
                    if a.owner == owner and a.kind == "device" and a.id not in before)
 
 
@@ -244,7 +244,7 @@ def _probe_reservations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) 
                 if clean is None:
                     continue
                 before = {a.id for a in clean.device.live_allocations()}
-                allocs = _allocations_of(clean.device, lambda r=clean, i=index: _reserve(r, r.builders[i]))
+                allocs = _allocations_of(clean.device, functools.partial(_reserve, clean, clean.builders[index]))
                 expected = _held(clean.device, name, before)
         except Exception as exc:  # noqa: BLE001 - the builder cannot even reserve once
             cause = exc.__cause__ or exc
@@ -283,7 +283,7 @@ def _first_error_wins(exc: BaseException) -> bool:
 
 def _fmt_held(held: Held) -> str:
     parts = []
-    for (tag, nbytes, kind, stack), n in sorted(held.items(), key=lambda kv: (-kv[0][1] * kv[1], kv[0])):
+    for (tag, nbytes, stack), n in sorted(held.items(), key=lambda kv: (-kv[0][1] * kv[1], kv[0])):
         times = f" x {n} = {nbytes * n / MiB:.2f} MiB" if n > 1 else ""
         where = f" at {stack}" if stack else ""
         parts.append(f"{tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){times}{where}")
@@ -291,7 +291,7 @@ def _fmt_held(held: Held) -> str:
 
 
 def _total(held: Held) -> int:
-    return sum(nbytes * n for (_tag, nbytes, _kind, _stack), n in held.items())
+    return sum(nbytes * n for (_tag, nbytes, _stack), n in held.items())
 
 
 def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, expected: Held,

@@ -151,7 +151,7 @@ class MemoryUse:
     count: int = 1
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[object, ...]:
         return (self.phase, self.owner, self.method, self.for_ubatch, self.ubatch, self.what, self.freed_phase,
                 self.via, self.stack)
 
