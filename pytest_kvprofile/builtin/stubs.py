@@ -303,7 +303,8 @@ class TorchFlashInferLikeBuilder(FlashInferLikeBuilder):
         import torch
 
         w.int_workspace[:64].copy_(torch.arange(64, dtype=torch.uint8))
-        w.view.tensor[:64].zero_()
+        if w.view.tensor is not None:  # an arena without tensors (a CUDA device's manager by default)
+            w.view.tensor[:64].zero_()
 
     def warmup(self, ctx: BuilderContext) -> None:
         import torch
