@@ -9,6 +9,7 @@ import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions, aborted_before
 from pytest_kvprofile.checks.freed import describe_use
 from pytest_kvprofile.contract.protocol import BoundWorkspace
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.units import MiB
@@ -85,6 +86,7 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
         for (u1, (_s1, e1)), (u2, (s2, _e2)) in zip(spans, spans[1:]):
             if s2 < e1:
                 out.append(f"phase {rec.name!r}: the arenas of ubatch {u1} and ubatch {u2} overlap")
+        private_users: dict[int, set[int]] = {}
         for bound in rec.bound:
             ub, ptr, nbytes = bound.workspace.ubatch, bound.workspace.ptr, bound.workspace.nbytes
             if ub not in arenas:
@@ -92,6 +94,13 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
             start, end = arenas[ub]
             if not (start <= ptr and ptr + nbytes <= end):
                 other = [u for u, (s, e) in arenas.items() if u != ub and s <= ptr < e]
+                own = None if other else _private_float_buffer(result, bound.owner, ptr, nbytes, rec.name)
+                if own is not None:  # float workspace of its own (a cost the sizing check counts), not aliasing
+                    private_users.setdefault(own.id, set()).add(ub)
+                    if len(private_users[own.id]) == 2:
+                        out.append(f"phase {rec.name!r}: {bound.owner}'s own float workspace {own.tag!r} is planned into "
+                                   f"by micro-batches {sorted(private_users[own.id])}: they would overwrite each other")
+                    continue
                 where = f"inside ubatch {other[0]}'s arena" if other else "outside its arena"
                 out.append(
                     f"phase {rec.name!r}: {bound.owner}'s {bound.workspace.role} for ubatch {ub} points {where} "
@@ -100,6 +109,17 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
         if out:
             break
     return out + _observed_ubatch_violations(result)
+
+
+def _private_float_buffer(result: LifecycleResult, owner: str, ptr: int, nbytes: int, phase: str) -> Any:
+    """The owner's own float workspace (``Role.FLOAT_WORKSPACE``, alive at the end of ``phase``) holding the range."""
+    k = lc.PHASE_INDEX.get(phase, len(lc.PHASE_ORDER))
+    for a in result.allocations:
+        if (a.owner == owner and a.role is Role.FLOAT_WORKSPACE and a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes
+                and lc.PHASE_INDEX.get(a.phase, k + 1) <= k
+                and (a.freed_phase is None or lc.PHASE_INDEX.get(a.freed_phase, k + 1) > k)):
+            return a
+    return None
 
 
 def _observed_ubatch_violations(result: LifecycleResult) -> list[str]:

@@ -111,6 +111,9 @@ class WorkspaceManager:
             if arena is not None:
                 self._allocation_generation[arena.id] = (ubatch, self._generations[ubatch])
             self.grow_count += 1
+        if arena is None:  # a zero-byte request before any arena exists: an empty view, nothing reserved
+            return ArenaView(ubatch=ubatch, ptr=0, nbytes=0, arena_size=0, tensor=None,
+                             generation=self._generations[ubatch])
         return ArenaView(ubatch=ubatch, ptr=arena.ptr, nbytes=nbytes, arena_size=arena.nbytes,
                          tensor=self._view(ubatch, nbytes), generation=self._generations[ubatch])
 

@@ -72,3 +72,10 @@ def test_the_manager_called_the_ctx_way_says_how_to_call_it(device):
     with pytest.raises(TypeError, match=r"requester's name first.*ctx.get_workspace\(nbytes, ubatch\)"):
         manager.get_workspace(4 * MiB, 1)
     assert manager.size(0) == 0 and manager.size(1) == 0
+
+
+def test_a_zero_byte_view_before_any_arena_is_empty(device):
+    manager = WorkspaceManager(device, num_ubatches=2)
+    view = manager.get_workspace("builder", 0, 1)
+    assert (view.ubatch, view.ptr, view.nbytes, view.arena_size) == (1, 0, 0, 0)
+    assert device.memory_allocated() == 0
