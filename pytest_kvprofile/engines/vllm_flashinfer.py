@@ -45,8 +45,8 @@ from pytest_kvprofile.engines.vllm_config import (
     standin_layers,
 )
 from pytest_kvprofile.engines.vllm_standins import (
-    VLLM_INSTALL_HINT,
     _BACKEND_MODULE,
+    VLLM_INSTALL_HINT,
     import_vllm_flashinfer,
     vllm_standins,
 )

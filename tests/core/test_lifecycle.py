@@ -3,10 +3,10 @@
 import pytest
 
 import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
-from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
 STUBS = {b.name: b for b in STUB_BACKENDS}
 

@@ -3,13 +3,13 @@
 import gc
 
 import pytest
+
 from pytest_kvprofile.units import GiB, MiB
 
 torch = pytest.importorskip("torch")
 
 from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice  # noqa: E402
 from pytest_kvprofile.memory.torch_mode import SimulatedCuda  # noqa: E402
-
 
 
 class FlashInferLikeBuilder:

@@ -18,9 +18,9 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pytest_kvprofile.matrix.schema import MatrixError, load_matrix_text, parse_matrix
-from pytest_kvprofile.matrix.models import impossible_layout, rank_heads
 from pytest_kvprofile.matrix.gpus import lookup_gpu, slugify
+from pytest_kvprofile.matrix.models import impossible_layout, rank_heads
+from pytest_kvprofile.matrix.schema import MatrixError, load_matrix_text, parse_matrix
 
 MATRIX_DIR = Path(__import__("pytest_kvprofile").__file__).parent / "matrices"
 SHIPPED = {p.name: p.read_text(encoding="utf-8") for p in sorted(MATRIX_DIR.glob("*.yaml"))}
