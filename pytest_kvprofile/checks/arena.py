@@ -12,6 +12,7 @@ from pytest_kvprofile.contract.protocol import BoundWorkspace
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.units import MiB
 
 
@@ -23,6 +24,7 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
         rec = result.phase(phase)
         if rec is None:
             continue
+        assert closing is not None, "a phase after the closing measurement ran, so the closing measurement did"
         if rec.arena != closing.arena:
             out.append(
                 f"the float arena moved or resized in phase {phase!r}: {_fmt_arena(closing.arena)} at the closing "
@@ -74,7 +76,7 @@ def check_arena_not_grown_after_lock(result: LifecycleResult, options: CheckOpti
     return [aborted] if aborted else []
 
 
-def _several_ubatches(case: Any, parts: list[Any]) -> bool:
+def _several_ubatches(case: Case, parts: list[Any]) -> bool:
     return case.envelope.num_ubatches >= 2
 
 
@@ -130,7 +132,7 @@ def _observed_ubatch_violations(result: LifecycleResult) -> list[str]:
     engine builds u's batches through it plans u into another micro-batch's arena.
     """
     out = []
-    wrong: dict[tuple, int] = {}
+    wrong: dict[tuple[str, str | None, str, int, int, int], int] = {}  # (requester, method, phase, for, got, bytes)
     asked: dict[str, set[int]] = {}
     for g in result.grants:
         asked.setdefault(g.requester, set()).add(g.ubatch)

@@ -16,6 +16,7 @@ from pytest_kvprofile.checks.evidence import (
     live_device_bytes,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.memory.device import Allocation
 from pytest_kvprofile.units import MiB
 
 
@@ -37,8 +38,12 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
                     and (a.freed_phase is None or lc.PHASE_ORDER.index(a.freed_phase) > lc.PHASE_ORDER.index(phase))
                 ]
                 released = lease_released_sites(result, owner)
+
+                def not_released(a: Allocation, r: set[tuple[str, str, int]] = released) -> bool:
+                    return (a.owner, a.tag, a.nbytes) not in r
+
                 detail = grouped(
-                    result, late, first=lambda a, r=released: (a.owner, a.tag, a.nbytes) not in r,
+                    result, late, first=not_released,
                 ) or "(memory re-used from earlier phases)"
                 out.append(
                     f"persistent_memory_visible_at_closing: builder {owner!r} holds {live / MiB:.2f} MiB after KV "

@@ -14,6 +14,7 @@ seen, with the buffer each planned into) and into float workspace of its own (``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
@@ -88,7 +89,7 @@ class CaseWaste:
     def kv_tokens(self) -> int:
         return tokens_for(self.nbytes, self.kv_bytes_per_token)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         pool = self.kv_pool_bytes
         return {
             "case": self.case, "bytes": self.nbytes, "mib": round(self.nbytes / MiB, 2), "kv_tokens": self.kv_tokens,
