@@ -15,7 +15,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
@@ -86,6 +86,9 @@ from pytest_kvprofile.memory.budget import (
 )
 from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
 LOCK_PROBE = "kvprofile-lock-probe"
 
 
@@ -140,8 +143,9 @@ class LifecycleRun:
         self._peak_used = 0
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
-        self._torch: Any = None
-        self._sim: Any = None  # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
+        self._torch: SimulatedCuda | None = None
+        # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
+        self._sim: SimulatedCuda | None = None
         self._parts: dict[int, str] = {}
         self._part_modules: dict[str, str] = {}
         self._in_manager = False
@@ -677,7 +681,7 @@ class LifecycleRun:
     def _max_split(self) -> Any:
         """The allocator's split limit where the engine scopes it (``EnginePolicy.profile_max_split_mib``); a device
         without the caching-allocator model (the GPU tier's) keeps its own configuration."""
-        allocator = getattr(self.device, "allocator", None)
+        allocator: Any = getattr(self.device, "allocator", None)  # the simulated device's; not part of Device
         limit = self.policy.profile_max_split_mib
         if limit is None or not hasattr(allocator, "set_max_split_size"):
             yield
