@@ -37,7 +37,8 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
         moved = sorted(set(capture.bound) ^ set(serving.bound), key=lambda b: (b.owner, b.workspace.ubatch))
         detail = "; ".join(
             f"{b.owner} {b.workspace.role} [ubatch {b.workspace.ubatch}] ptr {b.workspace.ptr:#x} "
-            f"{b.workspace.nbytes} bytes{_fmt_int(b.workspace)} ({'at capture' if b in capture.bound else 'at serving'})"
+            f"{b.workspace.nbytes} bytes{_fmt_int(b.workspace)} "
+            f"({'at capture' if b in capture.bound else 'at serving'})"
             for b in moved[:4])
         out.append(f"workspace pointers bound at capture changed before replay: {detail}")
     return out
@@ -100,8 +101,9 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
                 if own is not None:  # float workspace of its own (a cost the sizing check counts), not aliasing
                     private_users.setdefault(own.id, set()).add(ub)
                     if len(private_users[own.id]) == 2:
-                        out.append(f"phase {rec.name!r}: {bound.owner}'s own float workspace {own.tag!r} is planned into "
-                                   f"by micro-batches {sorted(private_users[own.id])}: they would overwrite each other")
+                        out.append(f"phase {rec.name!r}: {bound.owner}'s own float workspace {own.tag!r} is "
+                                   f"planned into by micro-batches {sorted(private_users[own.id])}: they would "
+                                   "overwrite each other")
                     continue
                 where = f"inside ubatch {other[0]}'s arena" if other else "outside its arena"
                 out.append(

@@ -129,7 +129,8 @@ def _closes(case: Any, parts: list[Any]) -> bool:
 
 CHECKS: tuple[Check, ...] = (
     Check("persistent_memory_visible_at_closing", "every builder byte alive after KV sizing was held at the "
-          "closing measurement", PROFILING, lc.WARMUP_REPEAT, (1, 2, 3, 7, 13), check_persistent_memory_visible_at_closing),
+          "closing measurement", PROFILING, lc.WARMUP_REPEAT, (1, 2, 3, 7, 13),
+          check_persistent_memory_visible_at_closing),
     Check("lease_outlives_closing_measurement", "nothing under a lease is freed before the closing measurement",
           PROFILING, lc.CLOSING, (2,), check_lease_outlives_closing_measurement),
     Check("lease_released_before_graph_profiling", "leases are released after the closing measurement and "

@@ -168,7 +168,8 @@ class LifecycleRun:
                 if used > self._peak_used:
                     self._peak_used = used
                     self.result.post_kv_peak_live = [
-                        a for a in self.result.allocations if a.alive and a.kind == "device" and a.phase in POST_KV_PHASES
+                        a for a in self.result.allocations
+                        if a.alive and a.kind == "device" and a.phase in POST_KV_PHASES
                     ]
                     self.result.post_kv_peak_cached = _cached_blocks(self.device)
 
@@ -719,7 +720,8 @@ class LifecycleRun:
                 if plan:
                     for ub in range(self.manager.num_ubatches):
                         self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
-            out = self._alloc_engine(batch.num_tokens * self.case.model.hidden * 2, "model", f"graph output bs={capture.num_reqs}")
+            out = self._alloc_engine(batch.num_tokens * self.case.model.hidden * 2, "model",
+                                     f"graph output bs={capture.num_reqs}")
         finally:
             self.device.free(act)
             self.in_dummy_forward = False
@@ -796,7 +798,8 @@ class LifecycleRun:
             qo, _kv, graph = sizing.worst_batch
             reqs, tokens = len(qo), sum(qo)
             if 0 < reqs <= env.max_num_seqs and reqs <= tokens <= env.max_num_batched_tokens:
-                kind = "decode" if route.startswith("decode") else "prefill"  # routes: decode_tc, decode_cc_cuda_graph, ...
+                # routes: decode_tc, decode_cc_cuda_graph, ...
+                kind = "decode" if route.startswith("decode") else "prefill"
                 out.append(Batch(kind, reqs, tokens, cuda_graph=bool(graph)))
         return out
 

@@ -113,8 +113,8 @@ def fresh_view(memory_of: MemoryOf) -> int:
 
     Only modules where a run's parts were found keeping memory are looked at, so a process that never met
     such state pays nothing, and only memory of parts of those names is taken back (a library's own state,
-    attributed to no part, stays). Memory no place the harness may change holds (frozen objects) stays: such memory is marked
-    (``ModuleHeld.resettable``) and refused on the case that makes it.
+    attributed to no part, stays). Memory no place the harness may change holds (frozen objects) stays: such
+    memory is marked (``ModuleHeld.resettable``) and refused on the case that makes it.
     """
     if not _stateful:
         return 0
