@@ -34,7 +34,7 @@ from pytest_kvprofile.units import GiB
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import matrixgen
+import matrixgen  # noqa: E402 - sys.path is set first
 
 PY = sys.executable
 SUITE = ["-m", "pytest", "--pyargs", "pytest_kvprofile.suite", "-p", "no:cacheprovider"]

@@ -228,7 +228,8 @@ def _cmd_size(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"FlashInfer {res.flashinfer_version}, {case.gpu.num_sm} SMs (sm_{''.join(map(str, compute_capability(case)))}), "
+    print(f"FlashInfer {res.flashinfer_version}, {case.gpu.num_sm} SMs "
+          f"(sm_{''.join(map(str, compute_capability(case)))}), "
           f"per rank {heads.heads_q} q / {heads.heads_kv} kv heads, head_dim {model.head_dim}/{model.dim_vo} "
           f"({res.method}, {'exact' if res.exact else 'upper bound'})")
     print(f"{'route':<24}{'float MiB':>12}{'int KiB':>10}  exact  sized")

@@ -1,4 +1,5 @@
-"""The mutant catalog: each builder differs from a correct stub by exactly one bug class of docs/contract.md ("Bug classes").
+"""The mutant catalog: each builder differs from a correct stub by exactly one bug class of
+docs/contract.md ("Bug classes").
 
 Every check the suite ships must be shown to fail on the mutant that carries the bug it targets;
 ``tests/test_mutants.py`` runs the suite over this catalog and prints the catch table.
@@ -738,7 +739,8 @@ MUTANT_BACKENDS = MUTANT_BACKENDS + _resource_mutants()
 
 
 class _VllmDefaultArena:
-    """The open vLLM pull request's arena size (``sizing.case.vllm_default_float_bytes``), for a FlashInfer-like stub."""
+    """The open vLLM pull request's arena size (``sizing.case.vllm_default_float_bytes``), for a FlashInfer-like
+    stub."""
 
     case: Any
 
@@ -775,7 +777,8 @@ class PrivateFloatWorkspaceBuilder(FlashInferLikeBuilder):
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Any:
         w = super()._new_wrapper(ctx, route, ubatch)
-        self.private[id(w)] = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, f"{route} private float workspace [ubatch {ubatch}]",
+        self.private[id(w)] = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES,
+                                           f"{route} private float workspace [ubatch {ubatch}]",
                                            role=Role.FLOAT_WORKSPACE)
         return w
 

@@ -164,7 +164,8 @@ class ProcessWorkspaceBuilder(FlashInferLikeBuilder):
 
 def variant(base: type, when: str, place: str | None = None) -> type:
     """``base`` making the process's workspace ``when`` (and, torch mode, keeping it in ``place``)."""
-    attrs: dict[str, Any] = {"when": when, "__doc__": f"{base.__doc__} Variant: {when}, kept in {place or 'module-dict'}."}
+    attrs: dict[str, Any] = {"when": when,
+                             "__doc__": f"{base.__doc__} Variant: {when}, kept in {place or 'module-dict'}."}
     if place is not None:
         attrs["place"] = _Place(place)
     suffix = "".join(p.title() for p in f"{place or ''}-{when}".replace("-", " ").split())
@@ -177,12 +178,14 @@ def _backend(name: str, cls: type, description: str) -> Backend:
 
 
 def backends() -> list[Backend]:
-    """The correct process-wide-workspace backends (``--kvprofile-backend pytest_kvprofile.builtin.process_state:backends``)."""
+    """The correct process-wide-workspace backends
+    (``--kvprofile-backend pytest_kvprofile.builtin.process_state:backends``)."""
     return [
         _backend("stub-flashinfer-process-workspace", ProcessWorkspaceBuilder,
                  "one trtllm-gen workspace per process in a module dict, made in the first engine's window (ctx mode)"),
         _backend("stub-flashinfer-torch-process-workspace", TorchProcessWorkspaceBuilder,
-                 "one trtllm-gen workspace per process in a module dict, made in the first engine's window (torch mode)"),
+                 "one trtllm-gen workspace per process in a module dict, made in the first engine's window "
+                 "(torch mode)"),
     ]
 
 

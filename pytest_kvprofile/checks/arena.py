@@ -12,6 +12,7 @@ from pytest_kvprofile.contract.protocol import BoundWorkspace
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.units import MiB
 
 
@@ -23,6 +24,7 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
         rec = result.phase(phase)
         if rec is None:
             continue
+        assert closing is not None, "a phase after the closing measurement ran, so the closing measurement did"
         if rec.arena != closing.arena:
             out.append(
                 f"the float arena moved or resized in phase {phase!r}: {_fmt_arena(closing.arena)} at the closing "
@@ -35,7 +37,8 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
         moved = sorted(set(capture.bound) ^ set(serving.bound), key=lambda b: (b.owner, b.workspace.ubatch))
         detail = "; ".join(
             f"{b.owner} {b.workspace.role} [ubatch {b.workspace.ubatch}] ptr {b.workspace.ptr:#x} "
-            f"{b.workspace.nbytes} bytes{_fmt_int(b.workspace)} ({'at capture' if b in capture.bound else 'at serving'})"
+            f"{b.workspace.nbytes} bytes{_fmt_int(b.workspace)} "
+            f"({'at capture' if b in capture.bound else 'at serving'})"
             for b in moved[:4])
         out.append(f"workspace pointers bound at capture changed before replay: {detail}")
     return out
@@ -74,7 +77,7 @@ def check_arena_not_grown_after_lock(result: LifecycleResult, options: CheckOpti
     return [aborted] if aborted else []
 
 
-def _several_ubatches(case: Any, parts: list[Any]) -> bool:
+def _several_ubatches(case: Case, parts: list[Any]) -> bool:
     return case.envelope.num_ubatches >= 2
 
 
@@ -98,8 +101,9 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
                 if own is not None:  # float workspace of its own (a cost the sizing check counts), not aliasing
                     private_users.setdefault(own.id, set()).add(ub)
                     if len(private_users[own.id]) == 2:
-                        out.append(f"phase {rec.name!r}: {bound.owner}'s own float workspace {own.tag!r} is planned into "
-                                   f"by micro-batches {sorted(private_users[own.id])}: they would overwrite each other")
+                        out.append(f"phase {rec.name!r}: {bound.owner}'s own float workspace {own.tag!r} is "
+                                   f"planned into by micro-batches {sorted(private_users[own.id])}: they would "
+                                   "overwrite each other")
                     continue
                 where = f"inside ubatch {other[0]}'s arena" if other else "outside its arena"
                 out.append(
@@ -130,7 +134,7 @@ def _observed_ubatch_violations(result: LifecycleResult) -> list[str]:
     engine builds u's batches through it plans u into another micro-batch's arena.
     """
     out = []
-    wrong: dict[tuple, int] = {}
+    wrong: dict[tuple[str, str | None, str, int, int, int], int] = {}  # (requester, method, phase, for, got, bytes)
     asked: dict[str, set[int]] = {}
     for g in result.grants:
         asked.setdefault(g.requester, set()).add(g.ubatch)

@@ -1,9 +1,10 @@
 """What a conformance check is: a named rule, the path and phase it needs, a function of a record.
 
-A check is a function from a LifecycleResult and the run's options to violations. Each check names the rule it enforces and the phase it needs; a run that aborted before that phase
-fails the check with the builder, phase and error that stopped it. An empty list is a pass. Every
-check only reads the record, except ``warmup_retryable``, which re-runs the builders of the
-record's probe target on fresh devices (the fault injection cannot happen inside the main run).
+A check is a function from a LifecycleResult and the run's options to violations. Each check names the
+rule it enforces and the phase it needs; a run that aborted before that phase fails the check with the
+builder, phase and error that stopped it. An empty list is a pass. Every check only reads the record,
+except ``warmup_retryable``, which re-runs the builders of the record's probe target on fresh devices
+(the fault injection cannot happen inside the main run).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> 
     oom = [e for e in result.errors if e.exc_type == "DeviceOutOfMemory" and e.phase in lc.POST_KV_PHASES]
     overrun = result.post_kv_overrun
     if overrun > 0 or oom:
+        assert budget is not None, "a post-KV phase ran, so KV sizing made the budget"
         names = builder_names(result) | {"workspace-manager"}
         culprits = [a for a in result.post_kv_peak_live if a.owner in names]
         culprits.sort(key=lambda a: -a.nbytes)
@@ -59,6 +60,7 @@ def _cached_left_behind(result: LifecycleResult, names: set[str]) -> str:
 
 def check_graph_pool_full_high_water(result: LifecycleResult, options: CheckOptions) -> list[str]:
     budget = result.budget
+    assert budget is not None, "the check needs KV sizing, which makes the budget"
     if budget.graph_pool_estimate < result.graph_pool_high_water:
         missing = result.graph_pool_high_water - budget.graph_pool_estimate
         return [

@@ -50,6 +50,8 @@ def site(a: Any) -> tuple[str, str, str | None]:
 
 _RESOURCE_METHODS = {"build": "use", "reserve_persistent_workspace": "materialize"}
 
+_GroupKey = tuple[str, str, int, str, str, str]  # owner, tag, bytes, method, phase, source line ("" when none)
+
 
 def grouped(result: LifecycleResult, allocs: list[Any], first: Callable[[Any], bool] | None = None) -> str:
     """Allocations grouped by (owner, tag, bytes, method, phase, source line), each with its count and total.
@@ -57,15 +59,15 @@ def grouped(result: LifecycleResult, allocs: list[Any], first: Callable[[Any], b
     Groups for which ``first`` holds come first, then the largest totals. Every group is shown.
     """
     resources = resource_names(result)
-    groups: dict[tuple, list[Any]] = {}
+    groups: dict[_GroupKey, list[Any]] = {}
     for a in allocs:
         method = result.alloc_origin.get(a.id) or "-"
         if a.owner in resources:
             method = _RESOURCE_METHODS.get(method, method)
-        key = (a.owner, a.tag, a.nbytes, method, a.phase, getattr(a, "stack", None) or "")
+        key: _GroupKey = (a.owner, a.tag, a.nbytes, method, a.phase, getattr(a, "stack", None) or "")
         groups.setdefault(key, []).append(a)
 
-    def order(item: tuple[tuple, list[Any]]) -> tuple:
+    def order(item: tuple[_GroupKey, list[Any]]) -> tuple[int, int, _GroupKey]:
         key, members = item
         lead = 0 if first is None or first(members[0]) else 1
         return (lead, -key[2] * len(members), key)

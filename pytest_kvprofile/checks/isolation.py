@@ -70,7 +70,8 @@ def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions)
         out.append(
             "no_state_outlives_case: this case uses device memory an earlier case made, kept where the harness "
             "could not find it or put it back to a fresh process's state, so what KV sizing sees depends on "
-            f"which cases ran before: {'; '.join(f'{m} x {n}' if n > 1 else m for m, n in sorted(made.items()))}; used by {', '.join(users)}. Keep it in a "
+            f"which cases ran before: {'; '.join(f'{m} x {n}' if n > 1 else m for m, n in sorted(made.items()))}; "
+            f"used by {', '.join(users)}. Keep it in a "
             "module global, class attribute, cache or closure of the backend's modules, or on the builder."
         )
     return out

@@ -16,6 +16,7 @@ from pytest_kvprofile.checks.evidence import (
     live_device_bytes,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.memory.device import Allocation
 from pytest_kvprofile.units import MiB
 
 
@@ -37,8 +38,12 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
                     and (a.freed_phase is None or lc.PHASE_ORDER.index(a.freed_phase) > lc.PHASE_ORDER.index(phase))
                 ]
                 released = lease_released_sites(result, owner)
+
+                def not_released(a: Allocation, r: set[tuple[str, str, int]] = released) -> bool:
+                    return (a.owner, a.tag, a.nbytes) not in r
+
                 detail = grouped(
-                    result, late, first=lambda a, r=released: (a.owner, a.tag, a.nbytes) not in r,
+                    result, late, first=not_released,
                 ) or "(memory re-used from earlier phases)"
                 out.append(
                     f"persistent_memory_visible_at_closing: builder {owner!r} holds {live / MiB:.2f} MiB after KV "
@@ -124,7 +129,8 @@ def _closes(case: Any, parts: list[Any]) -> bool:
 
 CHECKS: tuple[Check, ...] = (
     Check("persistent_memory_visible_at_closing", "every builder byte alive after KV sizing was held at the "
-          "closing measurement", PROFILING, lc.WARMUP_REPEAT, (1, 2, 3, 7, 13), check_persistent_memory_visible_at_closing),
+          "closing measurement", PROFILING, lc.WARMUP_REPEAT, (1, 2, 3, 7, 13),
+          check_persistent_memory_visible_at_closing),
     Check("lease_outlives_closing_measurement", "nothing under a lease is freed before the closing measurement",
           PROFILING, lc.CLOSING, (2,), check_lease_outlives_closing_measurement),
     Check("lease_released_before_graph_profiling", "leases are released after the closing measurement and "

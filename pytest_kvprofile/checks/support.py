@@ -19,6 +19,7 @@ def check_support_declaration(result: LifecycleResult, options: CheckOptions) ->
     if result.declaration_error:
         return [result.declaration_error]
     res = result.resolution
+    assert res is not None, "no declaration error, so the declarations were resolved"
     out = []
     decls = [s for _, s in res.declarations]
     expect = all(s is not ProfilingSupport.UNSUPPORTED for s in decls) and ProfilingSupport.REQUIRED in decls
@@ -51,6 +52,7 @@ def check_legacy_path_unchanged(result: LifecycleResult, options: CheckOptions) 
     ran = [p.name for p in result.phases]
     for phase in (lc.RESERVATION, lc.PROFILE_WARMUP, lc.PROFILE_REPLAY, lc.LEASE_RELEASE):
         if phase in ran:
+            assert result.resolution is not None, "a window phase ran, so the declarations were resolved"
             out.append(f"phase {phase!r} ran although the model is on the legacy path ({result.resolution.reason})")
     names = builder_names(result)
     kept = [

@@ -21,7 +21,7 @@ class Sweep:
     backend: str
     bug_class: int | None
     cases: int = 0
-    failures: Counter = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
     escaped: list[str] = field(default_factory=list)
     examples: dict[str, str] = field(default_factory=dict)
 

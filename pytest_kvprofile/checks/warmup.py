@@ -54,7 +54,8 @@ def check_warmup_retryable(result: LifecycleResult, options: CheckOptions) -> li
 
 CHECKS: tuple[Check, ...] = (
     Check("profile_replayed_after_warmup", "persistent memory made by in-window warmup is measured together "
-          "with the activation peak (profile replay)", PROFILING, lc.CLOSING, (8,), check_profile_replayed_after_warmup),
+          "with the activation peak (profile replay)", PROFILING, lc.CLOSING, (8,),
+          check_profile_replayed_after_warmup),
     Check("warmup_idempotent", "a second warmup allocates nothing", PROFILING, lc.WARMUP_REPEAT, (7,),
           check_warmup_idempotent),
     Check("warmup_retryable", "a warmup that fails part-way leaks nothing and the retry completes it",

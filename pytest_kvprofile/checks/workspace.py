@@ -7,13 +7,15 @@ and KV tokens, and fails only above the budget a user sets (``--kvprofile-max-wa
 
 Which routes are sized is observed, not assumed: the routes the builder's wrappers plan into the float arena
 (the arena views it asks for, each optionally naming its route; in torch mode the FlashInfer ``plan()`` calls
-seen, with the buffer each planned into) and into float workspace of its own (``Role.FLOAT_WORKSPACE``). A route the builder plans into neither goes to trtllm-gen, whose workspace
-(``Role.TRTLLM_WORKSPACE``) is used only when such a route exists; made when none does, it is waste too.
+seen, with the buffer each planned into) and into float workspace of its own (``Role.FLOAT_WORKSPACE``).
+A route the builder plans into neither goes to trtllm-gen, whose workspace (``Role.TRTLLM_WORKSPACE``) is
+used only when such a route exists; made when none does, it is waste too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
@@ -88,7 +90,7 @@ class CaseWaste:
     def kv_tokens(self) -> int:
         return tokens_for(self.nbytes, self.kv_bytes_per_token)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         pool = self.kv_pool_bytes
         return {
             "case": self.case, "bytes": self.nbytes, "mib": round(self.nbytes / MiB, 2), "kv_tokens": self.kv_tokens,
@@ -96,7 +98,8 @@ class CaseWaste:
             "builders": [{
                 "builder": b.builder, "native_routes": list(b.native), "sized_routes": list(b.sized),
                 "trtllm_routes": list(b.trtllm), "ubatches": b.ubatches, "need_bytes": b.need_per_ubatch * b.ubatches,
-                "arena_bytes": b.arena_bytes, "declared_bytes": b.declared_bytes, "private_float_bytes": b.private_bytes,
+                "arena_bytes": b.arena_bytes, "declared_bytes": b.declared_bytes,
+                "private_float_bytes": b.private_bytes,
                 "unused_trtllm_bytes": b.unused_trtllm_bytes, "float_waste_bytes": b.float_waste,
                 "waste_bytes": b.waste_bytes,
             } for b in self.builders],
@@ -219,7 +222,8 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     by_route: dict[str | None, ViewGrant] = {}
     for g in views:
         best = by_route.get(g.route)
-        if best is None or (g.nbytes, -lc.PHASE_INDEX.get(g.phase, 0)) > (best.nbytes, -lc.PHASE_INDEX.get(best.phase, 0)):
+        if best is None or ((g.nbytes, -lc.PHASE_INDEX.get(g.phase, 0))
+                            > (best.nbytes, -lc.PHASE_INDEX.get(best.phase, 0))):
             by_route[g.route] = g
     out.extend(_short_plans(result, name))
     planned = any(p.builder == name for p in result.plans)
@@ -234,7 +238,8 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
         out.append(
             f"builder {name!r} plans {what} into arena views of at most {g.nbytes / MiB:.2f} MiB ({g.nbytes} bytes, "
             f"from {via} in phase {g.phase!r}, ubatch {g.ubatch}) but FlashInfer {need.flashinfer_version}'s planner "
-            f"carves {route_need / MiB:.2f} MiB for {', '.join(subs)}: short by {(route_need - g.nbytes) / MiB:.2f} MiB "
+            f"carves {route_need / MiB:.2f} MiB for {', '.join(subs)}: "
+            f"short by {(route_need - g.nbytes) / MiB:.2f} MiB "
             "(Buffer overflow ... Increase the workspace buffer size)")
     return out
 

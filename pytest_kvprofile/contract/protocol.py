@@ -35,7 +35,8 @@ from pytest_kvprofile.contract.roles import Role
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
-    from pytest_kvprofile.matrix.schema import Case
+    from pytest_kvprofile.lifecycle.driver import LifecycleRun
+    from pytest_kvprofile.matrix.cases import Case
     from pytest_kvprofile.memory.device import Allocation
 
 
@@ -83,7 +84,7 @@ class Batch:
 class BuilderContext:
     """What a builder may touch: allocations are attributed to it, arena requests name it."""
 
-    def __init__(self, run: Any, owner: str):
+    def __init__(self, run: "LifecycleRun", owner: str):
         self._run = run
         self.owner = owner
 

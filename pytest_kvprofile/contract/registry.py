@@ -52,7 +52,7 @@ def load_factory(spec: str) -> list[Backend]:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the backend's, reported as such
         raise BackendError(f"backend {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
-    factory = module
+    factory: object = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:

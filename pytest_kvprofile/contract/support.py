@@ -1,4 +1,5 @@
-"""The fail-closed support declaration and how a model's builders compose it (docs/contract.md, "Support declaration")."""
+"""The fail-closed support declaration and how a model's builders compose it
+(docs/contract.md, "Support declaration")."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_kvprofile.contract.roles import Role
-
 from pytest_kvprofile.units import MiB
 
 OWNER = "workspace-manager"

@@ -45,15 +45,16 @@ from pytest_kvprofile.engines.vllm_config import (
     standin_layers,
 )
 from pytest_kvprofile.engines.vllm_standins import (
-    VLLM_INSTALL_HINT,
     _BACKEND_MODULE,
+    VLLM_INSTALL_HINT,
     import_vllm_flashinfer,
     vllm_standins,
 )
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
-__all__ = ["DECLARATION_NAMES", "RESERVATION_NAMES", "VLLM_BACKENDS", "ReservationApi", "ReservingVllmBuilder", "VllmBuildError",
-           "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal", "make_vllm_builders", "reservation_api"]
+__all__ = ["DECLARATION_NAMES", "RESERVATION_NAMES", "VLLM_BACKENDS", "ReservationApi", "ReservingVllmBuilder",
+           "VllmBuildError", "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal", "make_vllm_builders",
+           "reservation_api"]
 
 DECLARATION_NAMES = ("get_persistent_workspace_memory_profiling_support",  # the contract's
                      "persistent_workspace_profiling_support")  # the pull request's earlier name
@@ -231,7 +232,8 @@ class ReservingVllmBuilder(VllmFlashInferBuilder):
 
     def get_persistent_workspace_memory_profiling_support(self) -> Any:
         with self._standins():
-            return map_support(getattr(self.builder_cls, self.api.declaration)(self._config(), kv_cache_spec(self.case)))
+            declare = getattr(self.builder_cls, self.api.declaration)
+            return map_support(declare(self._config(), kv_cache_spec(self.case)))
 
     def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
         """vLLM's builders own their float workspace; the int workspace is FlashInfer's default per wrapper."""

@@ -237,7 +237,8 @@ def dcp_group(world_size: int) -> Iterator[None]:
 # -- caches and torch ------------------------------------------------------------------------------------------
 
 def _vllm_modules() -> list[Any]:
-    return [m for name, m in list(sys.modules.items()) if m is not None and (name == "vllm" or name.startswith("vllm."))]
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "vllm" or name.startswith("vllm."))]
 
 
 def _clear_vllm_caches() -> None:
@@ -275,8 +276,8 @@ def cuda_version() -> Iterator[None]:
 
 @contextlib.contextmanager
 def vllm_standins(gpu: GpuSpec | None, dcp: int = 1, ranks: int = 1) -> Iterator[Any]:
-    """Every stand-in for the block, on ``gpu`` (a node of ``ranks`` of them) with a DCP group of ``dcp``; yields vLLM's FlashInfer backend
-    module (imported on first use, with the stand-in platform current)."""
+    """Every stand-in for the block, on ``gpu`` (a node of ``ranks`` of them) with a DCP group of ``dcp``; yields
+    vLLM's FlashInfer backend module (imported on first use, with the stand-in platform current)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_version())
         stack.enter_context(standin_platform(gpu, ranks))

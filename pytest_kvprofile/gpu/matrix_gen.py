@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True, help="matrix YAML whose models and layouts to keep")
     parser.add_argument("--out", required=True, help="where to write the one-GPU matrix")
     parser.add_argument("--json", default=None, help="also write the detected topology as JSON here")
-    parser.add_argument("--torch", action="store_true", help="ask torch.cuda for SM counts (needed for GPUs outside the catalog)")
+    parser.add_argument("--torch", action="store_true",
+                        help="ask torch.cuda for SM counts (needed for GPUs outside the catalog)")
     args = parser.parse_args(argv)
     try:
         topo = detect_topology(use_torch=args.torch)

@@ -66,7 +66,8 @@ def plan_pinning(env: Mapping[str, str], device_count: int) -> WorkerPin | None:
             f"Use -n {len(tokens)} or fewer."
         )
     if index >= len(tokens):
-        raise PinningError(f"xdist worker {worker} has no GPU of its own: only {len(tokens)} GPU(s) ({', '.join(tokens)})")
+        raise PinningError(f"xdist worker {worker} has no GPU of its own: "
+                           f"only {len(tokens)} GPU(s) ({', '.join(tokens)})")
     device = tokens[index]
     pin_env = (("CUDA_VISIBLE_DEVICES", device), ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"))
     return WorkerPin(worker or "", index, device, pin_env)

@@ -32,7 +32,8 @@ __all__ = [
 
 MEMORY_TOLERANCE = 0.10  # NVML reports GiB-ish totals a few percent off the marketed GB figure
 _VENDOR_WORDS = ("nvidia", "geforce", "tesla", "quadro")
-_NVML_LEVELS = {0: "internal", 10: "single-switch", 20: "multi-switch", 30: "host-bridge", 40: "numa-node", 50: "system"}
+_NVML_LEVELS = {0: "internal", 10: "single-switch", 20: "multi-switch", 30: "host-bridge", 40: "numa-node",
+                50: "system"}
 
 
 class TopologyError(RuntimeError):

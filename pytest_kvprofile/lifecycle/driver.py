@@ -15,7 +15,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
@@ -86,6 +86,9 @@ from pytest_kvprofile.memory.budget import (
 )
 from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
 LOCK_PROBE = "kvprofile-lock-probe"
 
 
@@ -140,8 +143,9 @@ class LifecycleRun:
         self._peak_used = 0
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
-        self._torch: Any = None
-        self._sim: Any = None  # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
+        self._torch: SimulatedCuda | None = None
+        # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
+        self._sim: SimulatedCuda | None = None
         self._parts: dict[int, str] = {}
         self._part_modules: dict[str, str] = {}
         self._in_manager = False
@@ -164,7 +168,8 @@ class LifecycleRun:
                 if used > self._peak_used:
                     self._peak_used = used
                     self.result.post_kv_peak_live = [
-                        a for a in self.result.allocations if a.alive and a.kind == "device" and a.phase in POST_KV_PHASES
+                        a for a in self.result.allocations
+                        if a.alive and a.kind == "device" and a.phase in POST_KV_PHASES
                     ]
                     self.result.post_kv_peak_cached = _cached_blocks(self.device)
 
@@ -677,7 +682,7 @@ class LifecycleRun:
     def _max_split(self) -> Any:
         """The allocator's split limit where the engine scopes it (``EnginePolicy.profile_max_split_mib``); a device
         without the caching-allocator model (the GPU tier's) keeps its own configuration."""
-        allocator = getattr(self.device, "allocator", None)
+        allocator: Any = getattr(self.device, "allocator", None)  # the simulated device's; not part of Device
         limit = self.policy.profile_max_split_mib
         if limit is None or not hasattr(allocator, "set_max_split_size"):
             yield
@@ -715,7 +720,8 @@ class LifecycleRun:
                 if plan:
                     for ub in range(self.manager.num_ubatches):
                         self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
-            out = self._alloc_engine(batch.num_tokens * self.case.model.hidden * 2, "model", f"graph output bs={capture.num_reqs}")
+            out = self._alloc_engine(batch.num_tokens * self.case.model.hidden * 2, "model",
+                                     f"graph output bs={capture.num_reqs}")
         finally:
             self.device.free(act)
             self.in_dummy_forward = False
@@ -792,7 +798,8 @@ class LifecycleRun:
             qo, _kv, graph = sizing.worst_batch
             reqs, tokens = len(qo), sum(qo)
             if 0 < reqs <= env.max_num_seqs and reqs <= tokens <= env.max_num_batched_tokens:
-                kind = "decode" if route.startswith("decode") else "prefill"  # routes: decode_tc, decode_cc_cuda_graph, ...
+                # routes: decode_tc, decode_cc_cuda_graph, ...
+                kind = "decode" if route.startswith("decode") else "prefill"
                 out.append(Batch(kind, reqs, tokens, cuda_graph=bool(graph)))
         return out
 

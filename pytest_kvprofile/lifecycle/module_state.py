@@ -94,8 +94,8 @@ def _modules_by_file() -> dict[str, types.ModuleType]:
     """Loaded modules by source file, looked up again only when the set of loaded modules changes."""
     global _by_file
     if _by_file[0] != len(sys.modules):
-        _by_file = (len(sys.modules), {m.__file__: m for m in list(sys.modules.values())
-                                       if isinstance(getattr(m, "__file__", None), str)})
+        _by_file = (len(sys.modules), {file: m for m in list(sys.modules.values())
+                                       if isinstance(file := getattr(m, "__file__", None), str)})
     return _by_file[1]
 
 
@@ -113,8 +113,8 @@ def fresh_view(memory_of: MemoryOf) -> int:
 
     Only modules where a run's parts were found keeping memory are looked at, so a process that never met
     such state pays nothing, and only memory of parts of those names is taken back (a library's own state,
-    attributed to no part, stays). Memory no place the harness may change holds (frozen objects) stays: such memory is marked
-    (``ModuleHeld.resettable``) and refused on the case that makes it.
+    attributed to no part, stays). Memory no place the harness may change holds (frozen objects) stays: such
+    memory is marked (``ModuleHeld.resettable``) and refused on the case that makes it.
     """
     if not _stateful:
         return 0
@@ -159,7 +159,13 @@ def _dynamic(cls: type) -> bool:
     return obj is not cls
 
 
-_Path = tuple  # (parent path, label kind, key): rendered only for what is found
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # (parent path, label kind, key): rendered only for what is found
+    _Path: TypeAlias = tuple["_Path | str", str, object]
+else:
+    _Path = tuple  # (parent path, label kind, key): rendered only for what is found
 
 
 def _render(path: _Path | str) -> str:

@@ -79,7 +79,7 @@ def _warmup(run: _ProbeRun, builder: Any) -> None:
         call_optional(builder, "warmup", run.ctx(builder))
 
 
-def _persistent(device: Any, owner: str) -> Counter:
+def _persistent(device: Any, owner: str) -> Counter[tuple[str, int]]:
     return Counter((a.tag, a.nbytes) for a in device.live_allocations() if a.owner == owner and a.kind == "device")
 
 
@@ -128,7 +128,8 @@ def _probe(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[
     return out
 
 
-def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Counter, state: str) -> list[str]:
+def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Counter[tuple[str, int]],
+                    state: str) -> list[str]:
     """Fail warmup at its allocation ``k`` in ``state``, then retry; report leaks and a half-built result."""
     b, dev = run.builders[index], run.device
     where = "inside the profiling window" if state == lc.PROFILE_WARMUP else "after KV sizing"

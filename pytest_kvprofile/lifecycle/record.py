@@ -15,9 +15,9 @@ from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import SupportResolution, builder_name
 from pytest_kvprofile.contract.workspace import ArenaView
+from pytest_kvprofile.lifecycle.module_state import ModuleHeld, SecondEngine
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import Budget, ProfileWindow
-from pytest_kvprofile.lifecycle.module_state import ModuleHeld, SecondEngine
 from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
 
 PROFILING = "profiling"

@@ -6,7 +6,7 @@
 | `MatrixError`, `load_matrix`, `load_matrices`, `packaged_matrix` | `schema` | YAML validation and expansion |
 | `GpuSpec`, `lookup_gpu`, `GPU_CATALOG` | `gpus` | the GPU catalog (SMs, memory, interconnect, compute capability) |
 | `ModelSpec`, `RankHeads`, `rank_heads`, `kv_bytes_per_token`, `impossible_layout` | `models` | head layouts and their per-rank view |
-"""
+"""  # noqa: E501 - markdown table rows cannot wrap
 
 from __future__ import annotations
 

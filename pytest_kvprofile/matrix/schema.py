@@ -125,7 +125,8 @@ def _parse_model(path: str, name: str, raw: Any) -> ModelSpec:
     if raw.get("weights_gib", 0) < 0 or not math.isfinite(raw.get("weights_gib", 0)):
         raise MatrixError(path, f"{where}.weights_gib", f"must be a finite number >= 0, got {raw['weights_gib']!r}")
     if raw.get("kv_dtype", "bf16") not in KV_DTYPE_BYTES:
-        raise MatrixError(path, f"{where}.kv_dtype", f"unknown KV dtype {raw['kv_dtype']!r} (known: {', '.join(KV_DTYPE_BYTES)})")
+        raise MatrixError(path, f"{where}.kv_dtype",
+                          f"unknown KV dtype {raw['kv_dtype']!r} (known: {', '.join(KV_DTYPE_BYTES)})")
     if raw.get("attention", "mha") not in ("mha", "mla"):
         raise MatrixError(path, f"{where}.attention", f"expected 'mha' or 'mla', got {raw['attention']!r}")
     if raw["heads_q"] % raw["heads_kv"]:
@@ -360,7 +361,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         try:
             hash(key)
         except TypeError:
-            raise yaml.constructor.ConstructorError(None, None, f"unhashable key {key!r}", key_node.start_mark) from None
+            raise yaml.constructor.ConstructorError(None, None, f"unhashable key {key!r}",
+                                                    key_node.start_mark) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)

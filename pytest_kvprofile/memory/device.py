@@ -441,7 +441,8 @@ class SimDevice(EventSource):
             self.host_allocated += size
             if self.host_allocated > self.max_host_allocated:
                 self.max_host_allocated = self.host_allocated
-            alloc = Allocation(self._next_id, ptr, nbytes, size, owner, tag, "pinned_host", "default", self._phase, stack)
+            alloc = Allocation(self._next_id, ptr, nbytes, size, owner, tag, "pinned_host", "default", self._phase,
+                               stack)
         elif nbytes == 0:
             # torch hands out a null pointer for empty tensors and reserves nothing.
             alloc = Allocation(self._next_id, 0, 0, 0, owner, tag, "device", self._pool_id(), self._phase, stack)
@@ -451,7 +452,8 @@ class SimDevice(EventSource):
                 self._next_id -= 1
                 self._raise_oom(nbytes, owner, tag)
             pool = block.segment.pool.id
-            alloc = Allocation(self._next_id, block.ptr, nbytes, block.size, owner, tag, "device", pool, self._phase, stack)
+            alloc = Allocation(self._next_id, block.ptr, nbytes, block.size, owner, tag, "device", pool, self._phase,
+                               stack)
             alloc._block = block  # not a field: asdict()/replace() must not walk the allocator's lists
         alloc.role = as_role(role)
         self._live[alloc.id] = alloc

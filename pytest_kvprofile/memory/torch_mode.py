@@ -34,7 +34,8 @@ from pytest_kvprofile.memory.device import (
     SimDevice,
 )
 
-__all__ = ["active_simulation", "assign_role", "SimEvent", "SimStream", "SimulatedCuda", "SimulatedCudaOutOfMemory", "SimCUDAGraph", "active_device"]
+__all__ = ["active_simulation", "assign_role", "SimEvent", "SimStream", "SimulatedCuda", "SimulatedCudaOutOfMemory",
+           "SimCUDAGraph", "active_device"]
 
 OwnerResolver = Callable[[FrameType, str], "str | tuple[str, str] | None"]
 

@@ -118,7 +118,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("kvprofile_timeout", "per-check time limit in seconds (0: none)", default="0")
     parser.addini("kvprofile_max_waste", "workspace waste budget per case (like --kvprofile-max-waste)", default="")
     parser.addini("kvprofile_workspace_slack_mib",
-                  "deprecated: a waste budget in MiB, used when kvprofile_max_waste and --kvprofile-max-waste are unset",
+                  "deprecated: a waste budget in MiB, used when kvprofile_max_waste and --kvprofile-max-waste are "
+                  "unset",
                   default="")
 
 
@@ -174,7 +175,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
         count, why = cuda_device_count()
         if count == 0:
-            raise pytest.UsageError(f"--kvprofile-gpu: no CUDA device was found ({why}); run without it for the CPU tier")
+            raise pytest.UsageError(f"--kvprofile-gpu: no CUDA device was found ({why}); "
+                                    "run without it for the CPU tier")
     hooked = config.pluginmanager.hook.pytest_kvprofile_backends(config=config)
     try:
         session = build_session(settings, hooked, tier)

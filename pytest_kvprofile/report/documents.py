@@ -122,7 +122,8 @@ def verdict_document(session: Any) -> dict:
 
 
 def coverage(planned: dict[str, list[str]], results: list[dict]) -> dict:
-    """How much of the backend's matrix the results cover: a case is run when every check planned for it has a result."""
+    """How much of the backend's matrix the results cover: a case is run when every check planned for it has a
+    result."""
     ran = {(r["check"], r["case"]) for r in results}
     want = [(check, case) for case, checks in sorted(planned.items()) for check in checks]
     missing = [key for key in want if key not in ran]

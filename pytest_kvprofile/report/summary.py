@@ -112,7 +112,8 @@ def table_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         worst = "-"
         if r["worst_case"]:
-            worst = f"{r['worst_case_kv_tokens']} ({r['worst_case']}; reservation costs {r['worst_case_reservation_tokens']})"
+            worst = (f"{r['worst_case_kv_tokens']} ({r['worst_case']}; "
+                     f"reservation costs {r['worst_case_reservation_tokens']})")
         body.append((r["backend"], str(r["cases"]), str(r["passed"]), str(r["failed"]), str(r["xfailed"]),
                      r["worst_check"], worst))
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]

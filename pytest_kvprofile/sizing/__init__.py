@@ -7,7 +7,7 @@
 | `PlanEnvelope`, `PlanBatch`, `DEFAULT_INT_WORKSPACE` | `analytic` | the batches one `plan()` can see; closed-form worst cases |
 | `OracleError`, `OracleUnavailable`, `get_oracle`, `oracle_available` | `oracle` | FlashInfer's own planner compiled for the host |
 | `sizing_report`, `report_for_matrix`, `format_report` | `comparison` | the requirement next to the fixed sizes in use |
-"""
+"""  # noqa: E501 - markdown table rows cannot wrap
 
 from __future__ import annotations
 

@@ -56,7 +56,8 @@ def _compare(name: str, have: int, need: int, kv_tok: int) -> dict[str, Any]:
 
 
 def case_row(case: Case, *, use_oracle: bool | None = None) -> dict[str, Any]:
-    """One report row: what ``case`` needs, and how the common fixed sizes and the published rule (``seed004-rule``, docs/contract.md) compare."""
+    """One report row: what ``case`` needs, and how the common fixed sizes and the published rule
+    (``seed004-rule``, docs/contract.md) compare."""
     model, gpu, heads = case.model, case.gpu, case.heads
     res = for_case(case, use_oracle=use_oracle)
     kv_tok = kv_bytes_per_token(model, case.tp, case.dcp)

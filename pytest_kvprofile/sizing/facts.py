@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pytest_kvprofile.units import MiB
 
-FLASHINFER_INT_WORKSPACE_BYTES = 8 * MiB  # what every FlashInfer wrapper allocates for its int workspace (and pinned mirror)
+# what every FlashInfer wrapper allocates for its int workspace (and pinned mirror)
+FLASHINFER_INT_WORKSPACE_BYTES = 8 * MiB
 FLASHINFER_RECOMMENDED_FLOAT_BYTES = 128 * MiB  # FlashInfer's recommended flat float workspace
 VLLM_DEFAULT_FLOAT_BYTES = 394 * MiB  # VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE; also vLLM's trtllm-gen workspace
 SGLANG_FLOAT_BYTES = 384 * MiB

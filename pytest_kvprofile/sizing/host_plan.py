@@ -48,7 +48,8 @@ class HostPlanError(RuntimeError):
 def _unsupported(what: str) -> Exception:
     from pytest_kvprofile.memory.simulated_gpu import SimulatedDeviceUnsupported
 
-    return SimulatedDeviceUnsupported(f"{what} is not supported on the simulated device (pytest_kvprofile.sizing.host_plan)")
+    return SimulatedDeviceUnsupported(f"{what} is not supported on the simulated device "
+                                      "(pytest_kvprofile.sizing.host_plan)")
 
 
 class HostPlanner:

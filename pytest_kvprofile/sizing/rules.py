@@ -34,7 +34,8 @@ def _cta_tile_q_06(head_dim: int) -> int:
 
 def seed004_rule(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
                  base: int = 80 * MiB, head_dim_vo: int | None = None) -> int:
-    """The published rule of docs/contract.md ("Sizing rules in use"): ceil split bound, 16 MiB slack, 16 MiB alignment, base floor.
+    """The published rule of docs/contract.md ("Sizing rules in use"): ceil split bound, 16 MiB slack,
+    16 MiB alignment, base floor.
 
     ``padded = ceil(2 * num_sm / heads_kv)`` (FlashInfer rounds down), ``cta_tile_q`` 128 (64 for
     head_dim >= 256), the 0.6.x ``tmp_v + tmp_s``; 96/96/304/176 MiB for its four example rows.

@@ -42,7 +42,8 @@ def test_the_gpu_table_in_docs_matches_the_catalog():
     doc = (ROOT / "docs" / "contract.md").read_text()
     for gpu in GPU_CATALOG.values():
         cc = ".".join(map(str, gpu.compute_capability))
-        row = next((ln for ln in doc.splitlines() if ln.startswith(f"| {gpu.name} ") or ln.startswith(f"| {gpu.name} (")), None)
+        row = next((ln for ln in doc.splitlines()
+                    if ln.startswith(f"| {gpu.name} ") or ln.startswith(f"| {gpu.name} (")), None)
         assert row is not None, gpu.name
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] == str(gpu.num_sm) and cells[2] == f"{gpu.memory_bytes // 10**9} GB" and cells[4] == cc, row

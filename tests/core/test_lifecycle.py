@@ -3,10 +3,10 @@
 import pytest
 
 import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
-from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
 STUBS = {b.name: b for b in STUB_BACKENDS}
 
@@ -85,7 +85,8 @@ def test_lazy_workspace_on_l40s_at_098_fails_with_an_overrun_report_naming_the_i
     lazy = run_lifecycle(MUTANT_BACKENDS[0], case)
     report = failing_checks(lazy)["no_post_kv_overrun"][0]
     assert "over total x gmu" in report
-    assert "flashinfer: 'prefill int workspace [ubatch 0]' 8.00 MiB (8388608 bytes) from rebind() in phase 'rebind'" in report
+    assert ("flashinfer: 'prefill int workspace [ubatch 0]' 8.00 MiB (8388608 bytes) from rebind() in phase 'rebind'"
+            in report)
     assert "would have to give up" in report and "KV tokens" in report
     mirrors = [a for a in lazy.allocations if a.kind == "pinned_host" and a.phase == "rebind"]
     assert len(mirrors) == 4 and {a.nbytes for a in mirrors} == {8 << 20}, "pinned mirrors are in the ledger"

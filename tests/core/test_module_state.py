@@ -101,7 +101,8 @@ def test_a_fresh_view_puts_every_place_back_to_what_a_fresh_process_holds(monkey
     assert fresh_view(_memory) == 9
     assert mod.LIBRARY is not None  # no part of the backend made it: a library's own state stays
     assert [h.alloc.tag for h in held_in_modules([mod], _memory)] == ["library cache"]
-    assert mod.GLOBAL is None and mod.ALIAS == [] and mod.CACHE == {"decode": {}} and mod.Builder.shared == {"wrappers": []}
+    assert (mod.GLOBAL is None and mod.ALIAS == [] and mod.CACHE == {"decode": {}}
+            and mod.Builder.shared == {"wrappers": []})
     assert mod.unbounded.cache_info().currsize == 0 and mod.bounded.cache_info().currsize == 0
     assert mod.get() is None and mod.with_default() == {} and not hasattr(mod.LOCAL, "ws")
     assert mod.HOLDERS["trtllm"].ws is None and mod.UNRELATED == (1, "x", None)

@@ -89,7 +89,8 @@ EXPECTED_FAILURES: dict[str, set[str]] = {
     "mutant-14c-torch-global-after-kv-sizing": {"no_state_outlives_case", "persistent_memory_visible_at_closing",
                                                 "no_post_kv_overrun"},
     "mutant-14d-torch-global-per-engine": {"no_state_outlives_case"},
-    "mutant-03b-torch-kept-and-remade": {"lease_released_before_graph_profiling", "persistent_memory_visible_at_closing"},
+    "mutant-03b-torch-kept-and-remade": {"lease_released_before_graph_profiling",
+                                         "persistent_memory_visible_at_closing"},
     "mutant-05c-torch-data-ptr-alias": {"ubatch_arenas_disjoint"},
     "mutant-06c-neutral-frees-late-state-in-close": {"support_declaration", "persistent_memory_visible_at_closing",
                                                      "no_post_kv_overrun"},
@@ -336,7 +337,8 @@ def test_the_representative_layouts_cover_every_axis_value():
 @pytest.mark.parametrize("check", CHECKS, ids=[c.name for c in CHECKS])
 def test_check_is_shown_to_fail_on_a_mutant_of_its_bug_class(check):
     """Static over the table; the per-mutant tests prove the table against the sweep."""
-    catchers = [b.name for b in MUTANT_BACKENDS if check.name in EXPECTED_FAILURES[b.name] and b.bug_class in check.bugs]
+    catchers = [b.name for b in MUTANT_BACKENDS
+                if check.name in EXPECTED_FAILURES[b.name] and b.bug_class in check.bugs]
     assert catchers, f"no mutant of bug classes {check.bugs} fails {check.name}"
 
 

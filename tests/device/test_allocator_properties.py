@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice
 from pytest_kvprofile.units import MiB
 
-
 sizes = st.one_of(
     st.integers(0, 4096),
     st.integers(4096, 2 * MiB),

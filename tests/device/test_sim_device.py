@@ -4,10 +4,9 @@ import pickle
 
 import pytest
 
-from pytest_kvprofile.memory.device import Allocation, Device, DeviceEvent, DeviceOutOfMemory, SimDevice
 from pytest_kvprofile.matrix.gpus import lookup_gpu
+from pytest_kvprofile.memory.device import Allocation, Device, DeviceEvent, DeviceOutOfMemory, SimDevice
 from pytest_kvprofile.units import GiB, MiB
-
 
 
 @pytest.fixture
@@ -134,7 +133,8 @@ def test_events(dev: SimDevice) -> None:
     assert [e.kind for e in seen] == ["phase", "segment_alloc", "alloc", "free", "segment_free", "oom"]
     assert [e.seq for e in seen] == sorted(e.seq for e in seen)
     seg_alloc, alloc_ev, free_ev = seen[1], seen[2], seen[3]
-    assert (seg_alloc.nbytes, seg_alloc.reserved, seg_alloc.allocated, seg_alloc.pool) == (20 * MiB, 20 * MiB, 0, "default")
+    assert ((seg_alloc.nbytes, seg_alloc.reserved, seg_alloc.allocated, seg_alloc.pool)
+            == (20 * MiB, 20 * MiB, 0, "default"))
     assert alloc_ev.alloc is a and alloc_ev.allocated == 5 * MiB and alloc_ev.phase == "profile"
     assert free_ev.allocated == 0 and free_ev.reserved == 20 * MiB
     assert seen[4].reserved == 0

@@ -3,13 +3,13 @@
 import gc
 
 import pytest
+
 from pytest_kvprofile.units import GiB, MiB
 
 torch = pytest.importorskip("torch")
 
 from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice  # noqa: E402
 from pytest_kvprofile.memory.torch_mode import SimulatedCuda  # noqa: E402
-
 
 
 class FlashInferLikeBuilder:
@@ -53,7 +53,8 @@ def test_builder_allocations_appear_and_disappear(dev: SimDevice) -> None:
         dev.phase = "warmup"
         builder.plan(1024)
         float_ws = dev.live_allocations()[-1]
-        assert (float_ws.nbytes, float_ws.phase, float_ws.owner) == (1024 * 4096 * 4, "warmup", f"{__name__}.FlashInferLikeBuilder.plan")
+        assert ((float_ws.nbytes, float_ws.phase, float_ws.owner)
+                == (1024 * 4096 * 4, "warmup", f"{__name__}.FlashInferLikeBuilder.plan"))
         builder.release()
         assert dev.live_allocations() == []
         assert dev.memory_allocated() == 0 and dev.host_allocated == 0

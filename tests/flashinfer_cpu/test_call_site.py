@@ -33,7 +33,8 @@ def test_stack_names_the_allocating_frame_and_the_builder_line() -> None:
     recorded, given = builder.stacks
     assert recorded is not None and given is not None
     assert recorded.startswith("/site-packages/somelib/wrapper.py:2 in _library_allocate (builder call site ")
-    assert f"{__file__}:" in recorded and recorded.endswith("in build)") and given.startswith("lib.py:7 in alloc (builder call site ")
+    assert (f"{__file__}:" in recorded and recorded.endswith("in build)")
+            and given.startswith("lib.py:7 in alloc (builder call site "))
 
 
 def test_no_builder_frame_outside_a_harness_call() -> None:

@@ -29,7 +29,8 @@ CASES = load_matrix_text(
 
 
 def _factory(case):
-    return CudaDeviceFactory(torch_mod=HybridTorch(HybridCuda(total=case.gpu.memory_bytes, nontorch=case.nontorch_bytes)))
+    return CudaDeviceFactory(
+        torch_mod=HybridTorch(HybridCuda(total=case.gpu.memory_bytes, nontorch=case.nontorch_bytes)))
 
 
 def _failures(result, skip: tuple[str, ...] = ()):

@@ -34,7 +34,9 @@ def _verdict(workdir: Path, site: Path, *extra: str) -> tuple[int, str, dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(matrix),
          "-q", "-p", "no:cacheprovider", "--kvprofile-verdict", str(out), *extra],
-        cwd=workdir, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))), capture_output=True, text=True, timeout=300,
+        cwd=workdir,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))),
+        capture_output=True, text=True, timeout=300,
         check=False,
     )
     return proc.returncode, proc.stdout, {b["name"]: b for b in json.loads(out.read_text())["backends"]}

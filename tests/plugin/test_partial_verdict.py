@@ -41,7 +41,8 @@ def test_the_whole_matrix_opts_in_and_says_it_is_complete(pytester, suite_args):
 def test_a_narrowed_run_is_partial_and_never_opts_in(pytester, suite_args, narrowing):
     if narrowing == ("--deselect",):
         listed = pytester.runpytest(*suite_args, *STUB, "--collect-only", "-q").stdout.lines
-        narrowing = ("--deselect", next(line for line in listed if f"test_support_declaration[stub-flashinfer-{ONE_CASE}]" in line))
+        narrowing = ("--deselect",
+                     next(line for line in listed if f"test_support_declaration[stub-flashinfer-{ONE_CASE}]" in line))
     result, doc = _run(pytester, suite_args, "narrowed", *narrowing)
     assert result.ret == 0, result.stdout.str()[-2000:]
     b = _backend(doc)
@@ -60,7 +61,8 @@ def test_k_on_one_case_counts_one_case_run(pytester, suite_args):
 
 
 def test_a_run_stopped_by_x_or_an_interrupt_is_partial(pytester, suite_args):
-    result, doc = _run(pytester, suite_args, "stopped", "-x", backends=("--kvprofile-backend", "mutant-01-lazy-workspace"))
+    result, doc = _run(pytester, suite_args, "stopped", "-x",
+                       backends=("--kvprofile-backend", "mutant-01-lazy-workspace"))
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     b = _backend(doc, "mutant-01-lazy-workspace")
     assert b["partial"] is True and b["may_opt_in"] is False and b["coverage"]["cases_run"] < 3
@@ -150,7 +152,8 @@ def test_merging_different_digests_or_versions_is_an_error_naming_them(tmp_path:
         merge_verdicts({"A": a, "B": b})
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))
-    rc = cli_main(["verdict", "merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "-o", str(tmp_path / "o.json")])
+    rc = cli_main(["verdict", "merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                   "-o", str(tmp_path / "o.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and not (tmp_path / "o.json").exists()
     assert all(n in err for n in named) and str(tmp_path / "a.json") in err and str(tmp_path / "b.json") in err

@@ -79,7 +79,8 @@ def test_a_missing_engine_module_is_named_with_its_install():
 
 
 def test_vllm_backend_without_vllm_is_one_usage_error_before_collection(pytester, suite_args):
-    pytester.makeconftest("import sys\nsys.modules['vllm'] = None  # vLLM's import fails, as where it is not installed\n")
+    pytester.makeconftest("import sys\n"
+                          "sys.modules['vllm'] = None  # vLLM's import fails, as where it is not installed\n")
     result = pytester.runpytest_subprocess(*suite_args, "--kvprofile-backend", "vllm-flashinfer")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     err = result.stderr.str()

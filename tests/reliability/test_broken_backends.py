@@ -150,7 +150,8 @@ RAISING_FAULTS = [
     ("raise-rebind", lc.REBIND, "Boom", "injected fault in rebind"),
     ("raise-build", lc.CAPTURE, "Boom", "injected fault in build"),
     ("raise-lease-release", lc.LEASE_RELEASE, "Boom", "injected fault in lease release"),
-    ("reserve-returns-none", lc.RESERVATION, "TypeError", "reserve_persistent_workspace() returned NoneType, not a Lease"),
+    ("reserve-returns-none", lc.RESERVATION, "TypeError",
+     "reserve_persistent_workspace() returned NoneType, not a Lease"),
 ]
 # Checks that call the builder again outside the main run (the warmup retry probe).
 PROBED = {"raise-warmup": {"warmup_retryable"}, "raise-reserve_persistent_workspace": {"warmup_retryable"}}
@@ -253,7 +254,8 @@ def test_make_builders_that_raise_fail_every_check_and_name_the_factory(kv: pyte
         ("brokenbk:no_such_factory", ["brokenbk:no_such_factory", "has no attribute 'no_such_factory'"]),
         ("no_such_module:factory", ["no_such_module", "cannot import"]),
         ("brokenbk:nameless_builder", ["'nameless'", "lacks the protocol attribute name"]),
-        ("brokenbk:required_without_reserve", ["'half-required'", "declares REQUIRED but lacks reserve_persistent_workspace()"]),
+        ("brokenbk:required_without_reserve",
+         ["'half-required'", "declares REQUIRED but lacks reserve_persistent_workspace()"]),
     ],
 )
 def test_unusable_backend_is_a_one_line_usage_error(kv: pytest.Pytester, spec: str, words: list[str]) -> None:

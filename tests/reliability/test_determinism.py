@@ -85,8 +85,8 @@ def test_serial_no_xdist_and_two_workers_give_identical_reports_verdicts_and_fai
     assert {r["backend"] for r in report["results"]} >= {"stub-flashinfer", "mutant-01-lazy-workspace"}
     assert {b["name"]: b["may_opt_in"] for b in verdict["backends"]}["mutant-01-lazy-workspace"] is False
 
-    assert {m: sorted(r["nodeid"] for r in rep["results"] if r["outcome"] == "failed") for m, (rep, _) in runs.items()} \
-        == {m: failed for m in MODES}
+    assert {m: sorted(r["nodeid"] for r in rep["results"] if r["outcome"] == "failed")
+            for m, (rep, _) in runs.items()} == {m: failed for m in MODES}
     assert {m: _normalize(v) for m, (_, v) in runs.items()} == {m: _normalize(verdict) for m in MODES}
     assert {m: _normalize(rep) for m, (rep, _) in runs.items()} == {m: _normalize(report) for m in MODES}
 

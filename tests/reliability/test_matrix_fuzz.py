@@ -18,9 +18,9 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pytest_kvprofile.matrix.schema import MatrixError, load_matrix_text, parse_matrix
-from pytest_kvprofile.matrix.models import impossible_layout, rank_heads
 from pytest_kvprofile.matrix.gpus import lookup_gpu, slugify
+from pytest_kvprofile.matrix.models import impossible_layout, rank_heads
+from pytest_kvprofile.matrix.schema import MatrixError, load_matrix_text, parse_matrix
 
 MATRIX_DIR = Path(__import__("pytest_kvprofile").__file__).parent / "matrices"
 SHIPPED = {p.name: p.read_text(encoding="utf-8") for p in sorted(MATRIX_DIR.glob("*.yaml"))}
@@ -160,7 +160,8 @@ def mutated_matrix(draw: Any) -> tuple[str, Any]:
     data = copy.deepcopy(SHIPPED_DATA[name])
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(_positions(data)))
-        op = draw(st.sampled_from(["replace", "delete", "add", "exclude", "axis", "duplicate", "extreme", "inline-gpu"]))
+        op = draw(st.sampled_from(["replace", "delete", "add", "exclude", "axis", "duplicate", "extreme",
+                                   "inline-gpu"]))
         if not path:
             if op == "replace":
                 data = draw(values)
@@ -171,7 +172,8 @@ def mutated_matrix(draw: Any) -> tuple[str, Any]:
         elif op == "delete":
             del parent[last]
         elif op == "add" and isinstance(parent, dict):
-            parent[draw(st.one_of(st.sampled_from(TOP_KEYS + ["heads_q", "when", "params"]), st.text(max_size=6)))] = draw(values)
+            parent[draw(st.one_of(st.sampled_from(TOP_KEYS + ["heads_q", "when", "params"]),
+                                  st.text(max_size=6)))] = draw(values)
         elif op == "extreme" and isinstance(parent[last], (int, float)):
             parent[last] = draw(st.sampled_from(EXTREMES))
         elif op == "inline-gpu" and isinstance(data, dict) and isinstance(data.get("gpus"), list) and data["gpus"]:
@@ -257,7 +259,8 @@ def test_python_object_tags_are_rejected_without_running(tmp_path: Path) -> None
         ("tp: [1]\ntp: [2]\nmodels: {}\ngpus: [L4]\n", "line 2, column 1"),
         (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2, weights_gib: 1e999}\n"
           "gpus: [L4]\ntp: [1]\n"), "models.m.weights_gib"),
-        (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2, weights_gib: 100000000000000000000000}\n"
+        (("models:\n"
+          "  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2, weights_gib: 100000000000000000000000}\n"
           "gpus: [L4]\ntp: [1]\n"), "models.m.weights_gib"),
         (("models:\n  m: {heads_q: 8, heads_kv: 8, head_dim: 64, num_layers: 2}\n"
           "gpus: [{name: big, num_sm: 1, memory_gib: 1.0e+308}]\ntp: [1]\n"), "gpus[0].memory_gib"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_kvprofile.matrix.gpus import lookup_gpu
 from pytest_kvprofile.matrix.models import ModelSpec, rank_heads
 from pytest_kvprofile.sizing import PlanEnvelope, required_workspace
 from pytest_kvprofile.sizing.comparison import REPORT_ENVELOPE, VLLM_CAPTURE_SIZES, report_headline, sizing_report
@@ -13,7 +14,6 @@ from pytest_kvprofile.sizing.rules import (
     formula_06x,
     seed004_rule,
 )
-from pytest_kvprofile.matrix.gpus import lookup_gpu
 from pytest_kvprofile.units import MiB
 
 SEED004 = [  # (label, heads_q per rank, heads_kv per rank, head_dim, num_sm, published MiB)
@@ -132,6 +132,7 @@ def test_requirement_curves_grow_with_tokens():
 
 def test_plot_writes_png(tmp_path):
     import matplotlib  # noqa: F401 - the test extra installs it; a missing one is a failure, not a skip
+
     from pytest_kvprofile.sizing.plot import plot_requirement
 
     rows = sizing_report(TYPICAL_MODELS[:1], ["L40S"], [1], REPORT_ENVELOPE, use_oracle=False)
