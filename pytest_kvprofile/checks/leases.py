@@ -10,7 +10,6 @@ import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
     alive_at,
-    fmt_alloc,
     grouped,
     lease_released_sites,
     live_device_bytes,
@@ -61,13 +60,15 @@ def check_lease_outlives_closing_measurement(result: LifecycleResult, options: C
         out.append(f"the lease of {owner!r} was released before the closing measurement")
     by_id = {a.id: a for a in result.allocations}
     for rec in result.leases:
-        for aid in rec.allocation_ids:
-            a = by_id[aid]
-            if a.kind == "device" and a.freed_phase in lc.WINDOW_PHASES + (lc.BASELINE,):
-                out.append(
-                    f"memory under the lease of {rec.owner!r} was freed in phase {a.freed_phase!r}, before the "
-                    f"closing measurement could see it: {fmt_alloc(a)}"
-                )
+        early = [by_id[aid] for aid in rec.allocation_ids
+                 if by_id[aid].kind == "device" and by_id[aid].freed_phase in lc.WINDOW_PHASES + (lc.BASELINE,)]
+        if early:
+            phases = ", ".join(sorted({str(a.freed_phase) for a in early}))
+            out.append(
+                f"memory under the lease of {rec.owner!r} was freed in phase(s) {phases}, before the closing "
+                f"measurement could see it: {grouped(result, early)}. Keep it alive under the lease until the engine "
+                "releases the lease"
+            )
     return out
 
 
