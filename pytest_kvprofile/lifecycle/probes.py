@@ -209,18 +209,18 @@ def _reserve(run: _ProbeRun, builder: Any) -> Any:
         return call_optional(builder, "reserve_persistent_workspace", run.ctx(builder))
 
 
-def _held(device: Any, owner: str, before: set[int], process_wide: frozenset[int] = frozenset()) -> Held:
-    """The device memory ``owner`` made since ``before`` (live allocation ids) and still holds: what KV sizing sees
-    (pinned host memory is not judged, as in the warmup probe; process-wide host caches such as FlashInfer's pinned
-    range buffer outlive any one reservation). ``process_wide`` are allocations process-wide state keeps (a module
-    global made once per process): a failed reservation may leave those, the retry reuses them, and
-    ``no_state_outlives_case`` judges them."""
+def _held(device: Any, owner: str, before: set[int], exclude: frozenset[int] | set[int] = frozenset()) -> Held:
+    """The device memory ``owner`` made since ``before`` (live allocation ids) and still holds, less ``exclude``:
+    what KV sizing sees (pinned host memory is not judged, as in the warmup probe; process-wide host caches such as
+    FlashInfer's pinned range buffer outlive any one reservation)."""
     return Counter((a.tag, a.nbytes, a.stack or "") for a in device.live_allocations()
-                   if a.owner == owner and a.kind == "device" and a.id not in before and a.id not in process_wide)
+                   if a.owner == owner and a.kind == "device" and a.id not in before and a.id not in exclude)
 
 
 def _process_wide(run: _ProbeRun) -> frozenset[int]:
-    """Ids of the allocations that process-wide state (module globals, class attributes, caches) holds now."""
+    """Ids of the allocations that process-wide state (module globals, class attributes, caches) holds now: a failed
+    reservation may leave those (a buffer made once per process), the retry reuses them, and
+    ``no_state_outlives_case`` judges them."""
     from pytest_kvprofile.lifecycle.module_state import held_in_modules, modules_of
 
     files = {a.stack.rsplit(":", 1)[0] for a in run.result.allocations if a.stack}
@@ -256,7 +256,7 @@ def _probe_reservations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) 
                     continue
                 before = {a.id for a in clean.device.live_allocations()}
                 allocs = _allocations_of(clean.device, functools.partial(_reserve, clean, clean.builders[index]))
-                expected = _held(clean.device, name, before, _process_wide(clean))
+                expected = _held(clean.device, name, before)
         except Exception as exc:  # noqa: BLE001 - the builder cannot even reserve once
             cause = exc.__cause__ or exc
             return [f"the reservation probe could not run: {name} failed before or during its reservation: "
@@ -352,7 +352,7 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
     except Exception as exc:  # noqa: BLE001
         out.append(f"builder {name!r}: after {what}, a second reservation raised {type(exc).__name__}: {exc}")
         return out
-    got = _held(dev, name, before, _process_wide(run) & kept)
+    got = _held(dev, name, before, kept - _process_wide(run))  # leftovers reported above; process-wide ones reused
     if got != expected:
         parts = []
         if got - expected:
