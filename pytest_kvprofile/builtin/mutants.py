@@ -434,7 +434,7 @@ class SharedIntWorkspaceBuilder(FlashInferLikeBuilder):
         if first is None:
             return super()._new_wrapper(ctx, route, ubatch)
         view = self._float_view(ctx, ubatch)
-        return replace(first, route=route, ubatch=ubatch, float_ptr=view.ptr, float_bytes=view.nbytes)
+        return replace(first, route=route, ubatch=ubatch, float_ptr=view.ptr, float_bytes=view.nbytes, view=view)
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
         for alloc in {id(a): a for w in wrappers for a in (w.int_workspace, w.pinned_mirror) if a.alive}.values():
@@ -497,7 +497,7 @@ class TorchSharedIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
         if ubatch == 0 or first is None:
             return super()._new_wrapper(ctx, route, ubatch)
         view = self._float_view(ctx, ubatch)
-        return replace(first, ubatch=ubatch, float_ptr=view.ptr, float_bytes=view.nbytes)
+        return replace(first, ubatch=ubatch, float_ptr=view.ptr, float_bytes=view.nbytes, view=view)
 
 
 class TorchFreedIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
@@ -509,8 +509,11 @@ class TorchFreedIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
         w.int_workspace = None
         return w
 
-    def build(self, ctx: BuilderContext, batch: Batch) -> None:
-        FlashInferLikeBuilder.build(self, ctx, batch)
+    def _plan(self, ctx: BuilderContext, w: Wrapper) -> None:
+        """The plan goes to the int workspace's address (no tensor left to write through, so torch mode cannot see
+        that write: ``int_workspace_per_wrapper`` judges the freed workspace); outputs go to the float view."""
+        if w.view.tensor is not None:
+            w.view.tensor[:64].zero_()
 
 
 class TorchRemadeIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
