@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvprofile import Backend, Batch, BuilderContext, ProfilingSupport, WorkspaceDeclaration
-from pytest_kvprofile.engines.vllm_flashinfer import VllmFlashInferBuilder
+from pytest_kvprofile.engines.vllm_flashinfer import VllmFlashInferBuilder, engine_refusal
+from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT
 from pytest_kvprofile.sizing import for_case
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES, VLLM_DEFAULT_FLOAT_BYTES
 
@@ -132,10 +133,11 @@ def _make(arena: Any, name: str) -> Any:
 def backends() -> list[Backend]:
     return [
         Backend(name="vllm-flashinfer-reserving", make_builders=_make(vllm_default_arena, "vllm-flashinfer-reserving"),
-                version=__version__, torch_mode=True,
+                version=__version__, torch_mode=True, refuses_layout=engine_refusal, requires=("vllm",),
+                install_hint=VLLM_INSTALL_HINT,
                 description="vLLM's FlashInferMetadataBuilder reserving vLLM's default arena inside the window"),
         Backend(name="vllm-flashinfer-reserving-exact",
                 make_builders=_make(exact_arena, "vllm-flashinfer-reserving-exact"), version=__version__,
-                torch_mode=True,
+                torch_mode=True, refuses_layout=engine_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
                 description="the same, reserving exactly what FlashInfer's planner carves for the case"),
     ]

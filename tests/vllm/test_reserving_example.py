@@ -1,0 +1,50 @@
+"""examples/vllm-flashinfer-reserving: vLLM's released FlashInferMetadataBuilder taught the contract passes every
+check (issue 24): at the planner's exact arena on one case in the plain run, at both arenas on every ci case vLLM
+accepts with ``-m slow``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_kvprofile.engines import vllm_standins as vs
+
+try:
+    vs.import_vllm_flashinfer()
+except vs.VllmUnavailable as exc:
+    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}",
+                allow_module_level=True)
+
+from pytest_kvprofile.checks.catalog import failing_checks  # noqa: E402 - after the vLLM guard
+from pytest_kvprofile.contract.backends import layout_refusal  # noqa: E402 - after the vLLM guard
+from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa: E402 - after the vLLM guard
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix  # noqa: E402 - after the vLLM guard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "vllm-flashinfer-reserving"))
+from vllm_flashinfer_reserving import backends  # noqa: E402 - the example is not installed by the test command
+
+BACKENDS = {b.name: b for b in backends()}
+CI = [c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None]
+FIRST = next(c for c in CI if c.id == "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90")
+
+
+def _failures(name: str, case) -> dict[str, list[str]]:
+    result = run_lifecycle(BACKENDS[name], case)
+    close_parts(result)
+    assert result.builders[0].get_persistent_workspace_memory_profiling_support().name == "REQUIRED"
+    return failing_checks(result)
+
+
+def test_the_reserving_builder_at_the_planners_arena_passes_every_check():
+    assert _failures("vllm-flashinfer-reserving-exact", FIRST) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("case", CI, ids=lambda c: c.id)
+def test_the_reserving_builders_pass_every_ci_case_vllm_accepts(name, case):
+    if layout_refusal(BACKENDS[name], case) is not None:
+        pytest.skip(f"vLLM refuses the layout: {layout_refusal(BACKENDS[name], case)}")
+    assert _failures(name, case) == {}
