@@ -404,8 +404,14 @@ class TorchDoubleFreeCloseBuilder(TorchFlashInferLikeBuilder):
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         import torch
 
-        self.raw = torch.cuda.caching_allocator_alloc(MiB)
-        return super().reserve_persistent_workspace(ctx)
+        raw = torch.cuda.caching_allocator_alloc(MiB)
+        try:
+            lease = super().reserve_persistent_workspace(ctx)
+        except BaseException:
+            torch.cuda.caching_allocator_delete(raw)  # all or nothing: its bug is the double free in close() only
+            raise
+        self.raw = raw
+        return lease
 
     def close(self) -> None:
         import torch
@@ -765,9 +771,14 @@ class UnusedTrtllmWorkspaceBuilder(FlashInferLikeBuilder):
     vLLM's 394 MiB trtllm-gen workspace, which no route of the case uses."""
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
-        self.trtllm_workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace",
-                                             role=Role.TRTLLM_WORKSPACE)
-        return super().reserve_persistent_workspace(ctx)
+        workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace", role=Role.TRTLLM_WORKSPACE)
+        try:
+            lease = super().reserve_persistent_workspace(ctx)
+        except BaseException:
+            ctx.free(workspace)  # all or nothing: its bug is the waste only
+            raise
+        self.trtllm_workspace = workspace
+        return lease
 
 
 class PrivateFloatWorkspaceBuilder(FlashInferLikeBuilder):
@@ -780,9 +791,13 @@ class PrivateFloatWorkspaceBuilder(FlashInferLikeBuilder):
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Any:
         w = super()._new_wrapper(ctx, route, ubatch)
-        self.private[id(w)] = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES,
-                                           f"{route} private float workspace [ubatch {ubatch}]",
-                                           role=Role.FLOAT_WORKSPACE)
+        try:
+            self.private[id(w)] = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES,
+                                               f"{route} private float workspace [ubatch {ubatch}]",
+                                               role=Role.FLOAT_WORKSPACE)
+        except BaseException:
+            super()._drop(ctx, [w])  # a wrapper that fails to construct leaves nothing behind: its bug is the waste
+            raise
         return w
 
     def _drop(self, ctx: BuilderContext, wrappers: list[Any]) -> None:

@@ -385,10 +385,19 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
         return ctx.get_workspace(self.float_bytes(), ubatch, route=self._planning)
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        """All or nothing: a trtllm-gen workspace made by a reservation that then fails is freed with it (it is the
+        builder's, not process-wide state the retry could reuse)."""
+        made = None
         if self._trtllm and self.trtllm_workspace is None:
-            self.trtllm_workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace",
-                                                 role=Role.TRTLLM_WORKSPACE)
-        return super().reserve_persistent_workspace(ctx)
+            made = self.trtllm_workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace",
+                                                        role=Role.TRTLLM_WORKSPACE)
+        try:
+            return super().reserve_persistent_workspace(ctx)
+        except BaseException:
+            if made is not None:
+                self.trtllm_workspace = None
+                ctx.free(made)
+            raise
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
         route = "decode" if batch.kind == "decode" else "prefill"

@@ -34,9 +34,13 @@ class KeepPrefillBuilder(FlashInferLikeBuilder):
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         view = self._float_view(ctx, ubatch)
         int_ws = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, "int workspace", role=Role.INT_WORKSPACE)
-        mirror = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, "int workspace mirror", pinned_host=True,
-                              role=Role.PINNED_MIRROR)
-        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror)
+        try:
+            mirror = ctx.allocate(FLASHINFER_INT_WORKSPACE_BYTES, "int workspace mirror", pinned_host=True,
+                                  role=Role.PINNED_MIRROR)
+        except BaseException:
+            ctx.free(int_ws)  # all or nothing, as the stub's wrappers (reservation_exception_safe)
+            raise
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror, int_ws.ptr, int_ws.nbytes, view)
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         wrappers = self._materialize(ctx)
