@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pytest_kvprofile.memory.device import Allocation
+from pytest_kvprofile.memory.device import Allocation, EventSource
 
 if TYPE_CHECKING:
     from pytest_kvprofile.lifecycle.record import LifecycleResult
@@ -200,7 +200,7 @@ class _Walk:
             return  # most functions: nothing they hold can change
         self.seen.add(id(value))
         if tp not in _CONTAINERS:
-            if isinstance(value, _SKIP):
+            if isinstance(value, _SKIP) or _harness(value):
                 return
             if isinstance(value, type) and not (value.__module__ == self.module or _dynamic(value)):
                 return  # a class of another module: looked at there, when the backend's memory comes from there
@@ -216,6 +216,13 @@ class _Walk:
         immutable = tp in _IMMUTABLE
         for kind, key, item, item_slot in _children(value, tp):
             self.visit(item, (path, kind, key), depth + 1, slot if immutable else item_slot, slot)
+
+
+def _harness(value: Any) -> bool:
+    """The harness's own ledger: a device (its live allocations) or the torch-mode simulation, reachable from a
+    library's module while the run's simulation has patched it (FlashInfer's module loaders close over the
+    simulated device). What it holds is every allocation of the run, not process-wide state of the backend."""
+    return isinstance(value, EventSource) or type(value).__module__ == "pytest_kvprofile.memory.torch_mode"
 
 
 def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None]]:
