@@ -356,6 +356,7 @@ class LifecycleRun:
                 yield
             finally:
                 stop()
+                sim.on_use = None  # the simulation outlives the run (it knows every simulation's tensors): let go
                 self.result.foreign_uses.extend(list(sim.foreign.values())[noted:])
                 self._torch = None
 

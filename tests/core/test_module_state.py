@@ -168,9 +168,16 @@ def fresh_process(monkeypatch):
 
     sim = SimulatedCuda(SimDevice(name="x", total_memory=1 << 34, num_sm=100))  # knows every simulation's tensors
     owners = {"flashinfer", "flashinfer-torch"}
-    monkeypatch.setattr(module_state, "_stateful", {process_state.__name__: owners})
-    fresh_view(lambda v: v if isinstance(v, Allocation) else sim.memory_of(v) if isinstance(v, torch.Tensor) else None)
+
+    def empty_places() -> None:
+        monkeypatch.setattr(module_state, "_stateful", {process_state.__name__: owners})
+        fresh_view(lambda v: v if isinstance(v, Allocation) else sim.memory_of(v) if isinstance(v, torch.Tensor)
+                   else None)
+
+    empty_places()
     monkeypatch.setattr(module_state, "_stateful", {})
+    yield
+    empty_places()  # what the test left must not meet a later test of the process: its remembering is undone
 
 
 @pytest.mark.parametrize("place", process_state.PLACES)
