@@ -18,7 +18,8 @@ def summarize(records: list[dict]) -> list[dict]:
     for backend, recs in sorted(by_backend.items()):
         outcomes = Counter(r["outcome"] for r in recs)
         failed = Counter(r["check"] for r in recs if r["outcome"] == "failed")
-        worst_check = failed.most_common(1)[0] if failed else None
+        # ties broken by name, so every case order gives the same summary
+        worst_check = min(failed.items(), key=lambda kv: (-kv[1], kv[0])) if failed else None
         budgets = [r["budget"] for r in recs if r.get("budget")]
         worst_budget = min(budgets, key=lambda b: (b["kv_tokens"], b["case"]), default=None)
         rows.append({
