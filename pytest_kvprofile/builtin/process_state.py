@@ -27,6 +27,7 @@ from pytest_kvprofile.contract.roles import Role
 
 TRTLLM_KEY = "trtllm-gen"
 ONCE, AFTER_KV, PER_ENGINE = "once", "after-kv", "per-engine"  # when a builder makes the process's workspace
+AT_INIT = "at-init"  # once per process, by the first engine's constructor (vLLM's multi-CTA KV counter buffer)
 
 _WORKSPACES: dict[str, Any] = {}  # the module dict: one trtllm-gen workspace per process (torch mode)
 _ALLOCATIONS: dict[str, Any] = {}  # the same, as ledger allocations (ctx mode)
@@ -115,6 +116,8 @@ class TorchProcessWorkspaceBuilder(TorchFlashInferLikeBuilder):
     def __init__(self, case: Any):
         super().__init__(case)
         self.trtllm: Any = None  # the wrappers' reference to the process's workspace
+        if self.when == AT_INIT:  # before the profiling window: KV sizing counts it as the model's
+            self.trtllm = self._workspace()
 
     def _workspace(self) -> Any:
         if self.when == PER_ENGINE:
@@ -123,7 +126,7 @@ class TorchProcessWorkspaceBuilder(TorchFlashInferLikeBuilder):
         return found if found is not None else self.place.make(TRTLLM_KEY)
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
-        if self.when != AFTER_KV:
+        if self.when in (ONCE, PER_ENGINE):
             self.trtllm = self._workspace()
         return super().reserve_persistent_workspace(ctx)
 
@@ -186,6 +189,8 @@ def backends() -> list[Backend]:
         _backend("stub-flashinfer-torch-process-workspace", TorchProcessWorkspaceBuilder,
                  "one trtllm-gen workspace per process in a module dict, made in the first engine's window "
                  "(torch mode)"),
+        _backend("stub-flashinfer-torch-process-counter", variant(TorchProcessWorkspaceBuilder, AT_INIT),
+                 "one buffer per process in a module dict, made by the first engine's constructor (torch mode)"),
     ]
 
 

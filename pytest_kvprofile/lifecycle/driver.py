@@ -369,18 +369,22 @@ class LifecycleRun:
         self.result.plans.append(PlanRecord(self.device.phase, builder, route, alloc.id if alloc else None,
                                             int(float_ws.numel()) * int(float_ws.element_size()), cuda_graph))
 
-    def make_builders(self) -> None:
-        """Construct the backend's parts for the case, once, on this run's device (phase ``setup``)."""
-        from pytest_kvprofile.contract.registry import model_parts
-
-        self._enter(SETUP)
+    def construct(self) -> list[Any]:
+        """The backend's parts for the case, made from a fresh view of process-wide state; raises what the
+        backend's factory raises."""
         self._fresh_module_state()
-        try:
-            self.builders = model_parts(self.backend, self.case)
-        except Exception as exc:  # noqa: BLE001 - a raising factory is reported by every check
-            self._fail(f"backend {self.result.backend!r} factory", exc)
+        self.builders = _parts_of(self.backend, self.case)
         self._parts = {id(p): builder_name(p) for p in self.builders}
         self._parts.update((id(p.resource), builder_name(p)) for p in self.builders if isinstance(p, ResourceAdapter))
+        return self.builders
+
+    def make_builders(self) -> None:
+        """Construct the backend's parts for the case, once, on this run's device (phase ``setup``)."""
+        self._enter(SETUP)
+        try:
+            self.construct()
+        except Exception as exc:  # noqa: BLE001 - a raising factory is reported by every check
+            self._fail(f"backend {self.result.backend!r} factory", exc)
         modules: dict[str, set[str]] = {}
         for p in self.builders:
             modules.setdefault(type(getattr(p, "resource", p)).__module__, set()).add(builder_name(p))
@@ -918,12 +922,17 @@ def case_parts(backend: Any, case: Case, device_factory: Callable[[Case], Device
 
     Yields the constructor: what it raises is the backend factory's; what entering or leaving the device
     (torch mode on the simulated GPU) raises is the harness's and propagates as such. The parts are meant to be
-    dropped inside the block (collection and inspection only ask their declarations).
+    dropped inside the block (collection and inspection only ask their declarations). Construction starts from a
+    fresh view of process-wide state, and what it leaves there (a buffer a constructor makes once per process) is
+    remembered, so the case's own run makes it again instead of meeting this one's.
     """
     run = LifecycleRun(ProbeTarget(backend, case, device_factory), device_factory(case))
     try:
         with run.device_mode():
-            yield lambda: _parts_of(backend, case)
+            try:
+                yield run.construct
+            finally:
+                run._observe_module_state()  # what construction left in process-wide state: a later run's fresh view
     finally:
         run._teardown()
 

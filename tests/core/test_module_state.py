@@ -7,6 +7,7 @@ case, the first one a process runs included, in every place process-wide state l
 
 import dataclasses
 import functools
+import sys
 import threading
 import types
 
@@ -207,6 +208,53 @@ def test_the_correct_process_workspace_backends_pass_every_ci_case_in_both_order
     forward = {c.id: _failing(backend, c) for c in cases}
     backward = {c.id: _failing(backend, c) for c in reversed(cases)}
     assert forward == backward == {c.id: {} for c in cases}
+
+
+_COUNTER_LIB = """
+import torch
+
+_COUNTER = None
+
+
+def counter(nbytes):
+    global _COUNTER
+    if _COUNTER is None or _COUNTER.numel() < nbytes:
+        _COUNTER = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    return _COUNTER
+"""
+
+
+@pytest.mark.parametrize("backend_name", ["stub-flashinfer-torch-process-counter", "library-counter"])
+def test_a_buffer_a_constructor_makes_once_per_process_passes_after_collection_constructed_it(
+        fresh_process, tmp_path, monkeypatch, backend_name):
+    """vLLM's multi-CTA KV counter: made by the first builder's ``__init__`` in a global of a library module the
+    part's classes do not come from, and reused by later builders. Collection constructs the builders first
+    (``case_parts``); the case's run must make it itself, not meet collection's."""
+    from pytest_kvprofile.builtin.stubs import TorchFlashInferLikeBuilder
+    from pytest_kvprofile.contract.backends import Backend
+    from pytest_kvprofile.lifecycle.driver import case_parts
+
+    (tmp_path / "kvprofile_counter_lib.py").write_text(_COUNTER_LIB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kvprofile_counter_lib as lib
+
+    class CounterBuilder(TorchFlashInferLikeBuilder):
+        def __init__(self, case):
+            super().__init__(case)
+            self.counter = lib.counter(1 << 20)
+
+    backends = {b.name: b for b in process_state.backends()}
+    backends["library-counter"] = Backend(name="library-counter", make_builders=lambda case: [CounterBuilder(case)],
+                                          origin="test", torch_mode=True)
+    backend = backends[backend_name]
+    try:
+        for case in (LAST, FIRST):
+            with case_parts(backend, case) as construct:
+                construct()
+            assert _failing(backend, case) == {}
+    finally:
+        lib._COUNTER = None
+        monkeypatch.delitem(sys.modules, "kvprofile_counter_lib")
 
 
 def test_the_first_engine_made_the_workspace_in_its_window_and_the_second_reused_it(fresh_process):
