@@ -932,7 +932,8 @@ def case_parts(backend: Any, case: Case, device_factory: Callable[[Case], Device
             try:
                 yield run.construct
             finally:
-                run._observe_module_state()  # what construction left in process-wide state: a later run's fresh view
+                if run.result.allocations:  # what construction left in process-wide state: a later run's fresh view
+                    run._observe_module_state()
     finally:
         run._teardown()
 

@@ -84,14 +84,10 @@ class KvprofileSession:
         self.device_factory: Any = None  # the GPU tier's CudaDeviceFactory (set by pytest_kvprofile.plugin.gpu)
         self.case_index = {c.id: i for i, c in enumerate(self.cases)}
         self.backend_index = {b.name: i for i, b in enumerate(self.backends)}
-
-    @property
-    def runnable_cases(self) -> list[Case]:
-        return [c for c in self.cases if c.skip_reason is None]
-
-    @property
-    def skipped_cases(self) -> list[Case]:
-        return [c for c in self.cases if c.skip_reason is not None]
+        self.runnable_cases: list[Case] = [c for c in self.cases if c.skip_reason is None]
+        self.skipped_cases: list[Case] = [c for c in self.cases if c.skip_reason is not None]
+        self._pairs: dict[str, list[tuple[Backend, Case]]] | None = None
+        self._refused: list[tuple[Backend, Case, str]] | None = None
 
     def matrix_digest(self) -> str:
         h = hashlib.sha256()
@@ -136,18 +132,27 @@ class KvprofileSession:
 
     def refused_pairs(self) -> list[tuple[Backend, Case, str]]:
         """Every (backend, case) whose layout the backend's engine refuses, with the engine's reason, in run order."""
-        return [(b, c, reason) for c in self.runnable_cases for b in self.backends
-                if (reason := self.refusal(b, c)) is not None]
+        if self._refused is None:
+            self._refused = [(b, c, reason) for c in self.runnable_cases for b in self.backends
+                             if (reason := self.refusal(b, c)) is not None]
+        return self._refused
 
     def planned(self, backend: Backend) -> dict[str, list[str]]:
         """{case id: the checks that apply} over the backend's whole matrix: what a complete run records."""
         return {c.id: sorted(self.classify(backend, c).checks) for c in self.accepted_cases(backend)}
 
     def pairs_for(self, check: Check) -> list[tuple[Backend, Case]]:
-        return [
-            (backend, case) for case in self.runnable_cases for backend in self.backends
-            if self.refusal(backend, case) is None and check.name in self.classify(backend, case).checks
-        ]
+        """The (backend, case) pairs ``check`` applies to, in run order (case, then backend); every check's list is
+        made in one pass over the matrix, the first time any is asked."""
+        if self._pairs is None:
+            pairs: dict[str, list[tuple[Backend, Case]]] = {}
+            for case in self.runnable_cases:
+                for backend in self.backends:
+                    if self.refusal(backend, case) is None:
+                        for name in self.classify(backend, case).checks:
+                            pairs.setdefault(name, []).append((backend, case))
+            self._pairs = pairs
+        return self._pairs.get(check.name, [])
 
     def result_for(self, backend: Backend, case: Case) -> LifecycleResult:
         key = (backend.name, case.id)
