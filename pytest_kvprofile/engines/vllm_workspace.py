@@ -407,7 +407,7 @@ class VllmWorkspaceManager:
                 raise refusal from None
             finally:
                 self._tag = tag
-            alloc = sim.memory_of(workspace) if sim is not None else None
+            alloc = sim.memory_of(workspace) if sim is not None and workspace is not None else None
             if slot is not None and alloc is not None and alloc is not before:
                 if before is not None:
                     self.retired[(ubatch, slot.generation)] = self._phase()

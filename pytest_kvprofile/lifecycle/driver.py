@@ -15,7 +15,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
@@ -145,12 +145,13 @@ class RecordingWorkspaceManager(_RecordingMixin, WorkspaceManager):
     """The engine's manager (the harness's own), recording every view it hands out and every growth it refuses."""
 
 
-def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -> Any:
-    """The run's shared arena: the harness's manager, or vLLM's own (``EnginePolicy.workspace_manager``)."""
+def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -> RecordingWorkspaceManager:
+    """The run's shared arena: the harness's manager, or vLLM's own (``EnginePolicy.workspace_manager``), which has
+    the same interface without sharing its class."""
     if run.policy.workspace_manager == "vllm":
         from pytest_kvprofile.engines.vllm_workspace import RecordingVllmWorkspaceManager
 
-        return RecordingVllmWorkspaceManager(run, device, num_ubatches)
+        return cast(RecordingWorkspaceManager, RecordingVllmWorkspaceManager(run, device, num_ubatches))
     return RecordingWorkspaceManager(run, device, num_ubatches)
 
 
