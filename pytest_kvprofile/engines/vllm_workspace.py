@@ -242,6 +242,14 @@ class VllmWorkspaceManager:
     def generation_of(self, alloc: Any) -> tuple[int, int] | None:
         return self._allocation_generation.get(alloc.id)
 
+    def stale_since(self, alloc: Any) -> str | None:
+        """The phase vLLM's manager replaced ``alloc`` (an old arena of a slot) in, while a kept view keeps its
+        storage allocated; None for a current arena or other memory. Using it is a use of given-back memory."""
+        where = self._allocation_generation.get(alloc.id)
+        if where is None or any(s.alloc is alloc for s in self._slots[where[0]]):
+            return None
+        return self.retired.get(where, "?")
+
     def ubatch_of(self, alloc: Any) -> int | None:
         for u, lanes in enumerate(self._slots):
             if any(s.alloc is alloc for s in lanes):

@@ -284,7 +284,10 @@ class LifecycleRun:
         if self._in_manager:
             return
         ubatch = self.manager.ubatch_of(alloc)
-        if alloc.alive and (self._current_ubatch is None or ubatch in (None, self._current_ubatch)):
+        stale = getattr(self.manager, "stale_since", None)  # vLLM's manager: an old arena a kept view keeps alive
+        given_back = stale(alloc) if stale is not None and alloc.alive else None
+        if alloc.alive and given_back is None and (self._current_ubatch is None
+                                                   or ubatch in (None, self._current_ubatch)):
             return  # the common case, decided without attributing the call
         retired = self.manager.generation_of(alloc)
         if retired is not None:
@@ -297,8 +300,8 @@ class LifecycleRun:
                 return f"micro-batch {retired[0]}'s float arena (generation {retired[1]})"
             return f"allocation {alloc.tag!r} of {alloc.owner}"
 
-        self._note_use(owner, method, ubatch, alloc.nbytes, None if alloc.alive else (alloc.freed_phase or "?"), api,
-                       what, lambda: stack)
+        freed = given_back if given_back is not None else None if alloc.alive else (alloc.freed_phase or "?")
+        self._note_use(owner, method, ubatch, alloc.nbytes, freed, api, what, lambda: stack)
 
     def _note_use(self, owner: str, method: str | None, ubatch: int | None, nbytes: int, freed: str | None, via: str,
                   what: Callable[[], str], site: Callable[[], str]) -> None:

@@ -185,6 +185,14 @@ def test_grow_after_lock_is_refused_by_vllms_manager_too():
     assert any("Workspace is locked" in e.message for e in result.errors)
 
 
+def test_a_stale_view_kept_alive_is_still_a_use_of_given_back_memory():
+    """mutant 16c keeps a torch view across a growth: vLLM's old arena stays allocated, and using it still fails."""
+    mutant = next(b for b in MUTANT_BACKENDS if b.name == "mutant-16c-torch-stale-arena-view")
+    result = run_lifecycle(_vllm(mutant), CASE)
+    close_parts(result)
+    assert set(failing_checks(result)) == {"no_use_after_free"}
+
+
 class _Builder:
     """A stub whose serving builds reach vLLM's manager the way vLLM's own backends do."""
 
