@@ -27,12 +27,15 @@ class EnginePolicy:
     "gross_minus_retained" (the older accounting that omits live reserved pages). ``profile_max_split_mib``:
     the caching allocator's ``max_split_size_mb`` while weights load and the profile runs (vLLM 0.33 scopes it to
     20, so large freed blocks stay releasable at the closing measurement); None leaves the allocator unlimited.
+    ``workspace_manager``: the shared arena's manager, "harness" (``contract/workspace.py``) or "vllm" (vLLM's own
+    ``WorkspaceManager``, ``engines/vllm_workspace.py``; set by ``--kvprofile-workspace-manager``).
     """
 
     warmup_in_window: bool | None = None
     replay_after_warmup: bool = True
     graph_estimate: str = "high_water"
     profile_max_split_mib: int | None = 20
+    workspace_manager: str = "harness"
 
 
 @dataclass(frozen=True)

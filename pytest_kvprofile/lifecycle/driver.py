@@ -15,7 +15,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
@@ -96,24 +96,26 @@ class _Abort(Exception):
     """Stops a run after a builder's error has been recorded."""
 
 
-class RecordingWorkspaceManager(WorkspaceManager):
-    """The engine's manager, recording every view it hands out and every growth it refuses.
+class _RecordingMixin:
+    """Records every view a manager hands out and every growth it refuses, for the harness's manager and vLLM's
+    (``engines/vllm_workspace.py``, whose hooks ``_refused``, ``_caller``, ``_method`` and ``_building_ubatch``
+    this answers from the run).
 
     A refusal is recorded before it is raised, so a builder that catches WorkspaceLockedError and
     falls back on its own buffer still leaves the refusal in the record (docs/contract.md, "Shared arena").
     """
 
     def __init__(self, run: "LifecycleRun", device: Device, num_ubatches: int):
-        super().__init__(device, num_ubatches=num_ubatches)
+        super().__init__(device, num_ubatches=num_ubatches)  # type: ignore[call-arg]
         self._run = run
 
     def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0, route: str | None = None) -> ArenaView:
         run = self._run
         run._in_manager = True  # the manager slicing its own arena tensor is not a builder's use of it
         try:
-            view = super().get_workspace(requester, nbytes, ubatch)
+            view: ArenaView = super().get_workspace(requester, nbytes, ubatch)  # type: ignore[misc]
         except WorkspaceLockedError as exc:
-            if requester != LOCK_PROBE:
+            if requester != LOCK_PROBE and not getattr(exc, "recorded", False):
                 run.result.refusals.append(Refusal(
                     run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current))
             raise
@@ -123,6 +125,34 @@ class RecordingWorkspaceManager(WorkspaceManager):
             run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes,
             route))
         return view
+
+    def _refused(self, refusal: Refusal) -> None:
+        if refusal.requester != LOCK_PROBE:
+            self._run.result.refusals.append(refusal)
+
+    def _caller(self) -> str:
+        run = self._run
+        return run.result.calls[-1].builder if run._current_call is not None and run.result.calls else "engine"
+
+    def _method(self) -> str | None:
+        return self._run._current_call
+
+    def _building_ubatch(self) -> int | None:
+        return self._run._current_ubatch
+
+
+class RecordingWorkspaceManager(_RecordingMixin, WorkspaceManager):
+    """The engine's manager (the harness's own), recording every view it hands out and every growth it refuses."""
+
+
+def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -> RecordingWorkspaceManager:
+    """The run's shared arena: the harness's manager, or vLLM's own (``EnginePolicy.workspace_manager``), which has
+    the same interface without sharing its class."""
+    if run.policy.workspace_manager == "vllm":
+        from pytest_kvprofile.engines.vllm_workspace import RecordingVllmWorkspaceManager
+
+        return cast(RecordingWorkspaceManager, RecordingVllmWorkspaceManager(run, device, num_ubatches))
+    return RecordingWorkspaceManager(run, device, num_ubatches)
 
 
 class LifecycleRun:
@@ -135,7 +165,7 @@ class LifecycleRun:
         self.device = device
         self.builders: list[Any] = []
         self.policy: EnginePolicy = getattr(self.backend, "policy", None) or EnginePolicy()
-        self.manager = RecordingWorkspaceManager(self, device, self.case.envelope.num_ubatches)
+        self.manager = _workspace_manager(self, device, self.case.envelope.num_ubatches)
         self.in_window = False
         self.in_dummy_forward = False
         self._contexts: dict[str, BuilderContext] = {}
@@ -254,7 +284,10 @@ class LifecycleRun:
         if self._in_manager:
             return
         ubatch = self.manager.ubatch_of(alloc)
-        if alloc.alive and (self._current_ubatch is None or ubatch in (None, self._current_ubatch)):
+        stale = getattr(self.manager, "stale_since", None)  # vLLM's manager: an old arena a kept view keeps alive
+        given_back = stale(alloc) if stale is not None and alloc.alive else None
+        if alloc.alive and given_back is None and (self._current_ubatch is None
+                                                   or ubatch in (None, self._current_ubatch)):
             return  # the common case, decided without attributing the call
         retired = self.manager.generation_of(alloc)
         if retired is not None:
@@ -267,8 +300,8 @@ class LifecycleRun:
                 return f"micro-batch {retired[0]}'s float arena (generation {retired[1]})"
             return f"allocation {alloc.tag!r} of {alloc.owner}"
 
-        self._note_use(owner, method, ubatch, alloc.nbytes, None if alloc.alive else (alloc.freed_phase or "?"), api,
-                       what, lambda: stack)
+        freed = given_back if given_back is not None else None if alloc.alive else (alloc.freed_phase or "?")
+        self._note_use(owner, method, ubatch, alloc.nbytes, freed, api, what, lambda: stack)
 
     def _note_use(self, owner: str, method: str | None, ubatch: int | None, nbytes: int, freed: str | None, via: str,
                   what: Callable[[], str], site: Callable[[], str]) -> None:
@@ -809,6 +842,9 @@ class LifecycleRun:
         return out
 
     def _teardown(self) -> None:
+        release = getattr(self.manager, "release", None)  # vLLM's manager: its module global put back
+        if release is not None:
+            release()
         self._post_kv = False
         self.result.post_kv_peak_used = self._peak_used
         self._unsubscribe()

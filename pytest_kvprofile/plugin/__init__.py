@@ -108,6 +108,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="workspace waste per case that fails workspace_covers_planner: MiB ('64'), KV tokens per "
                          "rank ('2000 tok') or a share of the case's KV pool ('1.5%%'); default: none (waste is "
                          "reported, not refused)")
+    group.addoption("--kvprofile-workspace-manager", default=None, choices=("harness", "vllm"),
+                    help="the lifecycle's shared arena: the harness's WorkspaceManager (default) or vLLM's own "
+                         "vllm.v1.worker.workspace.WorkspaceManager on the simulated device (needs vLLM)")
     parser.addini("kvprofile", "add the packaged conformance suite to the collection (like --kvprofile)",
                   type="bool", default=False)
     parser.addini("kvprofile_gpu", "run the GPU tier (like --kvprofile-gpu)", type="bool", default=False)
@@ -121,6 +124,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   "deprecated: a waste budget in MiB, used when kvprofile_max_waste and --kvprofile-max-waste are "
                   "unset",
                   default="")
+    parser.addini("kvprofile_workspace_manager", "the lifecycle's shared arena manager, harness or vllm (like "
+                  "--kvprofile-workspace-manager)", default="harness")
 
 
 def _settings(config: pytest.Config) -> Settings:
@@ -139,7 +144,24 @@ def _settings(config: pytest.Config) -> Settings:
         backend_specs=tuple(backends),
         timeout=max(0.0, timeout),
         max_waste=_max_waste(config),
+        workspace_manager=_workspace_manager(config, bool(gpu)),
     )
+
+
+def _workspace_manager(config: pytest.Config, gpu: bool) -> str:
+    """``--kvprofile-workspace-manager``, else its ini twin: a usage error when unknown, when vLLM is not installed
+    (naming the install script) or on the GPU tier (vLLM's manager runs on the simulated device only)."""
+    from pytest_kvprofile.engines.vllm_workspace import check_kind
+
+    kind = (config.option.kvprofile_workspace_manager or str(config.getini("kvprofile_workspace_manager"))
+            or "harness").strip()
+    problem = check_kind(kind)
+    if problem is None and kind == "vllm" and gpu:
+        problem = ("--kvprofile-workspace-manager vllm runs vLLM's manager on the CPU tier's simulated device; "
+                   "the GPU tier uses the harness's manager")
+    if problem is not None:
+        raise pytest.UsageError(problem)
+    return kind
 
 
 def _max_waste(config: pytest.Config) -> WasteBudget | None:

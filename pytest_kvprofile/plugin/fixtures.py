@@ -20,7 +20,11 @@ from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
-from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession
+from pytest_kvprofile.plugin.session import (
+    SESSION_KEY,
+    KvprofileSession,
+    with_workspace_manager,
+)
 
 CASE_ARG = "kvprofile_case"
 
@@ -104,11 +108,30 @@ def kvprofile_device(request: pytest.FixtureRequest, kvprofile_case: Case) -> It
 
 
 @pytest.fixture
-def kvprofile_workspace_manager(kvprofile_case: Case, kvprofile_device: Any) -> Iterator[Any]:
-    """A WorkspaceManager on the case's device with one arena per micro-batch of the case."""
-    from pytest_kvprofile.contract.workspace import WorkspaceManager
+def kvprofile_workspace_manager(request: pytest.FixtureRequest, kvprofile_case: Case,
+                                kvprofile_device: Any) -> Iterator[Any]:
+    """A WorkspaceManager on the case's device with one arena per micro-batch of the case.
 
-    manager = WorkspaceManager(kvprofile_device, num_ubatches=kvprofile_case.envelope.num_ubatches)
+    Which one: the run's ``--kvprofile-workspace-manager`` (``harness`` by default), or per test by indirect
+    parametrization, ``@pytest.mark.parametrize("kvprofile_workspace_manager", ["vllm"], indirect=True)``:
+    ``"vllm"`` is vLLM's own manager behind the same interface (``engines/vllm_workspace.py``; the test is skipped
+    with the install command when vLLM is not installed).
+    """
+    state = _state(request.config)
+    kind = getattr(request, "param", None) or state.settings.workspace_manager
+    if kind == "vllm":
+        from pytest_kvprofile.engines.vllm_workspace import VllmWorkspaceManager, check_kind
+
+        problem = check_kind(kind)
+        if problem is not None:
+            pytest.skip(problem)
+        manager: Any = VllmWorkspaceManager(kvprofile_device, num_ubatches=kvprofile_case.envelope.num_ubatches)
+    elif kind == "harness":
+        from pytest_kvprofile.contract.workspace import WorkspaceManager
+
+        manager = WorkspaceManager(kvprofile_device, num_ubatches=kvprofile_case.envelope.num_ubatches)
+    else:
+        raise pytest.UsageError(f"kvprofile_workspace_manager: unknown manager {kind!r} (harness or vllm)")
     yield manager
     manager.close()
 
@@ -161,7 +184,8 @@ def kvprofile_flashinfer_builders(request: pytest.FixtureRequest, kvprofile_case
 
 @pytest.fixture
 def kvprofile_run(request: pytest.FixtureRequest, kvprofile_case: Case) -> Callable[..., KvprofileRun]:
-    """``kvprofile_run(backend_or_builders, *, torch_mode=False, policy=None)`` drives the reference lifecycle.
+    """``kvprofile_run(backend_or_builders, *, torch_mode=False, policy=None, workspace_manager=None)`` drives the
+    reference lifecycle (``workspace_manager``: ``"harness"`` or ``"vllm"``; default: the run's option).
 
     Takes a Backend, a ``make_builders(case)`` callable or a list of unused builders (a builder with
     ``torch_mode = True`` turns torch mode on); runs on a fresh device of the tier (each call its own);
@@ -170,8 +194,10 @@ def kvprofile_run(request: pytest.FixtureRequest, kvprofile_case: Case) -> Calla
     state = _state(request.config)
     factory = state.device_factory or make_device
 
-    def run(target: Any, *, torch_mode: bool = False, policy: EnginePolicy | None = None) -> KvprofileRun:
-        backend = _as_backend(target, kvprofile_case, torch_mode, policy)
+    def run(target: Any, *, torch_mode: bool = False, policy: EnginePolicy | None = None,
+            workspace_manager: str | None = None) -> KvprofileRun:
+        backend = with_workspace_manager(_as_backend(target, kvprofile_case, torch_mode, policy),
+                                         workspace_manager or state.settings.workspace_manager)
         result = run_lifecycle(backend, kvprofile_case, factory)
         return KvprofileRun(backend, result, state.settings.check_options)
 

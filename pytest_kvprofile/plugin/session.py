@@ -7,6 +7,7 @@ reports and writes the JSON, the verdict and the summary.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class Settings:
     backend_specs: tuple[str, ...] = ()
     timeout: float = 0.0
     max_waste: WasteBudget | None = None  # --kvprofile-max-waste; None: waste reported, not refused
+    workspace_manager: str = "harness"  # --kvprofile-workspace-manager: "harness" or "vllm"
 
     @property
     def check_options(self) -> CheckOptions:
@@ -196,7 +198,8 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
                 if res.kind not in RESOURCE_KINDS:
                     raise MatrixError(matrix.path, "resources", f"unknown resource kind {res.kind!r} "
                                       f"(known: {', '.join(RESOURCE_KINDS)})")
-    backends = resolve_backends(settings.backend_specs, hooked)
+    backends = [with_workspace_manager(b, settings.workspace_manager)
+                for b in resolve_backends(settings.backend_specs, hooked)]
     for backend in backends:
         check_requirements(backend)
     runnable = [c for m in matrices for c in m.cases if c.skip_reason is None]
@@ -204,6 +207,13 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
     profiles = [_profile(b, runnable, on_device) for b in backends]
     profiles += [_profile(p.neutral_alone, runnable, on_device) for p in profiles if p.neutral_alone is not None]
     return KvprofileSession(settings, profiles, matrices, tier)
+
+
+def with_workspace_manager(backend: Backend, kind: str) -> Backend:
+    """The backend integrated with ``kind``'s shared arena manager (``EnginePolicy.workspace_manager``)."""
+    if backend.policy.workspace_manager == kind:
+        return backend
+    return dataclasses.replace(backend, policy=dataclasses.replace(backend.policy, workspace_manager=kind))
 
 
 def _profile(backend: Backend, runnable: list[Case], on_device: PartsOnDevice) -> BackendProfile:
