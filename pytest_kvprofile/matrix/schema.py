@@ -328,7 +328,8 @@ def parse_matrix(data: Any, path: str) -> Matrix:
     if not isinstance(name, str) or not name:
         raise MatrixError(path, "name", f"expected a non-empty string, got {name!r}")
     envelope = parse_envelope(path, data.get("envelope", {}))
-    ubatches: list[int | None] = list(ubatch_axis(data.get("envelope", {})) or [None])
+    axis = ubatch_axis(data.get("envelope", {}))
+    ubatches: list[int | None] = list(axis) if axis else [None]
     models_raw = _mapping(path, "models", data["models"])
     if not models_raw:
         raise MatrixError(path, "models", "no models")
