@@ -64,6 +64,24 @@ def hf_config(case: Case) -> dict[str, Any]:
         "rope_theta": 1000000.0,
         "torch_dtype": _DTYPES[model.kv_dtype],
         "tie_word_embeddings": False,
+        **_hybrid_keys(model),
+    }
+
+
+def _hybrid_keys(model: Any) -> dict[str, Any]:
+    """A hybrid model's GDN geometry under Qwen3-Next's config names (what vLLM's GDN builder reads); none for a
+    plain decoder, whose config stays as it was."""
+    if not model.hybrid:
+        return {}
+    full = set(model.attention_layers)
+    return {
+        "full_attention_interval": model.full_attention_interval,
+        "layer_types": ["full_attention" if i in full else "linear_attention" for i in range(model.num_layers)],
+        "linear_num_key_heads": model.linear_heads_k,
+        "linear_num_value_heads": model.linear_heads_v,
+        "linear_key_head_dim": model.linear_head_dim,
+        "linear_value_head_dim": model.linear_head_dim,
+        "linear_conv_kernel_dim": model.linear_conv_kernel,
     }
 
 
@@ -197,7 +215,8 @@ def kv_cache_spec(case: Case) -> Any:
 
 
 def layer_names(case: Case) -> list[str]:
-    return [f"model.layers.{i}.self_attn.attn" for i in range(case.model.num_layers)]
+    """The full-attention layers (all of them but a hybrid model's GDN layers)."""
+    return [f"model.layers.{i}.self_attn.attn" for i in case.model.attention_layers]
 
 
 def standin_layers(case: Case, vllm_config: Any) -> None:

@@ -28,6 +28,13 @@ class ModelSpec:
     kv_cache_head_dim: int | None = None
     weights_gib: float = 0.0  # whole-model weights; a rank holds weights_gib / tp
     hidden_size: int | None = None
+    # Hybrid models (Qwen3-Next-like): every ``full_attention_interval``-th layer is full attention, the others
+    # Gated DeltaNet linear attention with ``linear_heads_k``/``linear_heads_v`` heads of ``linear_head_dim``.
+    full_attention_interval: int | None = None
+    linear_heads_k: int | None = None
+    linear_heads_v: int | None = None
+    linear_head_dim: int | None = None
+    linear_conv_kernel: int = 4
 
     @property
     def dim_vo(self) -> int:
@@ -40,6 +47,25 @@ class ModelSpec:
     @property
     def hidden(self) -> int:
         return self.hidden_size if self.hidden_size is not None else self.heads_q * self.head_dim
+
+    @property
+    def hybrid(self) -> bool:
+        """Full-attention layers interleaved with GDN linear-attention layers."""
+        return self.full_attention_interval is not None
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The indices of the full-attention layers (every layer unless hybrid: layer i when (i + 1) % interval
+        is 0, as Qwen3-Next's ``layer_types`` say)."""
+        if self.full_attention_interval is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i in range(self.num_layers) if (i + 1) % self.full_attention_interval == 0)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The indices of the GDN linear-attention layers (none unless hybrid)."""
+        full = set(self.attention_layers)
+        return tuple(i for i in range(self.num_layers) if i not in full)
 
 
 @dataclass(frozen=True)
@@ -71,6 +97,9 @@ def impossible_layout(model: ModelSpec, tp: int, dcp: int, mtp: int) -> str | No
         return f"dcp={dcp} must divide tp={tp} (DCP runs inside the TP group)"
     if model.heads_q % model.heads_kv:
         return f"{model.heads_q} query heads of {model.name} are not a multiple of its {model.heads_kv} KV heads"
+    for what, heads in (("GDN key", model.linear_heads_k), ("GDN value", model.linear_heads_v)):
+        if heads is not None and heads % tp:
+            return f"tp={tp} does not divide the {heads} {what} heads of {model.name}"
     return None
 
 
@@ -96,7 +125,9 @@ def rank_heads(model: ModelSpec, tp: int, dcp: int) -> RankHeads:
 
 
 def kv_bytes_per_token(model: ModelSpec, tp: int, dcp: int) -> int:
-    """KV-cache bytes one token costs on one rank, all layers (K and V; MLA stores one latent).
+    """KV-cache bytes one token costs on one rank, all full-attention layers (K and V; MLA stores one latent).
+
+    A hybrid model's GDN layers keep a fixed state per request, not per token, so they cost no KV tokens here.
 
     Under DCP the sequence is sharded, so a rank stores 1/dcp of each sequence: the cost per token of
     the global sequence is divided by dcp (rounded up, so capacity is never overstated).
@@ -107,5 +138,5 @@ def kv_bytes_per_token(model: ModelSpec, tp: int, dcp: int) -> int:
     else:
         dim = model.kv_cache_head_dim or model.head_dim
         per_layer = 2 * heads.kv_cache_heads * dim * model.kv_dtype_bytes
-    total = per_layer * model.num_layers
+    total = per_layer * len(model.attention_layers)
     return -(-total // dcp)

@@ -1,6 +1,7 @@
 """Matrix files: YAML that names models, GPUs and parallel layouts, expanded into cases.
 
-Expansion is deterministic (file order, then models x gpus x tp x dcp x mtp x gmu), derives the
+Expansion is deterministic (file order, then models x gpus x tp x dcp x mtp x gmu, x micro-batch counts when
+``envelope.num_ubatches`` lists several: those ids end in ``-ub<N>``, others are unchanged), derives the
 per-rank heads as docs/contract.md ("Parallel layouts") says, and keeps impossible combinations as cases that carry
 a skip reason, so they show up in the id list instead of vanishing. Validation happens once, at
 load; a bad file raises MatrixError naming the file and the key.
@@ -8,6 +9,8 @@ load; a bad file raises MatrixError naming the file and the key.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from pathlib import Path
 from typing import Any, Iterable
@@ -43,7 +46,13 @@ _MODEL_KEYS = {
     "kv_cache_head_dim": int,
     "weights_gib": (int, float),
     "hidden_size": int,
+    "full_attention_interval": int,
+    "linear_heads_k": int,
+    "linear_heads_v": int,
+    "linear_head_dim": int,
+    "linear_conv_kernel": int,
 }
+_HYBRID_KEYS = ("linear_heads_k", "linear_heads_v", "linear_head_dim")
 _MODEL_REQUIRED = ("heads_q", "heads_kv", "head_dim", "num_layers")
 _GPU_KEYS = {"name": str, "num_sm": int, "memory_gib": (int, float), "memory_gb": (int, float), "interconnect": str}
 _ENVELOPE_KEYS = {
@@ -52,7 +61,7 @@ _ENVELOPE_KEYS = {
     "max_model_len": int,
     "page_size": int,
     "cuda_graph_sizes": list,
-    "num_ubatches": int,
+    "num_ubatches": (int, list),  # a list is an axis: cases expand over it, their ids gain "-ub<N>"
     "nontorch_mib": int,
 }
 _EXCLUDE_KEYS = {"model", "gpu", "tp", "dcp", "mtp", "gmu"}
@@ -133,6 +142,16 @@ def _parse_model(path: str, name: str, raw: Any) -> ModelSpec:
         raise MatrixError(
             path, f"{where}.heads_kv", f"{raw['heads_q']} query heads are not a multiple of {raw['heads_kv']} KV heads"
         )
+    hybrid = [k for k in (*_HYBRID_KEYS, "linear_conv_kernel") if k in raw]
+    if "full_attention_interval" in raw or hybrid:
+        for key in ("full_attention_interval", *_HYBRID_KEYS):
+            if key not in raw:
+                raise MatrixError(path, f"{where}.{key}", "missing required key of a hybrid (GDN) model")
+        if raw["full_attention_interval"] > raw["num_layers"]:
+            raise MatrixError(path, f"{where}.full_attention_interval",
+                              f"{raw['full_attention_interval']} exceeds num_layers {raw['num_layers']}")
+        if raw.get("attention", "mha") != "mha":
+            raise MatrixError(path, f"{where}.attention", "a hybrid (GDN) model's full-attention layers are 'mha'")
     return ModelSpec(name=name, **raw)
 
 
@@ -182,6 +201,8 @@ def parse_envelope(path: str, raw: Any) -> Envelope:
         if key == "cuda_graph_sizes":  # tokens per captured step; [] turns CUDA graphs off
             sizes = _int_list(path, "envelope.cuda_graph_sizes", value, 1) if value else []
             values[key] = tuple(sorted(sizes))
+        elif key == "num_ubatches" and isinstance(value, list):  # the axis (ubatch_axis); its first value here
+            values[key] = _int_list(path, "envelope.num_ubatches", value, 1)[0]
         else:
             _positive(path, f"envelope.{key}", value)
             values[key] = value
@@ -189,6 +210,18 @@ def parse_envelope(path: str, raw: Any) -> Envelope:
     if env.max_num_seqs > env.max_num_batched_tokens:
         raise MatrixError(path, "envelope.max_num_seqs", "exceeds max_num_batched_tokens")
     return env
+
+
+def ubatch_axis(raw_envelope: Any) -> list[int] | None:
+    """The micro-batch counts a matrix lists as an axis (``envelope.num_ubatches: [1, 2]``), or None when it sets
+    one count (``num_ubatches: 2``): then case ids carry no suffix. Call after :func:`parse_envelope`."""
+    value = raw_envelope.get("num_ubatches") if isinstance(raw_envelope, dict) else None
+    return list(value) if isinstance(value, list) else None
+
+
+def ubatch_case_id(base: str, num_ubatches: int | None) -> str:
+    """A case id with the micro-batch suffix when micro-batches are an axis of its matrix."""
+    return base if num_ubatches is None else f"{base}-ub{num_ubatches}"
 
 
 def _parse_gmu(path: str, value: Any) -> list[float]:
@@ -295,6 +328,8 @@ def parse_matrix(data: Any, path: str) -> Matrix:
     if not isinstance(name, str) or not name:
         raise MatrixError(path, "name", f"expected a non-empty string, got {name!r}")
     envelope = parse_envelope(path, data.get("envelope", {}))
+    axis = ubatch_axis(data.get("envelope", {}))
+    ubatches: list[int | None] = list(axis) if axis else [None]
     models_raw = _mapping(path, "models", data["models"])
     if not models_raw:
         raise MatrixError(path, "models", "no models")
@@ -324,15 +359,16 @@ def parse_matrix(data: Any, path: str) -> Matrix:
             for tp in tps:
                 for dcp in dcps:
                     for mtp in mtps:
-                        for gmu in gmus:
+                        for gmu, ub in itertools.product(gmus, ubatches):
                             if any(_matches(rule, mname, gpu, tp, dcp, mtp, gmu) for rule in excludes):
                                 continue
-                            cid = case_id(mname, tp, dcp, mtp, gpu, gmu)
+                            cid = ubatch_case_id(case_id(mname, tp, dcp, mtp, gpu, gmu), ub)
                             if cid in seen:
                                 raise MatrixError(path, f"models.{mname}", f"case id {cid!r} is generated twice")
                             seen.add(cid)
+                            env = envelope if ub is None else dataclasses.replace(envelope, num_ubatches=ub)
                             reason = impossible_layout(model, tp, dcp, mtp)
-                            if reason is None and _weights_do_not_fit(model, gpu, tp, gmu, envelope):
+                            if reason is None and _weights_do_not_fit(model, gpu, tp, gmu, env):
                                 reason = (
                                     f"{model.name} weights ({model.weights_gib:g} GiB / tp={tp}) plus "
                                     f"{FIT_MARGIN_GIB} GiB of runtime headroom do not fit in "
@@ -344,7 +380,7 @@ def parse_matrix(data: Any, path: str) -> Matrix:
                             matrix.cases.append(
                                 Case(
                                     id=cid, matrix=name, model=model, gpu=gpu, tp=tp, dcp=dcp, mtp=mtp, gmu=gmu,
-                                    envelope=envelope, skip_reason=reason, resources=carried,
+                                    envelope=env, skip_reason=reason, resources=carried,
                                 )
                             )
     return matrix

@@ -14,6 +14,12 @@ describes it, without changing a line of vLLM.
 Two sizes of arena: ``vllm-flashinfer-reserving`` reserves vLLM's existing default, max(394 MiB, batched tokens x
 rank query heads x head dim x 16 B), as the pull request does on purpose; ``vllm-flashinfer-reserving-exact``
 reserves what FlashInfer's planner carves for the case (``pytest_kvprofile.sizing.for_case``).
+
+``vllm-hybrid-gdn`` is a hybrid model's builder set (Qwen3-Next: full attention every 4th layer, Gated DeltaNet
+linear attention on the others): the reserving FlashInfer builder for the full-attention layers plus vLLM's
+released ``GDNAttentionMetadataBuilder`` for the GDN layers, declared NEUTRAL as the pull request declares it
+(``pytest_kvprofile.engines.vllm_gdn``). Whether it is NEUTRAL is what the suite finds; run it on
+``matrices/hybrid.yaml``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 from pytest_kvprofile import Backend, Batch, BuilderContext, ProfilingSupport, WorkspaceDeclaration
 from pytest_kvprofile.engines.vllm_flashinfer import VllmFlashInferBuilder, engine_refusal
+from pytest_kvprofile.engines.vllm_gdn import VllmGdnBuilder
 from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT
 from pytest_kvprofile.sizing import for_case
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES, VLLM_DEFAULT_FLOAT_BYTES
@@ -130,6 +137,20 @@ def _make(arena: Any, name: str) -> Any:
     return make_builders
 
 
+def _make_hybrid(case: Any) -> list[Any]:
+    """The hybrid runner's builders: reserving FlashInfer (full attention) and vLLM's GDN builder, which shares
+    the runner's input buffers with it."""
+    flashinfer = ReservingFlashInferBuilder(case, vllm_default_arena(case))
+    return [flashinfer, VllmGdnBuilder(case, flashinfer)]
+
+
+def hybrid_refusal(case: Any) -> str | None:
+    """vLLM's refusal of the layout, and a model without GDN layers (nothing for the GDN builder to serve)."""
+    if not case.model.hybrid:
+        return f"case {case.id}: {case.model.name} has no GDN layers; vllm-hybrid-gdn runs hybrid models only"
+    return engine_refusal(case)
+
+
 def backends() -> list[Backend]:
     return [
         Backend(name="vllm-flashinfer-reserving", make_builders=_make(vllm_default_arena, "vllm-flashinfer-reserving"),
@@ -140,4 +161,15 @@ def backends() -> list[Backend]:
                 make_builders=_make(exact_arena, "vllm-flashinfer-reserving-exact"), version=__version__,
                 torch_mode=True, refuses_layout=engine_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
                 description="the same, reserving exactly what FlashInfer's planner carves for the case"),
+    ]
+
+
+def hybrid_backends() -> list[Backend]:
+    """``vllm-hybrid-gdn``, its own entry point (run it on ``matrices/hybrid.yaml``; it refuses models without GDN
+    layers)."""
+    return [
+        Backend(name="vllm-hybrid-gdn", make_builders=_make_hybrid, version=__version__, torch_mode=True,
+                refuses_layout=hybrid_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
+                description="a hybrid model's builders: the reserving FlashInfer builder (REQUIRED) and vLLM's "
+                            "GDNAttentionMetadataBuilder declared NEUTRAL, as the pull request declares it"),
     ]

@@ -1,0 +1,241 @@
+"""vLLM's own, unmodified ``GDNAttentionMetadataBuilder`` (Gated DeltaNet linear attention, the hybrid models'
+second builder) driven through the lifecycle on the simulated GPU, beside a FlashInfer builder of the same
+runner.
+
+Why: a hybrid model (Qwen3-Next) runs one metadata builder per KV-cache group: FlashInfer for the full-attention
+layers, GDN for the linear-attention ones. The vLLM pull request that teaches FlashInfer to reserve inside the
+profiling window declares the GDN builder NEUTRAL (it reserves nothing of its own). Whether that holds is for
+the suite to find: this adapter declares what the pull request declares and lets the lifecycle record what
+vLLM's builder really allocates, and when.
+
+How the runner integrates it (V1, ``initialize_kv_cache``): the builders are made with the KV cache, after KV
+sizing (the harness's ``rebind``), one per micro-batch and KV-cache group. vLLM groups a hybrid model's layers
+into groups of as many layers as it has full-attention layers (uniform page size), so Qwen3-Next's 36 GDN
+layers are 3 groups of 12. Capture batches go through ``build_for_cudagraph_capture``, serving batches through
+``build()``, on the runner's own input buffers (the FlashInfer part's :class:`RunnerInputs`: one runner, one
+set of input buffers; the GDN builder reads column 0, and the speculative columns, of the block table as the
+state indices, as ``mamba_cache_mode="none"`` does).
+
+Stand-in: ``GDNAttentionMetadataBuilder.__init__`` imports ``_resolve_gdn_prefill_backend`` from the Qwen GDN
+layer module, which imports vLLM's model layers (CUDA-only extensions at import). :func:`gdn_resolver_standin`
+serves that one function, compiled from vLLM's own source of it, from a stand-in module for the block.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.engines.vllm_config import UnexpressibleCase, make_vllm_config
+
+__all__ = ["GDN_LAYER_MODULE", "VllmGdnBuilder", "gdn_groups", "gdn_resolver_standin", "mamba_spec"]
+
+GDN_LAYER_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+_RESOLVER_FUNCTIONS = ("_resolve_gdn_prefill_backend", "_aiter_flydsl_unsupported_reasons")
+
+
+def check_hybrid(case: Any) -> None:
+    if not case.model.hybrid:
+        raise UnexpressibleCase(f"case {case.id}: {case.model.name} has no GDN layers (not a hybrid model)")
+
+
+def gdn_groups(case: Any) -> list[list[str]]:
+    """The GDN layers' KV-cache groups, as vLLM's uniform-page-size grouping makes them: groups of as many layers
+    as the model has full-attention layers, in layer order."""
+    size = max(1, len(case.model.attention_layers))
+    names = [f"model.layers.{i}.linear_attn" for i in case.model.linear_layers]
+    return [names[i:i + size] for i in range(0, len(names), size)]
+
+
+def mamba_spec(case: Any) -> Any:
+    """The rank's GDN state spec, as Qwen3-Next's layer declares it (``MambaStateShapeCalculator``): the conv
+    state and the recurrent state, sharded over TP, one block per request (``mamba_cache_mode="none"``), one
+    speculative block per MTP token."""
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    model = case.model
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        case.tp, model.linear_heads_k, model.linear_heads_v, model.linear_head_dim, model.linear_head_dim,
+        model.linear_conv_kernel, case.mtp)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[model.kv_dtype]
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(dtype, "auto", "auto")
+    return MambaSpec(block_size=case.envelope.max_model_len, shapes=shapes, dtypes=dtypes,
+                     mamba_type="gdn_attention", num_speculative_blocks=case.mtp)
+
+
+class _CurrentPlatform:
+    """``current_platform`` as vLLM's modules see it when called (the stand-in platform inside a run)."""
+
+    def __getattr__(self, name: str) -> Any:
+        import vllm.platforms
+
+        platform = vllm.platforms.current_platform
+        if name == "get_cuda_runtime_major" and not callable(getattr(type(platform), name, None)):
+            return _cuda_runtime_major  # CudaPlatform's; the stand-in platform is a plain CUDA-kind Platform
+        return getattr(platform, name)
+
+
+def _cuda_runtime_major() -> int:
+    """The CUDA runtime's major version, as ``CudaPlatform.get_cuda_runtime_major`` reads it (``torch.version``:
+    the simulated device's 13.0 inside a run)."""
+    import torch.version
+
+    return int(str(torch.version.cuda or "0").split(".")[0])
+
+
+def _resolver_module() -> Any:
+    """A module holding vLLM's own ``_resolve_gdn_prefill_backend`` (and the helper it calls), compiled from the
+    installed layer module's source without running that module's imports."""
+    import types
+    from typing import Literal
+
+    import vllm
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.config import VllmConfig
+    from vllm.logger import init_logger
+
+    path = Path(vllm.__file__).parent / "model_executor" / "layers" / "mamba" / "gdn" / "qwen_gdn_linear_attn.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in _RESOLVER_FUNCTIONS]
+    if not any(n.name == _RESOLVER_FUNCTIONS[0] for n in body):
+        raise ImportError(f"{path} defines no {_RESOLVER_FUNCTIONS[0]}; this vLLM's GDN builder is not supported")
+    module = types.ModuleType(GDN_LAYER_MODULE)
+    module.__file__ = str(path)  # the functions' frames name vLLM's own file and lines
+    module.__dict__.update(current_platform=_CurrentPlatform(), rocm_aiter_ops=rocm_aiter_ops, Literal=Literal,
+                           VllmConfig=VllmConfig, logger=init_logger(GDN_LAYER_MODULE),
+                           xpu_gdn_kernel_available=lambda: False)
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+@contextlib.contextmanager
+def gdn_resolver_standin() -> Iterator[None]:
+    """For the block, ``GDN_LAYER_MODULE`` is a stand-in serving vLLM's ``_resolve_gdn_prefill_backend``, unless
+    the real module is already imported (a CUDA build of vLLM)."""
+    if GDN_LAYER_MODULE in sys.modules:
+        yield
+        return
+    sys.modules[GDN_LAYER_MODULE] = _resolver_module()
+    try:
+        yield
+    finally:
+        sys.modules.pop(GDN_LAYER_MODULE, None)
+
+
+class VllmGdnBuilder:
+    """vLLM's ``GDNAttentionMetadataBuilder`` as the V1 runner integrates it, sharing ``runner``'s input buffers
+    (a :class:`~pytest_kvprofile.engines.vllm_flashinfer.VllmFlashInferBuilder` of the same case).
+
+    Declares NEUTRAL, as the vLLM pull request does, unless the installed class declares something itself (the
+    contract's or the pull request's classmethod on the case's config and state spec, mapped as the FlashInfer
+    adapter maps it)."""
+
+    name = "vllm-gdn"
+    torch_mode = True
+
+    def __init__(self, case: Any, runner: Any, builder_cls: type | None = None) -> None:
+        check_hybrid(case)
+        self.case = case
+        self.runner = runner
+        self.builder_cls = builder_cls
+        self.vllm_config: Any = None
+        self.groups = gdn_groups(case)
+        self.builders: dict[tuple[int, int], Any] = {}  # (ubatch, group) -> vLLM's builder
+        self.built: dict[str, int] = {}
+        self.last_metadata: Any = None
+
+    def _cls(self) -> type:
+        if self.builder_cls is None:
+            from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+            self.builder_cls = GDNAttentionMetadataBuilder
+        return self.builder_cls
+
+    def _config(self) -> Any:
+        if self.vllm_config is None:
+            self.vllm_config = make_vllm_config(self.case)
+        return self.vllm_config
+
+    def get_persistent_workspace_memory_profiling_support(self) -> Any:
+        from pytest_kvprofile.engines.vllm_flashinfer import DECLARATION_NAMES, map_support
+
+        with self.runner._standins():
+            cls = self._cls()
+            declare = next((getattr(cls, n) for n in DECLARATION_NAMES if callable(getattr(cls, n, None))), None)
+            if declare is None:
+                return ProfilingSupport.NEUTRAL  # what the pull request declares for GDN
+            return map_support(declare(self._config(), mamba_spec(self.case)))
+
+    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+        """No float arena and no int workspace: GDN plans no FlashInfer wrapper."""
+        return WorkspaceDeclaration(float_bytes=0, int_bytes=0)
+
+    def _make_builders(self, num_ubatches: int) -> None:
+        """One vLLM GDN builder per micro-batch and KV-cache group (as the runner makes them)."""
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        with self.runner._standins(), gdn_resolver_standin():
+            config = self._config()
+            spec = mamba_spec(self.case)
+            with set_current_vllm_config(config):
+                for ub in range(num_ubatches):
+                    for g, names in enumerate(self.groups):
+                        if (ub, g) not in self.builders:
+                            self.builders[(ub, g)] = self._cls()(spec, names, config, torch.device("cuda"))
+
+    def rebind(self, ctx: BuilderContext) -> None:
+        """The runner's ``initialize_kv_cache``: the GDN builders are made now, after KV sizing."""
+        self._make_builders(ctx.num_ubatches)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        """vLLM's GDN ``build()`` of every group of the batch's micro-batch, on the runner's padded batch."""
+        from vllm.config import set_current_vllm_config
+
+        from pytest_kvprofile.engines.vllm_flashinfer import VllmBuildError
+
+        if not any(ub == batch.ubatch for ub, _ in self.builders):
+            self._make_builders(ctx.num_ubatches)
+        if self.runner.inputs is None:
+            self.runner._make_inputs()
+        inputs = self.runner.inputs
+        with self.runner._standins(), set_current_vllm_config(self.vllm_config):
+            metadata = inputs.metadata(inputs.padded(batch))
+            for (ub, g), builder in sorted(self.builders.items()):
+                if ub != batch.ubatch:
+                    continue
+                try:
+                    if batch.cuda_graph and batch.kind == "decode":
+                        self.last_metadata = builder.build_for_cudagraph_capture(metadata)
+                    else:
+                        self.last_metadata = builder.build(common_prefix_len=0, common_attn_metadata=metadata,
+                                                           **self._spec_args(metadata))
+                except Exception as exc:  # noqa: BLE001 - named with the case and batch; the driver records it
+                    raise VllmBuildError(f"case {self.case.id}: vLLM's GDNAttentionMetadataBuilder.build() of "
+                                         f"{batch.label} (ubatch {batch.ubatch}, group {g}) failed on the simulated "
+                                         f"{self.case.gpu.name}: {type(exc).__name__}: {exc}") from exc
+        self.built[batch.kind] = self.built.get(batch.kind, 0) + 1
+
+    def _spec_args(self, metadata: Any) -> dict[str, Any]:
+        """With MTP the runner hands GDN each request's accepted tokens and draft count: decode requests carry
+        ``mtp`` drafts, prefill requests none (-1)."""
+        if not self.case.mtp:
+            return {}
+        import torch
+
+        qlens = metadata.query_start_loc_cpu.diff()
+        drafts = torch.where(qlens == 1 + self.case.mtp, self.case.mtp, -1).to(torch.int32)
+        return {"num_accepted_tokens": metadata.query_start_loc.diff(),
+                "num_decode_draft_tokens_cpu": drafts}
+
+    def close(self) -> None:
+        self.builders.clear()
+        self.last_metadata = None
+
