@@ -36,6 +36,7 @@ from pytest_kvprofile.sizing.planner import (
     prefill_float_bytes,
     prefill_int_bytes,
     prefill_plan,
+    prefill_split_rows,
 )
 
 DEFAULT_INT_WORKSPACE = FLASHINFER_INT_WORKSPACE_BYTES  # per wrapper
@@ -241,7 +242,8 @@ def prefill_graph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
     g = lay.group
     max_bs = max_batch_size_if_split(lay.num_sm, lay.heads_kv)
     n_max = env.graph_tokens
-    best, best_nb = -1, (n_max, 1)
+    best_rows, best_nb, best_plan = -1, (n_max, 1), (max_bs, 0)
+    dev, hq, hkv, dvo, dqk = lay.device, lay.heads_q, lay.heads_kv, lay.head_dim_vo, lay.head_dim_qk
     for b in range(1, min(env.max_num_seqs, n_max) + 1):
         ns = {n_max}
         for thr in (16, 32, 64):
@@ -249,11 +251,12 @@ def prefill_graph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
             if b <= n < n_max:
                 ns.add(n)
         for n in ns:
-            cta = cta_tile_q((n - b + 1) * g, lay.head_dim_vo, lay.head_dim_qk, lay.device)
+            cta = cta_tile_q((n - b + 1) * g, dvo, dqk, dev)
             padded = max(max_bs, ceil_div(n * g, cta) + b - 1)
-            fb = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, padded, cta)
-            if fb > best:
-                best, best_nb = fb, (n, b)
+            rows = prefill_split_rows(family, hq, hkv, padded, cta)
+            if rows > best_rows:
+                best_rows, best_nb, best_plan = rows, (n, b), (padded, cta)
+    best = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, *best_plan)
     cand = _graph_batch(*best_nb, env, env.max_model_len)
     ib = _int_bound(family, lay, n_max, min(env.max_num_seqs, n_max), True)
     return _finish("prefill_cuda_graph", family, lay, env, best, [cand] if cand else [], ib)
@@ -274,14 +277,16 @@ def decode_tc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> 
     route = "decode_tc_cuda_graph" if cuda_graph else "decode_tc"
     ib = _int_bound(family, lay, b_max * u, b_max, cuda_graph)
     if family != FAMILY_07 and cuda_graph:
-        best, best_b = -1, 1
+        best_rows, best_b, best_plan = -1, 1, (max_bs, 0)
+        dev, hq, hkv, dvo, dqk = lay.device, lay.heads_q, lay.heads_kv, lay.head_dim_vo, lay.head_dim_qk
         for b in range(1, b_max + 1):
             n = b * u
-            c = cta_tile_q((n - b + 1) * g, lay.head_dim_vo, lay.head_dim_qk, lay.device)
+            c = cta_tile_q((n - b + 1) * g, dvo, dqk, dev)
             padded = max(max_bs, ceil_div(n * g, c) + b - 1)
-            fb = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, padded, c)
-            if fb > best:
-                best, best_b = fb, b
+            rows = prefill_split_rows(family, hq, hkv, padded, c)
+            if rows > best_rows:
+                best_rows, best_b, best_plan = rows, b, (padded, c)
+        best = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, *best_plan)
         kv = min(env.max_model_len, max(u, 128))
         cand = PlanBatch((u,) * best_b, (kv,) * best_b, True)
         return _finish(route, family, lay, env, best, [cand], ib)

@@ -110,13 +110,18 @@ class _Alloc:
         self.used = align_up(self.used, alignment) + size
 
 
+def prefill_split_rows(family: str, heads_q: int, heads_kv: int, padded: int, cta: int) -> int:
+    """The rows of a split plan's partial outputs; ``prefill_float_bytes`` grows strictly with them, so a search for
+    the largest plan compares rows and sizes the winner once."""
+    if family == FAMILY_07:
+        return ceil_div(padded * cta, heads_q // heads_kv)
+    return padded * cta
+
+
 def prefill_float_bytes(family: str, heads_q: int, heads_kv: int, head_dim_vo: int, padded: int,
                         cta: int) -> int:
     """``batch_prefill_tmp_v`` + ``batch_prefill_tmp_s`` for a split plan."""
-    if family == FAMILY_07:
-        rows = ceil_div(padded * cta, heads_q // heads_kv)
-    else:
-        rows = padded * cta
+    rows = prefill_split_rows(family, heads_q, heads_kv, padded, cta)
     alloc = _Alloc()
     alloc.take(heads_q * rows * head_dim_vo * 4, 16)
     alloc.take(heads_q * rows * 4, 16)
