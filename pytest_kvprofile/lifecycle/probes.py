@@ -263,7 +263,8 @@ def _probe_reservations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) 
                     continue
                 before = {a.id for a in clean.device.live_allocations()}
                 allocs = _allocations_of(clean.device, functools.partial(_reserve, clean, clean.builders[index]))
-                expected = _held(clean.device, name, before, frozenset(_process_wide(clean)))
+                clean_wide = _process_wide(clean)
+                expected = _held(clean.device, name, before, frozenset(clean_wide))
         except Exception as exc:  # noqa: BLE001 - the builder cannot even reserve once
             cause = exc.__cause__ or exc
             return [f"the reservation probe could not run: {name} failed before or during its reservation: "
@@ -272,7 +273,8 @@ def _probe_reservations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) 
         for k in points:
             with _fresh(target, lc.RESERVATION, reserving=name) as run:
                 assert run is not None
-                out.extend(_fail_reservation(run, index, name, k, allocs[k], expected, retry=k == points[-1]))
+                out.extend(_fail_reservation(run, index, name, k, allocs[k], expected, retry=k == points[-1],
+                                             look_wide=bool(clean_wide)))
         if out:
             return out
     return out
@@ -313,10 +315,12 @@ def _total(held: Held) -> int:
 
 
 def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, expected: Held,
-                      retry: bool) -> list[str]:
+                      retry: bool, look_wide: bool = True) -> list[str]:
     """Fail ``name``'s reservation at its allocation ``k`` and, with ``retry``, reserve again; report what breaks the
     rule. The second reservation follows the last fault point only (the one with the most made before it): a real
-    builder's reservation costs as much as its lifecycle, and a leak or a wrong error shows at every point."""
+    builder's reservation costs as much as its lifecycle, and a leak or a wrong error shows at every point.
+    ``look_wide`` False: a clean reservation from the same fresh view left nothing in process-wide state, so none of
+    what this one leaves is exempt as such (and the module walk is skipped)."""
     b, dev = run.builders[index], run.device
     what = f"its reservation failed at allocation #{k + 1} ({site.tag!r}, {site.nbytes / MiB:.2f} MiB)"
     before = {a.id for a in dev.live_allocations()}
@@ -345,7 +349,7 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
     if leaked and getattr(run.backend, "torch_mode", False):
         gc.collect()  # tensors a reference cycle still holds are not leaks the builder made
         leaked = _held(dev, name, before)
-    process_wide = _process_wide(run) if leaked or retry else {}
+    process_wide = _process_wide(run) if look_wide and (leaked or retry) else {}
     leaked = _held(dev, name, before, frozenset(process_wide)) if leaked and process_wide else leaked
     if leaked:
         out.append(f"builder {name!r}: {what}, and {_total(leaked) / MiB:.2f} MiB ({_total(leaked)} bytes) of what it "
@@ -363,7 +367,7 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
     # process-wide memory is not the retry's to hold, as it is not a clean reservation's, unless the retry made it
     # again where the failed attempt had already put it (made per reservation, not reused: bug 14 seen on a retry);
     # what the failed attempt made that the state no longer holds, still allocated, counts too
-    process_wide = _process_wide(run)
+    process_wide = _process_wide(run) if look_wide else {}
     exempt = frozenset(i for i, where in process_wide.items() if i in kept or where not in filled)
     got = _held(dev, name, before, exempt)
     if got != expected:
