@@ -17,11 +17,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.units import MiB
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.matrix.cases import Case
 
 BOTH = "both"
 
@@ -126,7 +130,7 @@ class CheckOutcome:
         )
 
 
-def _always(case: Any, parts: list[Any]) -> bool:
+def _always(case: Case, parts: list[Builder]) -> bool:
     return True
 
 
@@ -142,7 +146,7 @@ class Check:
     needs: str  # the last phase it reads
     bugs: tuple[int, ...]
     fn: CheckFn
-    relevant: Callable[[Any, list[Any]], bool] = _always  # False: the check has nothing to look at here
+    relevant: Callable[[Case, list[Builder]], bool] = _always  # False: the check has nothing to look at here
     details: Callable[[LifecycleResult], CheckDetails] = _no_details  # what its record carries for the report
 
     def applies(self, path: str) -> bool:

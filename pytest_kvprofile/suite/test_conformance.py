@@ -7,19 +7,23 @@ layout. The lifecycle for a (backend, case) pair runs once and every check reads
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
 from pytest_kvprofile.checks.base import Check, CheckOutcome
 from pytest_kvprofile.checks.catalog import CHECKS
+from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.lifecycle.record import LifecycleResult
+from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.plugin.recorder import RECORD_KEY
+from pytest_kvprofile.plugin.session import KvprofileSession
 from pytest_kvprofile.plugin.timeouts import call_with_timeout
 
 
 def _make_test(check: Check) -> Callable[..., None]:
-    def test(kvprofile_pair: Any, kvprofile_session: Any, request: pytest.FixtureRequest) -> None:
+    def test(kvprofile_pair: tuple[Backend, Case], kvprofile_session: KvprofileSession,
+             request: pytest.FixtureRequest) -> None:
         backend, case = kvprofile_pair
         record = CheckOutcome(check=check.name, backend=backend.name, case=case.id)
         try:
@@ -42,7 +46,7 @@ def _make_test(check: Check) -> Callable[..., None]:
     return pytest.mark.kvprofile_check(check.name)(test)
 
 
-def _run(session: Any, backend: Any, case: Any, check: Check) -> tuple[LifecycleResult, list[str]]:
+def _run(session: KvprofileSession, backend: Backend, case: Case, check: Check) -> tuple[LifecycleResult, list[str]]:
     result = session.result_for(backend, case)
     return result, check.run(result, session.settings.check_options)
 
@@ -51,12 +55,12 @@ for _check in CHECKS:
     globals()[f"test_{_check.name}"] = _make_test(_check)
 
 
-def test_layout_is_possible(kvprofile_impossible_case: Any) -> None:
+def test_layout_is_possible(kvprofile_impossible_case: Case) -> None:
     """Impossible layouts are listed (and skipped) with their reason rather than silently dropped."""
     pytest.fail(f"{kvprofile_impossible_case.id} should have been skipped: {kvprofile_impossible_case.skip_reason}")
 
 
-def test_engine_accepts_layout(kvprofile_refused_pair: Any) -> None:
+def test_engine_accepts_layout(kvprofile_refused_pair: tuple[Backend, Case]) -> None:
     """Layouts a backend's engine refuses (``Backend.refuses_layout``) are listed, skipped with the engine's reason."""
     backend, case = kvprofile_refused_pair
     pytest.fail(f"{backend.name} / {case.id} should have been skipped: its engine refuses the layout")
