@@ -5,17 +5,27 @@ rule it enforces and the phase it needs; a run that aborted before that phase fa
 builder, phase and error that stopped it. An empty list is a pass. Every check only reads the record,
 except ``warmup_retryable``, which re-runs the builders of the record's probe target on fresh devices
 (the fault injection cannot happen inside the main run).
+
+What one check concluded about one (backend, case) is a :class:`CheckOutcome`: the packaged suite writes it,
+xdist carries it to the controller (as JSON, in ``user_properties``), and the JSON report, the verdict and the
+terminal summary read it. What a check adds to it for the report (the budget, the workspace waste, the legacy
+path's cost) is the check's own ``details``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.units import MiB
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.matrix.cases import Case
 
 BOTH = "both"
 
@@ -66,9 +76,66 @@ class CheckOptions:
 
 CheckFn = Callable[[LifecycleResult, CheckOptions], list[str]]
 
+JsonObject = dict[str, Any]
+"""A JSON object as the report writes it."""
 
-def _always(case: Any, parts: list[Any]) -> bool:
+
+@dataclass(frozen=True)
+class CheckDetails:
+    """What a check's record carries for the report beside its outcome, each a JSON object or None: the run's
+    budget (``budget``, the summary's fewest KV tokens), the case's workspace waste (``waste``) and the legacy
+    path's post-KV cost (``legacy_cost``)."""
+
+    budget: JsonObject | None = None
+    waste: JsonObject | None = None
+    legacy_cost: JsonObject | None = None
+
+
+NO_DETAILS = CheckDetails()
+
+_DETAIL_KEYS = ("budget", "waste", "legacy_cost")
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """One check on one (backend, case): written by the packaged suite's test, completed by the controller's
+    recorder (``nodeid``, the pytest ``outcome``: passed, failed, skipped, xfailed or xpassed, and a failure's
+    ``message``), read by the JSON report, the verdict and the summary.
+
+    ``to_json``/``from_json`` are what crosses xdist (``user_properties``) and what the JSON report's
+    ``results`` hold: a flat object whose absent fields are left out.
+    """
+
+    check: str
+    backend: str
+    case: str
+    details: CheckDetails = NO_DETAILS
+    message: str | None = None
+    nodeid: str | None = None
+    outcome: str | None = None
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"check": self.check, "backend": self.backend, "case": self.case}
+        fields = [(key, getattr(self.details, key)) for key in _DETAIL_KEYS]
+        fields += [("message", self.message), ("nodeid", self.nodeid), ("outcome", self.outcome)]
+        out.update((key, value) for key, value in fields if value is not None)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CheckOutcome:
+        return cls(
+            check=data["check"], backend=data["backend"], case=data["case"],
+            details=CheckDetails(**{key: data[key] for key in _DETAIL_KEYS if data.get(key) is not None}),
+            message=data.get("message"), nodeid=data.get("nodeid"), outcome=data.get("outcome"),
+        )
+
+
+def _always(case: Case, parts: list[Builder]) -> bool:
     return True
+
+
+def _no_details(result: LifecycleResult) -> CheckDetails:
+    return NO_DETAILS
 
 
 @dataclass(frozen=True)
@@ -79,7 +146,8 @@ class Check:
     needs: str  # the last phase it reads
     bugs: tuple[int, ...]
     fn: CheckFn
-    relevant: Callable[[Any, list[Any]], bool] = _always  # False: the check has nothing to look at here
+    relevant: Callable[[Case, list[Builder]], bool] = _always  # False: the check has nothing to look at here
+    details: Callable[[LifecycleResult], CheckDetails] = _no_details  # what its record carries for the report
 
     def applies(self, path: str) -> bool:
         return self.path == BOTH or self.path == path

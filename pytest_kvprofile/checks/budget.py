@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest_kvprofile.lifecycle.phases as lc
-from pytest_kvprofile.checks.base import Check, CheckOptions
+from pytest_kvprofile.checks.base import Check, CheckDetails, CheckOptions, JsonObject
 from pytest_kvprofile.checks.evidence import (
     alive_at_end,
     builder_names,
@@ -11,7 +11,7 @@ from pytest_kvprofile.checks.evidence import (
     lease_released_sites,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
-from pytest_kvprofile.memory.budget import tokens_for
+from pytest_kvprofile.memory.budget import Budget, tokens_for
 from pytest_kvprofile.units import MiB
 
 
@@ -71,9 +71,25 @@ def check_graph_pool_full_high_water(result: LifecycleResult, options: CheckOpti
     return []
 
 
+def budget_record(budget: Budget, case_id: str) -> JsonObject:
+    """The budget as the report keeps it: its fields, the case, the limit and the KV pool in MiB."""
+    d: JsonObject = budget.as_dict()
+    d["case"] = case_id
+    d["limit"] = budget.limit
+    d["available_kv_mib"] = round(budget.available_kv / MiB, 2)
+    return d
+
+
+def budget_details(result: LifecycleResult) -> CheckDetails:
+    """``no_post_kv_overrun``'s record carries the run's budget (the summary's fewest KV tokens)."""
+    if result.budget is None:
+        return CheckDetails()
+    return CheckDetails(budget=budget_record(result.budget, result.case.id))
+
+
 CHECKS: tuple[Check, ...] = (
     Check("no_post_kv_overrun", "peak usage after KV allocation stays within total x gmu", PROFILING,
-          lc.WARMUP_REPEAT, (1, 2, 3, 4, 7, 8, 10), check_no_post_kv_overrun),
+          lc.WARMUP_REPEAT, (1, 2, 3, 4, 7, 8, 10), check_no_post_kv_overrun, details=budget_details),
     Check("graph_pool_full_high_water", "the CUDA-graph pool is accounted at its full high-water mark",
           PROFILING, lc.KV_SIZING, (10,), check_graph_pool_full_high_water),
 )

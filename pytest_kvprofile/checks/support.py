@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest_kvprofile.lifecycle.phases as lc
-from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
+from pytest_kvprofile.checks.base import BOTH, Check, CheckDetails, CheckOptions
 from pytest_kvprofile.checks.evidence import (
     alive_at_end,
     builder_names,
@@ -70,9 +70,19 @@ def check_legacy_path_unchanged(result: LifecycleResult, options: CheckOptions) 
     return out
 
 
+def legacy_cost_details(result: LifecycleResult) -> CheckDetails:
+    """``legacy_path_unchanged``'s record carries what the legacy path's parts allocate after KV sizing and keep
+    (``report/post_kv_cost.py``), which the verdict and the summary report as information."""
+    from pytest_kvprofile.report.post_kv_cost import post_kv_cost  # the report's module; checks stay below it
+
+    cost = post_kv_cost(result) if result.path == LEGACY else None
+    return CheckDetails() if cost is None else CheckDetails(legacy_cost=cost.as_dict())
+
+
 CHECKS: tuple[Check, ...] = (
     Check("support_declaration", "a builder declares a ProfilingSupport member; REQUIRED+NEUTRAL enables, any "
           "UNSUPPORTED disables, all-NEUTRAL does not", BOTH, lc.SETUP, (6,), check_support_declaration),
     Check("legacy_path_unchanged", "a model off the new path runs the legacy lifecycle and keeps nothing from "
-          "the profiling window", LEGACY, lc.CLOSING, (6,), check_legacy_path_unchanged),
+          "the profiling window", LEGACY, lc.CLOSING, (6,), check_legacy_path_unchanged,
+          details=legacy_cost_details),
 )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest_kvprofile.lifecycle.phases as lc
-from pytest_kvprofile.checks.base import Check, CheckOptions
+from pytest_kvprofile.checks.base import Check, CheckDetails, CheckOptions
 from pytest_kvprofile.checks.evidence import fmt_batch, grouped, resource_names
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import (
@@ -297,8 +297,15 @@ def describe_waste(result: LifecycleResult, cost: CaseWaste) -> str:
             f"{cost.kv_tokens} KV tokens per rank{pool}: " + "; ".join(parts))
 
 
+def waste_details(result: LifecycleResult) -> CheckDetails:
+    """``workspace_covers_planner``'s record carries the case's waste (``case_waste``) for the report."""
+    waste = case_waste(result)
+    return CheckDetails() if waste is None else CheckDetails(waste=waste.as_dict())
+
+
 CHECKS: tuple[Check, ...] = (
     Check("workspace_covers_planner", "the float/int workspace covers what FlashInfer's planner carves for the "
           "worst batch of every route the builder plans into it; waste is reported, and fails only over "
-          "--kvprofile-max-waste", PROFILING, lc.SETUP, (11, 12, 19), check_workspace_covers_planner),
+          "--kvprofile-max-waste", PROFILING, lc.SETUP, (11, 12, 19), check_workspace_covers_planner,
+          details=waste_details),
 )

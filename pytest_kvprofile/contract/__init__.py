@@ -5,8 +5,8 @@
 | `support` | `ProfilingSupport` (REQUIRED / NEUTRAL / UNSUPPORTED), the fail-closed resolver |
 | `lease` | `Lease`: keeps persistent memory alive from the reservation to its release |
 | `workspace` | `WorkspaceManager`, `ArenaView`: one float arena per micro-batch, locked after warmup |
-| `protocol` | the builder protocol, `BuilderContext`, `WorkspaceDeclaration`, `BoundWorkspace`, `Batch` |
-| `resources` | persistent owners that are not builders, adapted to the builder protocol |
+| `protocol` | the builder protocol, `BuilderContext`/`BuilderHost`, `WorkspaceDeclaration`, `BoundWorkspace`, `Batch` |
+| `resources` | persistent owners that are not builders (`PersistentResource`), adapted to the builder protocol |
 | `backends` | `Backend` (a named builder factory) and `EnginePolicy` |
 | `registry` | where backends come from and when their builders are constructed |
 """

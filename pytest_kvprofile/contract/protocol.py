@@ -1,8 +1,8 @@
 """The builder protocol the harness drives, and the context it hands to builders.
 
 A third-party attention backend implements a small, duck-typed surface (named as vLLM's open pull request names
-it). Only ``name`` is mandatory; every other method is optional and its absence has a defined,
-conservative meaning:
+it); it inherits nothing. Only ``name`` is mandatory (:class:`Builder`); every other method is optional and its
+absence has a defined, conservative meaning (:class:`ProfilingBuilder` spells out every hook's signature):
 
 ``get_persistent_workspace_memory_profiling_support() -> ProfilingSupport``
     Fail-closed: a builder without it is UNSUPPORTED.
@@ -23,21 +23,28 @@ conservative meaning:
 ``bound_workspaces() -> iterable of BoundWorkspace``
     One entry per wrapper: the float workspace range it points at and its int workspace, so aliasing and
     sharing can be checked.
+``close()``
+    After the run: drop the builder's device memory.
+``warmup_materializes_persistent`` (class attribute)
+    True: the engine warms the builder up inside the window and replays the profile.
+
+The context (:class:`BuilderContext`) reaches the engine only through :class:`BuilderHost`, which the
+lifecycle driver implements.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Literal, Protocol
 
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.roles import Role
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.contract.support import ProfilingSupport
     from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
-    from pytest_kvprofile.lifecycle.driver import LifecycleRun
     from pytest_kvprofile.matrix.cases import Case
-    from pytest_kvprofile.memory.device import Allocation
+    from pytest_kvprofile.memory.device import Allocation, Device
 
 
 ROUTES = ("prefill", "decode")  # what an arena view may name (ctx.get_workspace(route=)); MLA's decode is not sized
@@ -81,23 +88,80 @@ class Batch:
         return f"{self.kind} {self.num_reqs} reqs / {self.num_tokens} tokens{graph}"
 
 
+class Builder(Protocol):
+    """The required part of the builder protocol: a name (an attribute or a property), unique within the backend;
+    allocations and messages are attributed to it. Every other hook is optional (:class:`ProfilingBuilder`);
+    the harness looks each one up on the builder and treats a missing one as "nothing to do"."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class ProfilingBuilder(Builder, Protocol):
+    """A builder with every optional hook, for annotating a complete builder (``builder: ProfilingBuilder``).
+
+    Not a base class: a builder inherits nothing, and one that leaves a hook out (no
+    ``get_persistent_workspace_memory_profiling_support``: UNSUPPORTED; no ``bound_workspaces``: nothing to
+    compare) is driven the same way, each absent hook keeping the meaning the module docstring gives it.
+    """
+
+    warmup_materializes_persistent: ClassVar[bool]
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport: ...
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration: ...
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease: ...
+    def dummy_run(self, ctx: BuilderContext) -> None: ...
+    def rebind(self, ctx: BuilderContext) -> None: ...
+    def warmup(self, ctx: BuilderContext) -> None: ...
+    def build(self, ctx: BuilderContext, batch: Batch) -> None: ...
+    def bound_workspaces(self) -> Iterable[BoundWorkspace]: ...
+    def close(self) -> None: ...
+
+
+Hook = Literal["reserve_persistent_workspace", "dummy_run", "rebind", "warmup", "build"]
+"""The optional hooks the engine calls with a context (``call_optional``)."""
+
+
+class BuilderHost(Protocol):
+    """What a :class:`BuilderContext` needs from the engine running its builder (the lifecycle driver's run):
+    the case, the device it allocates on, the shared arena manager and its views, where the run is, and a place
+    to note uses."""
+
+    @property
+    def case(self) -> Case: ...
+    @property
+    def device(self) -> Device: ...
+    @property
+    def manager(self) -> WorkspaceManager: ...
+    def arena_view(self, owner: str, nbytes: int, ubatch: int, route: str | None) -> ArenaView:
+        """A view of ``ubatch``'s float arena for ``owner``, recorded with the route that plans into it."""
+    @property
+    def in_window(self) -> bool:
+        """Inside the memory-profiling window (between the baseline and the closing measurement)."""
+    @property
+    def in_dummy_forward(self) -> bool:
+        """A dummy forward (profile run, graph profiling or capture) rather than real traffic."""
+    def note_plan(self, owner: str, target: ArenaView | Allocation) -> None:
+        """The builder ``owner`` plans into, writes or reads ``target`` now (``ctx.plan_into``)."""
+
+
 class BuilderContext:
     """What a builder may touch: allocations are attributed to it, arena requests name it."""
 
-    def __init__(self, run: "LifecycleRun", owner: str):
+    def __init__(self, run: BuilderHost, owner: str):
         self._run = run
         self.owner = owner
 
     @property
-    def case(self) -> "Case":
+    def case(self) -> Case:
         return self._run.case
 
     @property
-    def device(self) -> Any:
+    def device(self) -> Device:
         return self._run.device
 
     @property
-    def workspace(self) -> "WorkspaceManager":
+    def workspace(self) -> WorkspaceManager:
         return self._run.manager
 
     @property
@@ -122,24 +186,23 @@ class BuilderContext:
     def num_ubatches(self) -> int:
         return self._run.manager.num_ubatches
 
-    def allocate(self, nbytes: int, tag: str, *, pinned_host: bool = False, role: Role | str = Role.OTHER) -> Any:
+    def allocate(self, nbytes: int, tag: str, *, pinned_host: bool = False,
+                 role: Role | str = Role.OTHER) -> Allocation:
         """Device (or pinned host) memory in the ledger, attributed to this builder; ``role`` says what it is for."""
         return self._run.device.allocate(int(nbytes), owner=self.owner, tag=tag, pinned_host=pinned_host, role=role)
 
-    def free(self, alloc: Any) -> None:
+    def free(self, alloc: Allocation) -> None:
         self._run.device.free(alloc)
 
-    def get_workspace(self, nbytes: int, ubatch: int = 0, *, route: str | None = None) -> "ArenaView":
+    def get_workspace(self, nbytes: int, ubatch: int = 0, *, route: str | None = None) -> ArenaView:
         """A view of ``ubatch``'s float arena. ``route`` (``"prefill"``, ``"decode"``): the case route whose wrapper
         plans into it, so ``workspace_covers_planner`` sizes the view for that route alone; without one the view
         is sized for every route of the case. A route sent to trtllm-gen asks for no view."""
-        if route is None:
-            return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch)
-        if route not in ROUTES:
+        if route is not None and route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
-        return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch, route=route)
+        return self._run.arena_view(self.owner, int(nbytes), ubatch, route)
 
-    def plan_into(self, target: "ArenaView | Allocation") -> None:
+    def plan_into(self, target: ArenaView | Allocation) -> None:
         """Say that the current call plans into, writes or reads ``target`` (an arena view or an allocation).
 
         The harness judges the use from what it knows, not from the builder: a view whose arena grew or was
@@ -149,11 +212,11 @@ class BuilderContext:
         """
         self._run.note_plan(self.owner, target)
 
-    def lease(self, resources: Iterable[Any] = (), on_release: Callable[[], None] | None = None) -> Lease:
+    def lease(self, resources: Iterable[object] = (), on_release: Callable[[], None] | None = None) -> Lease:
         return Lease(self.owner, resources, on_release)
 
 
-def call_optional(builder: Any, method: str, *args: Any) -> Any:
+def call_optional(builder: Builder, method: Hook, *args: BuilderContext | Batch) -> object:
     """Call ``builder.method(*args)`` if the builder has it; absence means 'nothing to do'."""
     fn = getattr(builder, method, None)
     if fn is None:

@@ -22,7 +22,9 @@ from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import (
     Batch,
     BoundWorkspace,
+    Builder,
     BuilderContext,
+    Hook,
     WorkspaceDeclaration,
     call_optional,
 )
@@ -156,14 +158,18 @@ def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -
 
 
 class LifecycleRun:
-    """Drives one backend over one case on one device. Use ``run_lifecycle``."""
+    """Drives one backend over one case on one device. Use ``run_lifecycle``.
+
+    It is the :class:`~pytest_kvprofile.contract.protocol.BuilderHost` of its builders' contexts: ``case``,
+    ``device``, ``manager``, ``in_window``, ``in_dummy_forward``, ``arena_view`` and ``note_plan``.
+    """
 
     def __init__(self, target: ProbeTarget, device: Device, observers: Sequence[WindowObserver] = ()):
         self.observers = tuple(observers)
         self.backend = target.backend
         self.case = target.case
         self.device = device
-        self.builders: list[Any] = []
+        self.builders: list[Builder] = []
         self.policy: EnginePolicy = getattr(self.backend, "policy", None) or EnginePolicy()
         self.manager = _workspace_manager(self, device, self.case.envelope.num_ubatches)
         self.in_window = False
@@ -236,11 +242,12 @@ class LifecycleRun:
         mapped = self._torch.simulated_ptr(ptr, nbytes)
         return ptr if mapped is None else mapped
 
-    def _call(self, builder: Any, method: str, *args: Any) -> Any:
+    def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> Any:
         name = builder_name(builder)
         self.result.calls.append(CallRecord(self.device.phase, name, method))
         self._current_call = method
-        self._current_ubatch = args[1].ubatch if method == "build" and len(args) > 1 else None
+        batch = args[1] if method == "build" and len(args) > 1 else None
+        self._current_ubatch = batch.ubatch if isinstance(batch, Batch) else None
         try:
             if self._torch is None:
                 return call_optional(builder, method, *args)
@@ -262,8 +269,13 @@ class LifecycleRun:
         self.result.aborted_in = self.device.phase
         raise _Abort from exc
 
+    # -- the builders' contexts (BuilderHost) --------------------------------------------------
+    def arena_view(self, owner: str, nbytes: int, ubatch: int, route: str | None) -> ArenaView:
+        """``ctx.get_workspace``: a view of ``ubatch``'s arena, recorded with its route (``ViewGrant``)."""
+        return self.manager.get_workspace(owner, nbytes, ubatch, route=route)
+
     # -- memory uses (no_use_after_free, ubatch_arenas_disjoint) ------------------------------------
-    def note_plan(self, owner: str, target: Any) -> None:
+    def note_plan(self, owner: str, target: object) -> None:
         """``ctx.plan_into(target)``: judge the use from the manager's generations and the ledger."""
         if isinstance(target, ArenaView):
             freed = None if self.manager.is_current(target) else self.manager.retired.get(
@@ -320,7 +332,7 @@ class LifecycleRun:
             prev = self.result.uses[at]
             self.result.uses[at] = dataclasses.replace(prev, count=prev.count + 1)
 
-    def ctx(self, builder: Any) -> BuilderContext:
+    def ctx(self, builder: Builder) -> BuilderContext:
         return self._contexts[builder_name(builder)]
 
     # -- the model side of a forward pass ----------------------------------------------------

@@ -18,7 +18,13 @@ from collections import Counter
 from typing import Any, Callable, Iterator
 
 import pytest_kvprofile.lifecycle.phases as lc
-from pytest_kvprofile.contract.protocol import call_optional
+from pytest_kvprofile.contract.protocol import (
+    Batch,
+    Builder,
+    BuilderContext,
+    Hook,
+    call_optional,
+)
 from pytest_kvprofile.contract.support import builder_name
 from pytest_kvprofile.lifecycle.driver import LifecycleRun, make_device
 from pytest_kvprofile.lifecycle.record import ProbeTarget
@@ -46,7 +52,7 @@ class _ProbeRun(LifecycleRun):
             self.reached = phase == self.stop_at and self.stop_before_reserving is None
             raise _Stop
 
-    def _call(self, builder: Any, method: str, *args: Any) -> Any:
+    def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> Any:
         if method == "reserve_persistent_workspace" and builder_name(builder) == self.stop_before_reserving:
             self.reached = True
             raise _Stop

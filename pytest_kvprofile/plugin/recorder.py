@@ -1,16 +1,18 @@
 """The controller's recorder: each check's outcome, from the reports xdist forwards to the controller.
 
-The suite's tests put their record in ``user_properties`` (the channel xdist carries from workers);
-the recorder adds the outcome and the failure message, and the session writes the JSON, the verdict
-and the summary from these records.
+The suite's tests put their ``CheckOutcome`` in ``user_properties`` as JSON (the channel xdist carries from
+workers); the recorder adds the node id, the outcome and the failure message, and the session writes the JSON,
+the verdict and the summary from these records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
+from pytest_kvprofile.checks.base import CheckOutcome
 from pytest_kvprofile.plugin.session import KvprofileSession
 
 RECORD_KEY = "kvprofile"
@@ -24,15 +26,15 @@ class Recorder:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         data = dict(report.user_properties).get(RECORD_KEY)
-        if data is None:
+        if not isinstance(data, dict):  # None: not a kvprofile check; the suite writes CheckOutcome.to_json()
             return
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            outcome = report.outcome
+            outcome: str = report.outcome
             if hasattr(report, "wasxfail"):
                 outcome = "xfailed" if report.outcome == "skipped" else "xpassed"
-            record = dict(data, nodeid=report.nodeid, outcome=outcome)
+            record = dataclasses.replace(CheckOutcome.from_json(data), nodeid=report.nodeid, outcome=outcome)
             if report.outcome == "failed":
-                record["message"] = _short_message(report)
+                record = dataclasses.replace(record, message=_short_message(report))
             self.state.records.append(record)
 
 

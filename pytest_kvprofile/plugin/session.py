@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import pytest
 
+from pytest_kvprofile.checks.base import CheckOutcome
 from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, WasteBudget
 from pytest_kvprofile.contract.backends import (
     Backend,
@@ -81,7 +82,7 @@ class KvprofileSession:
         self._plans: dict[tuple[str, str], PairPlan] = {}
         self._refusals: dict[tuple[str, str], str | None] = {}
         self._results: OrderedDict[tuple[str, str], LifecycleResult] = OrderedDict()
-        self.records: list[dict] = []
+        self.records: list[CheckOutcome] = []
         self.hardware: dict | None = None
         self.device_factory: Any = None  # the GPU tier's CudaDeviceFactory (set by pytest_kvprofile.plugin.gpu)
         self.case_index = {c.id: i for i, c in enumerate(self.cases)}

@@ -10,6 +10,7 @@ from collections import Counter, defaultdict
 from importlib import metadata
 from typing import Any
 
+from pytest_kvprofile.checks.base import CheckOutcome
 from pytest_kvprofile.report.summary import legacy_costs, summarize, waste_costs, waste_reason
 
 SCHEMA_VERSION = 1
@@ -44,7 +45,7 @@ def json_document(session: Any) -> dict:
                      for b in session.backends],
         "skipped_cases": [{"case": c.id, "reason": c.skip_reason} for c in session.skipped_cases],
         "summary": summarize(session.records),
-        "results": sorted(session.records, key=lambda r: r["nodeid"]),
+        "results": [r.to_json() for r in sorted(session.records, key=lambda r: r.nodeid or "")],
         "sizing_report": _sizing_report(session),
     }
 
@@ -91,16 +92,16 @@ def verdict_document(session: Any) -> dict:
         "matrices": [m.path for m in session.matrices],
         "backends": [],
     }
-    by_backend: dict[str, list[dict]] = defaultdict(list)
+    by_backend: dict[str, list[CheckOutcome]] = defaultdict(list)
     for rec in session.records:
-        if rec.get("backend"):
-            by_backend[rec["backend"]].append(rec)
+        if rec.backend:
+            by_backend[rec.backend].append(rec)
     costs = legacy_costs(session.records)
     refused_pairs = session.refused_pairs()
     wastes = waste_costs(session.records)
     for backend in session.backends:
         results = [
-            {"check": r["check"], "case": r["case"], "outcome": r["outcome"], "message": r.get("message")}
+            {"check": r.check, "case": r.case, "outcome": r.outcome, "message": r.message}
             for r in by_backend.get(backend.name, [])
         ]
         refused = [{"case": case.id, "reason": reason}

@@ -3,28 +3,28 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Any
 
+from pytest_kvprofile.checks.base import CheckOutcome
 from pytest_kvprofile.units import MiB
 
 
-def summarize(records: list[dict]) -> list[dict]:
+def summarize(records: list[CheckOutcome]) -> list[dict]:
     """Per backend: cases, checks passed/failed/xfailed, the most failed check and the worst budget."""
-    by_backend: dict[str, list[dict]] = defaultdict(list)
+    by_backend: dict[str, list[CheckOutcome]] = defaultdict(list)
     for rec in records:
-        if rec.get("backend"):
-            by_backend[rec["backend"]].append(rec)
+        if rec.backend:
+            by_backend[rec.backend].append(rec)
     rows = []
     for backend, recs in sorted(by_backend.items()):
-        outcomes = Counter(r["outcome"] for r in recs)
-        failed = Counter(r["check"] for r in recs if r["outcome"] == "failed")
+        outcomes = Counter(r.outcome for r in recs)
+        failed = Counter(r.check for r in recs if r.outcome == "failed")
         # ties broken by name, so every case order gives the same summary
         worst_check = min(failed.items(), key=lambda kv: (-kv[1], kv[0])) if failed else None
-        budgets = [r["budget"] for r in recs if r.get("budget")]
+        budgets = [r.details.budget for r in recs if r.details.budget]
         worst_budget = min(budgets, key=lambda b: (b["kv_tokens"], b["case"]), default=None)
         rows.append({
             "backend": backend,
-            "cases": len({r["case"] for r in recs}),
+            "cases": len({r.case for r in recs}),
             "passed": outcomes.get("passed", 0),
             "failed": outcomes.get("failed", 0),
             "xfailed": outcomes.get("xfailed", 0),
@@ -37,17 +37,17 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-def legacy_costs(records: list[dict]) -> dict[str, list[dict]]:
+def legacy_costs(records: list[CheckOutcome]) -> dict[str, list[dict]]:
     """Per legacy-path backend, each case's post-KV cost (``report/post_kv_cost.py``), largest first."""
     out: dict[str, list[dict]] = defaultdict(list)
     for rec in records:
-        cost = rec.get("legacy_cost")
-        if rec.get("backend") and cost:
-            out[rec["backend"]].append(cost)
+        cost = rec.details.legacy_cost
+        if rec.backend and cost:
+            out[rec.backend].append(cost)
     return {b: sorted(costs, key=lambda c: (-c["bytes"], c["case"])) for b, costs in sorted(out.items())}
 
 
-def legacy_cost_lines(records: list[dict]) -> list[str]:
+def legacy_cost_lines(records: list[CheckOutcome]) -> list[str]:
     """Information, not failures: what each legacy-path backend leaves invisible to KV sizing."""
     lines = []
     for backend, costs in legacy_costs(records).items():
@@ -65,13 +65,13 @@ def legacy_cost_lines(records: list[dict]) -> list[str]:
     return lines
 
 
-def waste_costs(records: list[dict]) -> dict[str, list[dict]]:
+def waste_costs(records: list[CheckOutcome]) -> dict[str, list[dict]]:
     """Per opted-in backend, each case's workspace waste (``checks/workspace.py``), largest first."""
     out: dict[str, list[dict]] = defaultdict(list)
     for rec in records:
-        waste = rec.get("waste")
-        if rec.get("backend") and waste:
-            out[rec["backend"]].append(waste)
+        waste = rec.details.waste
+        if rec.backend and waste:
+            out[rec.backend].append(waste)
     return {b: sorted(costs, key=lambda c: (-c["bytes"], c["case"])) for b, costs in sorted(out.items())}
 
 
@@ -86,7 +86,7 @@ def waste_reason(costs: list[dict]) -> str | None:
             f"tokens per rank) on {worst['case']}")
 
 
-def waste_lines(records: list[dict]) -> list[str]:
+def waste_lines(records: list[CheckOutcome]) -> list[str]:
     """Information, not failures (unless a budget is set): what each backend reserves beyond the planned routes."""
     lines = []
     for backend, costs in waste_costs(records).items():
@@ -133,14 +133,6 @@ def verdict_lines(doc: dict) -> list[str]:
         for cost in b.get("cost_reasons", []):
             lines.append(f"    - cost: {cost}")
     return lines
-
-
-def budget_record(budget: Any, case_id: str) -> dict:
-    d = budget.as_dict()
-    d["case"] = case_id
-    d["limit"] = budget.limit
-    d["available_kv_mib"] = round(budget.available_kv / MiB, 2)
-    return d
 
 
 def partial_lines(doc: dict) -> list[str]:

@@ -2,6 +2,7 @@
 
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+from pytest_kvprofile.checks.base import CheckDetails, CheckOutcome
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.report.post_kv_cost import post_kv_cost
@@ -23,14 +24,16 @@ def test_lazy_legacy_builders_cost_is_named_by_owner_and_summed_into_kv_tokens()
     per_token = run_lifecycle(STUB_BACKENDS[0], CASE).budget.kv_bytes_per_token
     assert cost.kv_tokens == -(-cost.nbytes // per_token)
     assert "appear after KV sizing on qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.98" in cost.describe()
-    line = legacy_cost_lines([{"backend": "x", "legacy_cost": cost.as_dict()}])[0]
+    record = CheckOutcome("legacy_path_unchanged", "x", CASE.id, CheckDetails(legacy_cost=cost.as_dict()))
+    line = legacy_cost_lines([record])[0]
     assert line.startswith("x (legacy path): on 1 cases") and f"{cost.kv_tokens} KV tokens" in line
 
 
 def test_a_legacy_backend_that_allocates_nothing_prints_no_cost_line():
     cost = _cost("stub-gdn")
     assert cost.nbytes == 0 and cost.sources == ()
-    assert legacy_cost_lines([{"backend": "gdn", "legacy_cost": cost.as_dict()}]) == []
+    assert legacy_cost_lines([CheckOutcome("legacy_path_unchanged", "gdn", CASE.id,
+                                             CheckDetails(legacy_cost=cost.as_dict()))]) == []
 
 
 def test_close_parts_records_a_raising_close_without_raising():

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from pytest_kvprofile.checks.base import CheckOptions, WasteBudget, parse_waste_budget
+from pytest_kvprofile.checks.base import CheckOptions, CheckOutcome, WasteBudget, parse_waste_budget
 from pytest_kvprofile.checks.workspace import case_waste, check_workspace_covers_planner
 from pytest_kvprofile.contract.registry import builtin_backends
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
@@ -140,11 +140,12 @@ def test_a_view_names_only_a_route_of_the_case(case):
 
 
 def test_the_summary_and_the_verdict_quote_the_worst_case():
-    records = [{"backend": "b", "check": "workspace_covers_planner", "case": c,
+    records = [CheckOutcome.from_json({
+                "backend": "b", "check": "workspace_covers_planner", "case": c,
                 "waste": {"case": c, "bytes": n * MiB, "mib": float(n), "kv_tokens": 7 * n, "kv_pool_percent": 1.0,
                           "builders": [{"builder": "fi", "sized_routes": ["decode_tc"], "float_waste_bytes": n * MiB,
                                         "arena_bytes": n * MiB, "private_float_bytes": 0, "unused_trtllm_bytes": 0,
-                                        "waste_bytes": n * MiB}]}}
+                                        "waste_bytes": n * MiB}]}})
                for c, n in (("small", 3), ("big", 9), ("none", 0))]
     costs = waste_costs(records)["b"]
     assert [c["case"] for c in costs] == ["big", "small", "none"]

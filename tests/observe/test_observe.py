@@ -15,6 +15,7 @@ import pytest
 from pytest_kvprofile import Backend
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, FlashInferLikeBuilder, GDNLikeBuilder
+from pytest_kvprofile.checks.base import CheckOutcome
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.lifecycle.driver import LOCK_PROBE, LifecycleRun, make_device, run_lifecycle
@@ -144,7 +145,7 @@ def test_gdn_requests_per_ubatch_in_build_pass(case):
 
 def _session(declared: dict[str, str]) -> Any:
     backend = Backend(name="b", make_builders=lambda case: [])
-    record = {"backend": "b", "check": "support_declaration", "case": "c", "outcome": "passed", "nodeid": "x"}
+    record = CheckOutcome("support_declaration", "b", "c", outcome="passed", nodeid="x")
     return SimpleNamespace(
         tier="cpu", hardware=None, matrix_digest=lambda: "d", matrices=[], records=[record], backends=[backend],
         profiles={"b": SimpleNamespace(declared_support=declared)},
