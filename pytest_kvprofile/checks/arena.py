@@ -34,7 +34,8 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
     capture = result.phase(lc.CAPTURE)
     serving = result.phase(lc.SERVING)
     if capture is not None and serving is not None and capture.bound != serving.bound:
-        moved = sorted(set(capture.bound) ^ set(serving.bound), key=lambda b: (b.owner, b.workspace.ubatch))
+        moved = sorted(set(capture.bound) ^ set(serving.bound),
+                       key=lambda b: (b.owner, b.workspace.ubatch, b in serving.bound, repr(b.workspace)))
         detail = "; ".join(
             f"{b.owner} {b.workspace.role} [ubatch {b.workspace.ubatch}] ptr {b.workspace.ptr:#x} "
             f"{b.workspace.nbytes} bytes{_fmt_int(b.workspace)} "
