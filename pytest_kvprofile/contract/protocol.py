@@ -28,16 +28,14 @@ conservative meaning:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.roles import Role
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
-    from pytest_kvprofile.lifecycle.driver import LifecycleRun
     from pytest_kvprofile.matrix.cases import Case
-    from pytest_kvprofile.memory.device import Allocation
 
 
 ROUTES = ("prefill", "decode")  # what an arena view may name (ctx.get_workspace(route=)); MLA's decode is not sized
@@ -81,10 +79,32 @@ class Batch:
         return f"{self.kind} {self.num_reqs} reqs / {self.num_tokens} tokens{graph}"
 
 
+class EngineRun(Protocol):
+    """What a :class:`BuilderContext` reads of the engine run driving the builder (``lifecycle/driver.py``'s
+    ``LifecycleRun`` is one). Why a protocol: the contract names what it needs and imports no engine."""
+
+    @property
+    def case(self) -> "Case": ...
+
+    @property
+    def device(self) -> Any: ...  # a ``memory/device.py`` ``Device``
+
+    @property
+    def manager(self) -> "WorkspaceManager": ...  # the engine's own, which also takes a view's ``route``
+
+    @property
+    def in_window(self) -> bool: ...
+
+    @property
+    def in_dummy_forward(self) -> bool: ...
+
+    def note_plan(self, owner: str, target: Any) -> None: ...
+
+
 class BuilderContext:
     """What a builder may touch: allocations are attributed to it, arena requests name it."""
 
-    def __init__(self, run: "LifecycleRun", owner: str):
+    def __init__(self, run: EngineRun, owner: str):
         self._run = run
         self.owner = owner
 
@@ -102,7 +122,8 @@ class BuilderContext:
 
     @property
     def phase(self) -> str:
-        return self._run.device.phase
+        phase: str = self._run.device.phase
+        return phase
 
     @property
     def profiling(self) -> bool:
@@ -137,10 +158,13 @@ class BuilderContext:
             return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch)
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
-        return self._run.manager.get_workspace(self.owner, int(nbytes), ubatch, route=route)
+        engine_manager: Any = self._run.manager  # the engine's manager takes the route (WorkspaceManager does not)
+        view: ArenaView = engine_manager.get_workspace(self.owner, int(nbytes), ubatch, route=route)
+        return view
 
-    def plan_into(self, target: "ArenaView | Allocation") -> None:
-        """Say that the current call plans into, writes or reads ``target`` (an arena view or an allocation).
+    def plan_into(self, target: Any) -> None:
+        """Say that the current call plans into, writes or reads ``target`` (an :class:`ArenaView` or an allocation
+        of the device's ledger).
 
         The harness judges the use from what it knows, not from the builder: a view whose arena grew or was
         released since it was handed out, or an allocation already freed, is a use after free

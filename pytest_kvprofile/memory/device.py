@@ -578,3 +578,22 @@ class SimDevice(EventSource):
     def graph_pools(self) -> list[GraphPool]:
         """Graph pools that still hold segments or are used by a graph."""
         return [p for p in self.allocator.graph_pools.values() if p.segments or p.use_count > 0]
+
+    # -- torch mode ------------------------------------------------------------------------------------
+
+    def active_simulation(self) -> Any:
+        """The innermost active torch-mode simulation (``memory/torch_mode.py``) if it serves this device, else None.
+
+        Why here: the contract's workspace manager asks its device instead of importing torch mode (the contract
+        imports nothing above it); torch mode, which imports torch, is read only when something loaded it.
+        """
+        torch_mode = sys.modules.get("pytest_kvprofile.memory.torch_mode")
+        sim = torch_mode.active_simulation() if torch_mode is not None else None
+        return sim if sim is not None and sim.device is self else None
+
+    def torch_simulation(self) -> Any:
+        """A new torch-mode simulation of this device: a context manager serving torch "cuda" from this ledger
+        (``WorkspaceManager(arena_tensors=True)`` outside torch mode)."""
+        from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
+        return SimulatedCuda(self)
