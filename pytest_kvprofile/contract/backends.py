@@ -1,7 +1,7 @@
 """Backends: a named factory of builders for one model, plus how the engine integrates them.
 
 Where backends come from (entry points, ``--kvprofile-backend``, the hook, the built-ins) is
-:mod:`pytest_kvprofile.contract.registry`.
+:mod:`pytest_kvprofile.registry`.
 """
 
 from __future__ import annotations

@@ -371,7 +371,7 @@ class LifecycleRun:
 
     def make_builders(self) -> None:
         """Construct the backend's parts for the case, once, on this run's device (phase ``setup``)."""
-        from pytest_kvprofile.contract.registry import model_parts
+        from pytest_kvprofile.lifecycle.parts import model_parts
 
         self._enter(SETUP)
         self._fresh_module_state()
@@ -929,6 +929,6 @@ def case_parts(backend: Any, case: Case, device_factory: Callable[[Case], Device
 
 
 def _parts_of(backend: Any, case: Case) -> list[Any]:
-    from pytest_kvprofile.contract.registry import model_parts
+    from pytest_kvprofile.lifecycle.parts import model_parts
 
     return model_parts(backend, case)

@@ -21,13 +21,6 @@ from pytest_kvprofile.contract.backends import (
     check_requirements,
     layout_refusal,
 )
-from pytest_kvprofile.contract.registry import (
-    BackendProfile,
-    PartsOnDevice,
-    inspect_backend,
-    plain_parts,
-    resolve_backends,
-)
 from pytest_kvprofile.contract.support import DeclarationError, resolve_support
 from pytest_kvprofile.lifecycle.driver import (
     case_parts,
@@ -38,6 +31,13 @@ from pytest_kvprofile.lifecycle.driver import (
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, Matrix
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_matrix
+from pytest_kvprofile.registry import (
+    BackendProfile,
+    PartsOnDevice,
+    inspect_backend,
+    plain_parts,
+    resolve_backends,
+)
 
 RESULT_CACHE_SIZE = 32
 FACTORY_ERROR = "error"  # the path of a pair whose factory or declaration raised: every check reports it
@@ -182,7 +182,7 @@ def parts_on_device(tier: str) -> PartsOnDevice:
 
 def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> KvprofileSession:
     """Load and validate everything once; raises MatrixError or BackendError with a precise message."""
-    from pytest_kvprofile.builtin.resources import RESOURCE_KINDS
+    from pytest_kvprofile.lifecycle.resources import RESOURCE_KINDS
 
     matrices = load_matrices(settings.matrices or default_matrices())
     for matrix in matrices:

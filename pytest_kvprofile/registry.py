@@ -2,7 +2,9 @@
 
 Backends are named on the command line or in the ini (``--kvprofile-backend``), returned by the
 ``pytest_kvprofile_backends`` hook, installed under the ``pytest_kvprofile.backends`` entry-point
-group, or built in (the correct stubs and the mutant catalog).
+group, or built in (the correct stubs, the mutant catalog, the real-FlashInfer and vLLM backends).
+Why here, above the contract: built-ins (``builtin/``) and engine adapters (``engines/``) register like any
+third-party backend, through this catalog; the contract they implement knows none of them.
 
 When builders are constructed, and why:
 
@@ -38,6 +40,7 @@ from pytest_kvprofile.contract.support import (
     builder_name,
     declared_support,
 )
+from pytest_kvprofile.lifecycle.parts import model_parts
 
 ENTRY_POINT_GROUP = "pytest_kvprofile.backends"
 REQUIRED_METHODS = ("reserve_persistent_workspace", "declared_workspace")
@@ -142,19 +145,6 @@ def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_poi
             raise BackendError(f"two backends are named {b.name!r} ({seen[b.name].origin} and {b.origin})")
         seen[b.name] = b
     return list(seen.values())
-
-
-def model_parts(backend: Any, case: Any) -> list[Any]:
-    """Everything the engine drives for one model: the backend's builders, then its resources.
-
-    A backend may bring its own resources (``make_resources``); otherwise the case's are used.
-    """
-    from pytest_kvprofile.builtin.resources import case_resources
-
-    builders = list(backend.make_builders(case))
-    make_resources = getattr(backend, "make_resources", None)
-    resources = list(make_resources(case)) if make_resources is not None else case_resources(case)
-    return builders + [ResourceAdapter(r) for r in resources]
 
 
 PartsOnDevice = Callable[[Backend, Any], AbstractContextManager[Callable[[], list[Any]]]]
