@@ -1,47 +1,28 @@
 """The built-in persistent resource: a DMA output workspace, correct and in three buggy variants.
 
 Matrices name resources by kind (``resources:`` with a ``when:`` filter); :data:`RESOURCE_KINDS`
-builds them. The variants back the mutant catalog's bug class 13.
+builds them. The correct workspace, the kinds and :func:`case_resources` are the engine's
+(``lifecycle/resources.py``: the lifecycle builds a case's resources without importing a backend), named here
+too; the variants back the mutant catalog's bug class 13.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
-from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.lifecycle.resources import (
+    DEFAULT_PARAMS,
+    RESOURCE_KINDS,
+    DMAOutputWorkspace,
+    case_resources,
+)
 from pytest_kvprofile.units import MiB
 
-
-class DMAOutputWorkspace:
-    """A PCIe ring-DMA default-output workspace of exact capacity, visible to profiling (correct).
-
-    Sized from its tensor shapes: one output row of ``hidden_size`` per token, for ``max_tokens``.
-    It keeps the buffer for life; its lease only vouches that it existed at the closing measurement.
-    """
-
-    name = "dma-output-workspace"
-
-    def __init__(self, case: Any, params: dict):
-        self.case = case
-        self.capacity_bytes = int(params.get("max_tokens", 8192)) * int(params.get("hidden_size", 4096)) * int(
-            params.get("dtype_bytes", 2)
-        )
-        self.buffer: Any = None
-
-    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
-        return ProfilingSupport.REQUIRED
-
-    def _allocate(self, ctx: BuilderContext) -> None:
-        if self.buffer is None:
-            self.buffer = ctx.allocate(self.capacity_bytes, "dma output workspace")
-
-    def materialize(self, ctx: BuilderContext) -> Any:
-        self._allocate(ctx)
-        return ctx.lease([self.buffer])
-
-    def use(self, ctx: BuilderContext, batch: Batch) -> None:
-        self._allocate(ctx)
+__all__ = [
+    "DEFAULT_PARAMS", "RESOURCE_KINDS", "CaptureStagingDMAOutputWorkspace", "DMAOutputWorkspace",
+    "LazyDMAOutputWorkspace", "OversizedDMAOutputWorkspace", "case_resources",
+]
 
 
 class LazyDMAOutputWorkspace(DMAOutputWorkspace):
@@ -67,20 +48,3 @@ class CaptureStagingDMAOutputWorkspace(DMAOutputWorkspace):
         if ctx.capturing:
             staging = ctx.allocate(4 * MiB, "dma staging buffer")
             ctx.free(staging)
-
-
-RESOURCE_KINDS: dict[str, Callable[[Any, dict], Any]] = {"dma-output-workspace": DMAOutputWorkspace}
-DEFAULT_PARAMS = {"max_tokens": 8192, "hidden_size": 4096, "dtype_bytes": 2}
-
-
-def case_resources(case: Any) -> list[Any]:
-    """The resources a case carries (from its matrix), built from the registry of correct stubs."""
-    out = []
-    for res in case.resources:
-        factory = RESOURCE_KINDS.get(res.kind)
-        if factory is None:
-            raise KeyError(f"unknown resource kind {res.kind!r} (known: {', '.join(RESOURCE_KINDS)})")
-        out.append(factory(case, dict(res.params)))
-    return out
-
-

@@ -72,8 +72,8 @@ def check_legacy_path_unchanged(result: LifecycleResult, options: CheckOptions) 
 
 def legacy_cost_details(result: LifecycleResult) -> CheckDetails:
     """``legacy_path_unchanged``'s record carries what the legacy path's parts allocate after KV sizing and keep
-    (``report/post_kv_cost.py``), which the verdict and the summary report as information."""
-    from pytest_kvprofile.report.post_kv_cost import post_kv_cost  # the report's module; checks stay below it
+    (``checks/post_kv_cost.py``), which the verdict and the summary report as information."""
+    from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
 
     cost = post_kv_cost(result) if result.path == LEGACY else None
     return CheckDetails() if cost is None else CheckDetails(legacy_cost=cost.as_dict())

@@ -1,7 +1,7 @@
 """Backends: a named factory of builders for one model, plus how the engine integrates them.
 
 Where backends come from (entry points, ``--kvprofile-backend``, the hook, the built-ins) is
-:mod:`pytest_kvprofile.contract.registry`.
+:mod:`pytest_kvprofile.registry`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.workspace import WorkspaceManager
 
 REQUIRED_BUILDER_ATTRS = ("name",)
 
@@ -28,7 +31,9 @@ class EnginePolicy:
     the caching allocator's ``max_split_size_mb`` while weights load and the profile runs (vLLM 0.33 scopes it to
     20, so large freed blocks stay releasable at the closing measurement); None leaves the allocator unlimited.
     ``workspace_manager``: the shared arena's manager, "harness" (``contract/workspace.py``) or "vllm" (vLLM's own
-    ``WorkspaceManager``, ``engines/vllm_workspace.py``; set by ``--kvprofile-workspace-manager``).
+    ``WorkspaceManager``, ``engines/vllm_workspace.py``; set by ``--kvprofile-workspace-manager``), and
+    ``manager_factory`` what makes it for a run (``(run, device, num_ubatches) -> manager``; None: the engine's
+    own), set with the name by ``registry.with_workspace_manager`` so the engine imports no adapter.
     """
 
     warmup_in_window: bool | None = None
@@ -36,6 +41,7 @@ class EnginePolicy:
     graph_estimate: str = "high_water"
     profile_max_split_mib: int | None = 20
     workspace_manager: str = "harness"
+    manager_factory: Callable[..., WorkspaceManager] | None = None
 
 
 @dataclass(frozen=True)

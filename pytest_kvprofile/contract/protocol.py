@@ -41,10 +41,10 @@ from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.roles import Role
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.contract.device import Allocation, Device
     from pytest_kvprofile.contract.support import ProfilingSupport
     from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
     from pytest_kvprofile.matrix.cases import Case
-    from pytest_kvprofile.memory.device import Allocation, Device
 
 
 ROUTES = ("prefill", "decode")  # what an arena view may name (ctx.get_workspace(route=)); MLA's decode is not sized

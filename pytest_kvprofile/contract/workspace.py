@@ -7,7 +7,6 @@ move; growth after lock is an error that says who asked, for how much, and what 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,14 +140,14 @@ class WorkspaceManager:
 
     def _allocate(self, nbytes: int, tag: str) -> tuple[Any, Any]:
         """The arena's ledger entry and, on a simulated device in torch mode or on request, its tensor."""
-        torch_mode = sys.modules.get("pytest_kvprofile.memory.torch_mode")
-        sim = torch_mode.active_simulation() if torch_mode is not None else None
-        if sim is not None and sim.device is self.device:
+        # A simulated device answers both (``SimDevice.active_simulation``/``torch_simulation``); a CUDA device neither.
+        active = getattr(self.device, "active_simulation", None)
+        sim = active() if active is not None else None
+        if sim is not None:
             return _arena_tensor(sim, nbytes, tag)
-        if self.arena_tensors and hasattr(self.device, "allocator"):
-            from pytest_kvprofile.memory.torch_mode import SimulatedCuda
-
-            with SimulatedCuda(self.device) as sim:
+        simulation = getattr(self.device, "torch_simulation", None)
+        if self.arena_tensors and simulation is not None:
+            with simulation() as sim:
                 return _arena_tensor(sim, nbytes, tag)
         return self.device.allocate(nbytes, owner=OWNER, tag=tag, role=Role.FLOAT_ARENA), None
 

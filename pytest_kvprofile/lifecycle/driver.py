@@ -148,12 +148,11 @@ class RecordingWorkspaceManager(_RecordingMixin, WorkspaceManager):
 
 
 def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -> RecordingWorkspaceManager:
-    """The run's shared arena: the harness's manager, or vLLM's own (``EnginePolicy.workspace_manager``), which has
-    the same interface without sharing its class."""
-    if run.policy.workspace_manager == "vllm":
-        from pytest_kvprofile.engines.vllm_workspace import RecordingVllmWorkspaceManager
-
-        return cast(RecordingWorkspaceManager, RecordingVllmWorkspaceManager(run, device, num_ubatches))
+    """The run's shared arena: the harness's manager, or the one ``EnginePolicy.manager_factory`` makes (vLLM's own,
+    ``engines/vllm_workspace.py``), which has the same interface without sharing its class."""
+    factory = run.policy.manager_factory
+    if factory is not None:
+        return cast(RecordingWorkspaceManager, factory(run, device, num_ubatches))
     return RecordingWorkspaceManager(run, device, num_ubatches)
 
 
@@ -987,6 +986,6 @@ def case_parts(backend: Any, case: Case, device_factory: Callable[[Case], Device
 
 
 def _parts_of(backend: Any, case: Case) -> list[Any]:
-    from pytest_kvprofile.contract.registry import model_parts
+    from pytest_kvprofile.lifecycle.parts import model_parts
 
     return model_parts(backend, case)

@@ -67,3 +67,12 @@ def lookup_gpu(name: str) -> GpuSpec:
     except KeyError:
         known = ", ".join(spec.name for spec in GPU_CATALOG.values())
         raise KeyError(f"unknown GPU {name!r}; known: {known}") from None
+
+
+def smem_optin_for(cc: tuple[int, int]) -> int:
+    """Opt-in shared memory per block of a compute capability (``cudaDevAttrMaxSharedMemoryPerBlockOptin``): what
+    torch mode's device properties report and what the host planners plan with."""
+    return _SMEM_OPTIN.get(cc, _SMEM_OPTIN.get((cc[0], -1), 101376))
+
+
+_SMEM_OPTIN = {(8, 0): 166912, (8, 7): 166912, (9, -1): 232448, (10, -1): 232448, (11, -1): 232448}

@@ -20,10 +20,9 @@ from typing import (
     Callable,
     Iterator,
     NoReturn,
-    Protocol,
-    runtime_checkable,
 )
 
+from pytest_kvprofile.contract.device import Allocation, Device, DeviceEvent
 from pytest_kvprofile.contract.roles import Role, as_role
 from pytest_kvprofile.memory.allocator import (
     CachingAllocator,
@@ -117,30 +116,6 @@ def _rebuild_oom(state: dict[str, Any], args: tuple[Any, ...]) -> DeviceOutOfMem
     return err
 
 
-@dataclass(eq=False)
-class Allocation:
-    """One ledger entry: who asked for how much, when, and what the allocator gave."""
-
-    id: int
-    ptr: int
-    nbytes: int
-    size: int
-    owner: str
-    tag: str
-    kind: str
-    pool: str
-    phase: str
-    stack: str | None = None
-    alive: bool = True
-    freed_phase: str | None = None
-    role: Role = Role.OTHER  # what it is for (contract/roles.py); torch mode may set it when a wrapper takes it
-
-    @property
-    def end(self) -> int:
-        """One past the last byte of the block: live allocations occupy ``[ptr, end)``."""
-        return self.ptr + self.size
-
-
 @dataclass(frozen=True)
 class ForeignUse:
     """Memory of an earlier device (an earlier case) used on this one: who used it, where, and its ledger entry."""
@@ -149,56 +124,6 @@ class ForeignUse:
     tag: str
     stack: str
     alloc: Allocation
-
-
-@dataclass(frozen=True)
-class DeviceEvent:
-    """A change to the device. ``allocated``/``reserved`` are device bytes after the event;
-    segment events carry the segment's bytes, pool and address in ``nbytes``/``pool``/``ptr``."""
-
-    seq: int
-    kind: str
-    phase: str
-    alloc: Allocation | None
-    allocated: int
-    reserved: int
-    nbytes: int = 0
-    pool: str = ""
-    ptr: int = 0
-
-
-@runtime_checkable
-class Device(Protocol):
-    """What the lifecycle needs of a device: the simulated one (:class:`SimDevice`) or the GPU tier's
-    wrapper over ``torch.cuda`` (``pytest_kvprofile.gpu.cuda_device.CudaDevice``).
-
-    Allocation with attribution (owner, tag, phase), a ledger of live allocations, torch's memory
-    figures, events for recording, CUDA-graph capture into a private pool, and fault injection.
-    """
-
-    name: str
-    total_memory: int
-    num_sm: int
-    nontorch_bytes: int
-    phase: str
-
-    @property
-    def capturing(self) -> bool: ...
-    def allocate(self, nbytes: int, *, owner: str, tag: str = "", pinned_host: bool = False,
-                 role: Role | str = Role.OTHER) -> Allocation: ...
-    def free(self, alloc: Allocation) -> None: ...
-    def live_allocations(self) -> list[Allocation]: ...
-    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]: ...
-    def fail_after(self, n: int) -> None: ...
-    def graph_capture(self, pool: Any = None) -> Any: ...
-    def mem_get_info(self) -> tuple[int, int]: ...
-    def memory_allocated(self) -> int: ...
-    def memory_reserved(self) -> int: ...
-    def max_memory_allocated(self) -> int: ...
-    def max_memory_reserved(self) -> int: ...
-    def reset_peak_memory_stats(self) -> None: ...
-    def empty_cache(self) -> None: ...
-    def memory_stats(self) -> dict[str, int]: ...
 
 
 def _site(frame: FrameType) -> str:
@@ -578,3 +503,22 @@ class SimDevice(EventSource):
     def graph_pools(self) -> list[GraphPool]:
         """Graph pools that still hold segments or are used by a graph."""
         return [p for p in self.allocator.graph_pools.values() if p.segments or p.use_count > 0]
+
+    # -- torch mode ------------------------------------------------------------------------------------
+
+    def active_simulation(self) -> Any:
+        """The innermost active torch-mode simulation (``memory/torch_mode.py``) if it serves this device, else None.
+
+        Why here: the contract's workspace manager asks its device instead of importing torch mode (the contract
+        imports nothing above it); torch mode, which imports torch, is read only when something loaded it.
+        """
+        torch_mode = sys.modules.get("pytest_kvprofile.memory.torch_mode")
+        sim = torch_mode.active_simulation() if torch_mode is not None else None
+        return sim if sim is not None and sim.device is self else None
+
+    def torch_simulation(self) -> Any:
+        """A new torch-mode simulation of this device: a context manager serving torch "cuda" from this ledger
+        (``WorkspaceManager(arena_tensors=True)`` outside torch mode)."""
+        from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
+        return SimulatedCuda(self)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
 from pytest_kvprofile.memory.device import SimDevice
+from pytest_kvprofile.sizing.host_plan import SimulatedDeviceUnsupported  # the host modules raise it too
 
 __all__ = [
     "SIMULATED_CUDA_VERSION", "SimulatedDeviceUnsupported", "clear_flashinfer_caches", "simulated_gpu",
@@ -31,10 +32,6 @@ __all__ = [
 SIMULATED_CUDA_VERSION = "13.0"  # what torch.version.cuda reads inside the block (FlashInfer's sm*a checks)
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # a catalog entry without one is simulated as a Hopper part
 _MISSING = object()
-
-
-class SimulatedDeviceUnsupported(NotImplementedError):
-    """A FlashInfer module or kernel that has no host implementation on the simulated device."""
 
 
 def clear_flashinfer_caches() -> int:

@@ -26,6 +26,7 @@ import torch.cuda.streams
 from torch.overrides import TorchFunctionMode
 
 from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.matrix.gpus import smem_optin_for
 from pytest_kvprofile.memory.allocator import GraphPool
 from pytest_kvprofile.memory.device import (
     Allocation,
@@ -130,14 +131,6 @@ class _DeviceProperties:
     regs_per_multiprocessor: int = 65536
     warp_size: int = 32
     gcnArchName: str = "NVIDIA"
-
-
-def smem_optin_for(cc: tuple[int, int]) -> int:
-    """Opt-in shared memory per block of a compute capability (``cudaDevAttrMaxSharedMemoryPerBlockOptin``)."""
-    return _SMEM_OPTIN.get(cc, _SMEM_OPTIN.get((cc[0], -1), 101376))
-
-
-_SMEM_OPTIN = {(8, 0): 166912, (8, 7): 166912, (9, -1): 232448, (10, -1): 232448, (11, -1): 232448}
 
 
 class SimStream:

@@ -20,11 +20,8 @@ from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
-from pytest_kvprofile.plugin.session import (
-    SESSION_KEY,
-    KvprofileSession,
-    with_workspace_manager,
-)
+from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession
+from pytest_kvprofile.registry import with_workspace_manager
 
 CASE_ARG = "kvprofile_case"
 

@@ -7,7 +7,6 @@ reports and writes the JSON, the verdict and the summary.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,13 +22,6 @@ from pytest_kvprofile.contract.backends import (
     check_requirements,
     layout_refusal,
 )
-from pytest_kvprofile.contract.registry import (
-    BackendProfile,
-    PartsOnDevice,
-    inspect_backend,
-    plain_parts,
-    resolve_backends,
-)
 from pytest_kvprofile.contract.support import DeclarationError, resolve_support
 from pytest_kvprofile.lifecycle.driver import (
     case_parts,
@@ -40,6 +32,14 @@ from pytest_kvprofile.lifecycle.driver import (
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, Matrix
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_matrix
+from pytest_kvprofile.registry import (
+    BackendProfile,
+    PartsOnDevice,
+    inspect_backend,
+    plain_parts,
+    resolve_backends,
+    with_workspace_manager,
+)
 
 RESULT_CACHE_SIZE = 32
 FACTORY_ERROR = "error"  # the path of a pair whose factory or declaration raised: every check reports it
@@ -190,7 +190,7 @@ def parts_on_device(tier: str) -> PartsOnDevice:
 
 def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> KvprofileSession:
     """Load and validate everything once; raises MatrixError or BackendError with a precise message."""
-    from pytest_kvprofile.builtin.resources import RESOURCE_KINDS
+    from pytest_kvprofile.lifecycle.resources import RESOURCE_KINDS
 
     matrices = load_matrices(settings.matrices or default_matrices())
     for matrix in matrices:
@@ -208,13 +208,6 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
     profiles = [_profile(b, runnable, on_device) for b in backends]
     profiles += [_profile(p.neutral_alone, runnable, on_device) for p in profiles if p.neutral_alone is not None]
     return KvprofileSession(settings, profiles, matrices, tier)
-
-
-def with_workspace_manager(backend: Backend, kind: str) -> Backend:
-    """The backend integrated with ``kind``'s shared arena manager (``EnginePolicy.workspace_manager``)."""
-    if backend.policy.workspace_manager == kind:
-        return backend
-    return dataclasses.replace(backend, policy=dataclasses.replace(backend.policy, workspace_manager=kind))
 
 
 def _profile(backend: Backend, runnable: list[Case], on_device: PartsOnDevice) -> BackendProfile:

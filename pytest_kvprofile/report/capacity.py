@@ -2,15 +2,15 @@
 appeared after KV sizing is there, and what a reserving builder sizes (``docs/vllm-results.md``, "Capacity").
 
 Read from lifecycle records only (``LifecycleResult``), with the same arithmetic the verdict's and the summary's
-legacy cost use (``report/post_kv_cost.py``), so the table and the verdict carry the same numbers.
+legacy cost use (``checks/post_kv_cost.py``), so the table and the verdict carry the same numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
 from pytest_kvprofile.lifecycle.record import LifecycleResult
-from pytest_kvprofile.report.post_kv_cost import post_kv_cost
 from pytest_kvprofile.units import MiB
 
 __all__ = ["CapacityCell", "capacity_cell", "capacity_table"]

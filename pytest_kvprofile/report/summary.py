@@ -38,7 +38,7 @@ def summarize(records: list[CheckOutcome]) -> list[dict]:
 
 
 def legacy_costs(records: list[CheckOutcome]) -> dict[str, list[dict]]:
-    """Per legacy-path backend, each case's post-KV cost (``report/post_kv_cost.py``), largest first."""
+    """Per legacy-path backend, each case's post-KV cost (``checks/post_kv_cost.py``), largest first."""
     out: dict[str, list[dict]] = defaultdict(list)
     for rec in records:
         cost = rec.details.legacy_cost

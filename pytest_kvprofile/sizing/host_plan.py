@@ -26,13 +26,14 @@ import math
 import sys
 import threading
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from pytest_kvprofile.memory.device import SimDevice
+from pytest_kvprofile.matrix.gpus import smem_optin_for
 from pytest_kvprofile.sizing.oracle import LOAD_MODE, get_oracle
 from pytest_kvprofile.sizing.planner import decode_blocks_per_sm_bound
 
-__all__ = ["HostPlanError", "HostPlanner", "decode_loader", "get_host_planner", "mla_loader", "prefill_loader"]
+__all__ = ["HostPlanError", "HostPlanner", "PlanDevice", "SimulatedDeviceUnsupported", "decode_loader",
+           "get_host_planner", "mla_loader", "prefill_loader"]
 
 _INFO_CAP = 64
 _vp = ctypes.c_void_p
@@ -45,9 +46,21 @@ class HostPlanError(RuntimeError):
     """FlashInfer's planner raised on the host (its message is FlashInfer's own)."""
 
 
-def _unsupported(what: str) -> Exception:
-    from pytest_kvprofile.memory.simulated_gpu import SimulatedDeviceUnsupported
+class SimulatedDeviceUnsupported(NotImplementedError):
+    """A FlashInfer module or kernel that has no host implementation on the simulated device.
 
+    Defined here, where the host modules raise it, and named by ``memory/simulated_gpu.py`` too: sizing sits below
+    the device model and imports nothing of it."""
+
+
+class PlanDevice(Protocol):
+    """What a host module reads of the simulated device it plans for (``memory/device.py``'s ``SimDevice``)."""
+
+    num_sm: int
+    compute_capability: tuple[int, int]
+
+
+def _unsupported(what: str) -> Exception:
     return SimulatedDeviceUnsupported(f"{what} is not supported on the simulated device "
                                       "(pytest_kvprofile.sizing.host_plan)")
 
@@ -130,7 +143,7 @@ def get_host_planner() -> HostPlanner:
     return planner
 
 
-PlanObserver = Callable[[SimDevice, str, Any, bool], None]
+PlanObserver = Callable[[Any, str, Any, bool], None]  # (the device planned on, route, float workspace, graph)
 _plan_observers: list[PlanObserver] = []
 
 
@@ -148,7 +161,7 @@ def observe_plans(callback: PlanObserver) -> Callable[[], None]:
     return stop
 
 
-def _note_plan(device: SimDevice, module_route: str, float_ws: Any, cuda_graph: bool) -> None:
+def _note_plan(device: PlanDevice, module_route: str, float_ws: Any, cuda_graph: bool) -> None:
     if not _plan_observers:
         return
     route, frame = module_route, sys._getframe(2)
@@ -164,9 +177,7 @@ def _note_plan(device: SimDevice, module_route: str, float_ws: Any, cuda_graph: 
         callback(device, route, float_ws, bool(cuda_graph))
 
 
-def _device_tuple(device: SimDevice) -> tuple[int, int, int, int]:
-    from pytest_kvprofile.memory.torch_mode import smem_optin_for
-
+def _device_tuple(device: PlanDevice) -> tuple[int, int, int, int]:
     cc = tuple(device.compute_capability)
     return (device.num_sm, cc[0], cc[1], smem_optin_for(cc))  # type: ignore[arg-type]
 
@@ -183,7 +194,7 @@ def _host_int32(t: Any, what: str) -> Any:
     return t.contiguous()
 
 
-def prefill_loader(device: SimDevice) -> Callable[..., SimpleNamespace]:
+def prefill_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
     """Stands in for ``flashinfer.prefill.get_batch_prefill_module(backend, *args)``."""
     cache: dict[tuple, SimpleNamespace] = {}
 
@@ -198,7 +209,7 @@ def prefill_loader(device: SimDevice) -> Callable[..., SimpleNamespace]:
     return get_batch_prefill_module
 
 
-def decode_loader(device: SimDevice) -> Callable[..., SimpleNamespace]:
+def decode_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
     """Stands in for ``flashinfer.decode.get_batch_decode_module(*args)``."""
     cache: dict[tuple, SimpleNamespace] = {}
 
@@ -210,7 +221,7 @@ def decode_loader(device: SimDevice) -> Callable[..., SimpleNamespace]:
     return get_batch_decode_module
 
 
-def mla_loader(device: SimDevice) -> Callable[..., Any]:
+def mla_loader(device: PlanDevice) -> Callable[..., Any]:
     """Stands in for ``flashinfer.mla``'s ``get_batch_mla_module(backend, dtype_q, dtype_kv, dtype_o, dtype_idx,
     head_dim_ckv, head_dim_kpe, use_profiler)``: the generated FA2/FA3 backends plan with the same ``MLAPlan``
     (``batch_mla_plan.cu``, ``batch_mla_sm90_plan.cu``); their ``run`` has no host implementation."""
@@ -227,7 +238,7 @@ def mla_loader(device: SimDevice) -> Callable[..., Any]:
     return get_batch_mla_module
 
 
-def _mla_module(device: SimDevice, backend: str) -> Any:
+def _mla_module(device: PlanDevice, backend: str) -> Any:
     dev = _device_tuple(device)
 
     def plan(float_ws: Any, int_ws: Any, pinned_ws: Any, qo_indptr: Any, kv_indptr: Any, kv_len: Any,
@@ -259,7 +270,7 @@ def _mla_module(device: SimDevice, backend: str) -> Any:
     return _BatchMLAModuleProxy(raw)
 
 
-def _prefill_module(device: SimDevice, module_args: Sequence[Any]) -> SimpleNamespace:
+def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNamespace:
     pos_encoding = int(module_args[6]) if len(module_args) > 6 else 0
     dev = _device_tuple(device)
 
@@ -308,7 +319,7 @@ def _prefill_module(device: SimDevice, module_args: Sequence[Any]) -> SimpleName
                            prewarm_paged_kv_stride_variant=prewarm)
 
 
-def _decode_module(device: SimDevice, module_args: Sequence[Any]) -> SimpleNamespace:
+def _decode_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNamespace:
     pos_encoding = int(module_args[6]) if len(module_args) > 6 else 0
     dev = _device_tuple(device)
 

@@ -1,8 +1,10 @@
-"""The package's shape: no import cycle, one definition per concept, units in one module.
+"""The package's shape: no import cycle, dependencies in the documented order, heavy imports lazy and listed,
+one definition per concept, units in one module.
 
 Read from the source with ``ast``, so a cycle hidden behind import order (one that only works
-because some module happens to be imported first) is found too. Imports inside functions are lazy
-on purpose (heavy or optional modules) and do not count.
+because some module happens to be imported first) is found too. The module-level cycle check reads
+top-level imports (what runs at import); the layering reads every import, inside functions and under
+``TYPE_CHECKING`` too, because a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -60,6 +62,134 @@ def _graph() -> dict[str, set[str]]:
         deps |= {".".join(parts[:i]) for i in range(1, len(parts))}
         graph[name] = {d for d in deps if d != name and not name.startswith(d + ".")}
     return graph
+
+
+# The dependency order of docs/architecture.md, lowest first: a package imports only itself and packages of lower
+# layers, packages of one layer never import each other. ``pytest_kvprofile`` is the package's own ``__init__``
+# (the public API, re-exporting from below); ``units``, ``registry`` and ``cli`` are the top-level modules.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("units",),
+    ("matrix",),
+    ("contract", "sizing"),  # the contract a backend implements; the sizing model (FlashInfer's planners)
+    ("memory",),  # the device model, torch mode, simulated_gpu (serving FlashInfer's loaders from sizing's host plans)
+    ("lifecycle",),  # the reference engine (and the resources a matrix names)
+    ("checks",),
+    ("builtin", "engines", "gpu", "report"),  # backends and devices plugged in through contract and memory; reports
+    ("registry", "cli"),  # finding backends (the built-in catalogs included); the command line
+    ("plugin",),
+    ("suite", "gpu_suite"),  # the packaged test modules
+    ("pytest_kvprofile",),
+)
+LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+HEAVY = ("torch", "flashinfer", "vllm", "pynvml", "numpy", "matplotlib")
+
+# Every module that imports a heavy third-party module inside a function, and why it may. A module not listed
+# here that does fails; so does an entry whose module no longer does (the list stays true).
+LAZY_HEAVY: dict[str, str] = {
+    "pytest_kvprofile.builtin.flashinfer_real": "the `flashinfer` backend's builders make FlashInfer wrappers on "
+                                                "torch tensors when built; the catalog lists it without either",
+    "pytest_kvprofile.builtin.mutants": "torch-mode mutants allocate with torch when built, not when listed",
+    "pytest_kvprofile.builtin.process_state": "its builders keep torch tensors per process, made when built",
+    "pytest_kvprofile.builtin.stubs": "torch-mode stubs allocate with torch when built, not when listed",
+    "pytest_kvprofile.contract.workspace": "an arena is a torch tensor only on a device in torch mode",
+    "pytest_kvprofile.engines.vllm_config": "vLLM is imported by make_builders only, never at plugin import",
+    "pytest_kvprofile.engines.vllm_flashinfer": "vLLM is imported by make_builders only, never at plugin import",
+    "pytest_kvprofile.engines.vllm_memory": "vLLM's memory_profiling runs around the window of a vLLM backend only",
+    "pytest_kvprofile.engines.vllm_standins": "the CPU stand-ins patch vLLM and torch only for a vLLM backend's run",
+    "pytest_kvprofile.engines.vllm_gdn": "vLLM's GDN builder is imported by the hybrid backend's make_builders only",
+    "pytest_kvprofile.engines.vllm_workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",
+    "pytest_kvprofile.gpu.cuda_device": "the GPU tier only: the CPU tier and plugin import never load CUDA",
+    "pytest_kvprofile.gpu.nvml": "counts GPUs through NVML only when asked (--kvprofile-gpu, pinning)",
+    "pytest_kvprofile.gpu.reference": "the GPU tier's float32 reference, run on CUDA only",
+    "pytest_kvprofile.gpu.sizing_probe": "plans on a real GPU, GPU tier only",
+    "pytest_kvprofile.gpu.topology": "describes real devices (NVML, torch.cuda), GPU tier only",
+    "pytest_kvprofile.gpu.wrappers": "every call into FlashInfer on a real GPU, GPU tier only",
+    "pytest_kvprofile.gpu_suite.test_gpu_tier": "the GPU tier's test module, collected only with --kvprofile-gpu",
+    "pytest_kvprofile.memory.simulated_gpu": "torch.version and FlashInfer are patched on entering simulated_gpu only",
+    "pytest_kvprofile.memory.torch_mode": "torch mode is torch; loaded only by what enters it",
+    "pytest_kvprofile.sizing.host_plan": "host modules run on simulated tensors; the sizing model needs neither",
+    "pytest_kvprofile.sizing.plot": "the sizing figure only (matplotlib is optional)",
+}
+
+# Modules that import a heavy module at import time: they are themselves only ever imported lazily
+# (tests/core/test_lazy_imports.py checks the plugin loads none of them).
+EAGER_HEAVY: dict[str, str] = {
+    "pytest_kvprofile.memory.torch_mode": "serves torch \"cuda\" calls: it subclasses torch's TorchFunctionMode",
+}
+
+
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _all_imports(path: Path) -> list[tuple[str, int, bool]]:
+    """Every import of the module, anywhere in it: ``(imported module, line, at module level)``; a
+    ``from a import b`` names ``a.b`` when that is a module. Imports under ``if TYPE_CHECKING:`` count."""
+    tree = ast.parse(path.read_text())
+    in_function = {id(sub) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for sub in ast.walk(fn)}
+    out = []
+    for node in ast.walk(tree):
+        at_top = id(node) not in in_function
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, at_top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}:{node.lineno}: relative import (write the absolute one)"
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                out.append((name if name in MODULES else node.module, node.lineno, at_top))
+    return out
+
+
+def _type_checking_lines(path: Path) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
+    return lines
+
+
+def test_every_package_is_placed_in_the_documented_order():
+    placed = {_package_of(name) for name in MODULES}
+    assert placed <= set(LAYER_OF), f"place {sorted(placed - set(LAYER_OF))} in LAYERS and docs/architecture.md"
+    assert set(LAYER_OF) <= placed, f"LAYERS names packages that no longer exist: {sorted(set(LAYER_OF) - placed)}"
+
+
+def test_dependencies_follow_the_documented_order():
+    """Every import between packages, at module level or inside a function, points down the layers."""
+    wrong = []
+    for name, path in MODULES.items():
+        src = _package_of(name)
+        for target, line, _ in _all_imports(path):
+            if target != "pytest_kvprofile" and not target.startswith("pytest_kvprofile."):
+                continue
+            dst = _package_of(target)
+            if dst != src and LAYER_OF[dst] >= LAYER_OF[src]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {src} imports {target} ({dst} is not "
+                             f"below {src} in docs/architecture.md's order)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_heavy_imports_are_lazy_and_listed_with_a_reason():
+    lazy: dict[str, set[str]] = defaultdict(set)
+    eager: dict[str, set[str]] = defaultdict(set)
+    for name, path in MODULES.items():
+        typing_only = _type_checking_lines(path)
+        for target, line, at_top in _all_imports(path):
+            root = target.split(".")[0]
+            if root in HEAVY and line not in typing_only:
+                (eager if at_top else lazy)[name].add(f"{root} (line {line})")
+    unlisted = {m: sorted(v) for m, v in lazy.items() if m not in LAZY_HEAVY}
+    assert not unlisted, f"lazy heavy imports in modules not in LAZY_HEAVY (add each with its reason): {unlisted}"
+    assert not set(LAZY_HEAVY) - set(lazy), f"LAZY_HEAVY lists modules that no longer import one lazily: " \
+                                           f"{sorted(set(LAZY_HEAVY) - set(lazy))}"
+    unlisted = {m: sorted(v) for m, v in eager.items() if m not in EAGER_HEAVY}
+    assert not unlisted, f"heavy imports at module level (make them lazy, or list them in EAGER_HEAVY): {unlisted}"
+    assert not set(EAGER_HEAVY) - set(eager), sorted(set(EAGER_HEAVY) - set(eager))
+    assert all(reason.strip() for reason in (*LAZY_HEAVY.values(), *EAGER_HEAVY.values()))
 
 
 def test_module_level_imports_form_no_cycle():

@@ -3,9 +3,9 @@
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 from pytest_kvprofile.checks.base import CheckDetails, CheckOutcome
+from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
-from pytest_kvprofile.report.post_kv_cost import post_kv_cost
 from pytest_kvprofile.report.summary import legacy_cost_lines
 
 CASE = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.id == "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.98")

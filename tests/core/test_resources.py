@@ -7,8 +7,8 @@ from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.resources import DMAOutputWorkspace
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import failing_checks
-from pytest_kvprofile.contract.registry import model_parts
 from pytest_kvprofile.contract.resources import ResourceAdapter
+from pytest_kvprofile.lifecycle.parts import model_parts
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
 MUTANTS = {b.name: b for b in MUTANT_BACKENDS}

@@ -17,7 +17,6 @@ import pytest
 from pytest_kvprofile.builtin.stubs import TorchFlashInferLikeBuilder
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.contract.registry import inspect_backend
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.lifecycle.record import PROFILING
 from pytest_kvprofile.matrix.schema import load_matrix
@@ -27,6 +26,7 @@ from pytest_kvprofile.plugin.session import (
     build_session,
     parts_on_device,
 )
+from pytest_kvprofile.registry import inspect_backend
 from pytest_kvprofile.units import MiB
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # FlashInfer's cutlass-dsl imports

@@ -1,4 +1,4 @@
-"""When the harness constructs a backend's builders, and how often (contract/registry.py says why).
+"""When the harness constructs a backend's builders, and how often (pytest_kvprofile/registry.py says why).
 
 Per (backend, case): once at collection to classify the pair and once for the lifecycle; once at
 configure, on the first runnable case, to inspect the backend; and, per distinct layout, once for the

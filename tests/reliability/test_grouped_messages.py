@@ -17,8 +17,8 @@ from pytest_kvprofile.checks.base import CheckOptions
 from pytest_kvprofile.checks.resources import check_resource_capacity_honoured
 from pytest_kvprofile.checks.support import check_legacy_path_unchanged
 from pytest_kvprofile.checks.warmup import check_profile_replayed_after_warmup
-from pytest_kvprofile.contract.registry import builtin_backends
 from pytest_kvprofile.matrix.schema import load_matrices, packaged_matrix
+from pytest_kvprofile.registry import builtin_backends
 from pytest_kvprofile.units import MiB
 
 MANY = 300

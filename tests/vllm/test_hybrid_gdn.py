@@ -20,13 +20,13 @@ except vs.VllmUnavailable as exc:
 
 import pytest_kvprofile.lifecycle.phases as lc  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.checks.catalog import failing_checks  # noqa: E402 - after the vLLM guard
+from pytest_kvprofile.checks.post_kv_cost import post_kv_cost  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.contract.backends import layout_refusal  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.contract.support import ProfilingSupport  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.engines.vllm_gdn import gdn_groups, mamba_spec  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.matrix.models import kv_bytes_per_token  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrix, load_matrix_text  # noqa: E402
-from pytest_kvprofile.report.post_kv_cost import post_kv_cost  # noqa: E402 - after the vLLM guard
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "vllm-flashinfer-reserving"))

@@ -60,7 +60,7 @@ def fi_module():
 # -- import and registry -------------------------------------------------------------------------------------
 
 def test_registry_lists_the_backends_without_importing_vllm():
-    program = ("import sys; from pytest_kvprofile.contract.registry import builtin_backends; b = builtin_backends(); "
+    program = ("import sys; from pytest_kvprofile.registry import builtin_backends; b = builtin_backends(); "
                "print(sorted(n for n in b if n.startswith('vllm')), 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
     assert "['vllm-flashinfer', 'vllm-flashinfer-v2'] False" in out

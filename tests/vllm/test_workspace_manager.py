@@ -28,7 +28,7 @@ from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix  # noqa: E402
 from pytest_kvprofile.memory.device import SimDevice  # noqa: E402
 from pytest_kvprofile.memory.torch_mode import SimulatedCuda  # noqa: E402
-from pytest_kvprofile.plugin.session import with_workspace_manager  # noqa: E402
+from pytest_kvprofile.registry import with_workspace_manager  # noqa: E402
 from pytest_kvprofile.units import GiB, MiB  # noqa: E402
 
 CASE = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.id == "qwen3-8b-tp1-dcp1-mtp1-l40s-gmu0.90")

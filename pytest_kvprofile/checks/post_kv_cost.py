@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.memory.budget import tokens_for
+from pytest_kvprofile.memory.device import Allocation
 from pytest_kvprofile.units import MiB
 
 
@@ -29,7 +30,7 @@ class CostSource:
     count: int
     nbytes: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return {"owner": self.owner, "source": self.source, "tags": list(self.tags), "count": self.count,
                 "bytes": self.nbytes}
 
@@ -49,7 +50,7 @@ class PostKvCost:
     overrun_kv_tokens: int
     sources: tuple[CostSource, ...]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return {"case": self.case, "bytes": self.nbytes, "mib": round(self.nbytes / MiB, 2),
                 "kv_tokens": self.kv_tokens, "overrun_bytes": self.overrun_bytes,
                 "overrun_kv_tokens": self.overrun_kv_tokens, "sources": [s.as_dict() for s in self.sources]}
@@ -73,7 +74,7 @@ def post_kv_cost(result: LifecycleResult) -> PostKvCost | None:
     if budget is None:
         return None
     names = set(result.builder_names())
-    groups: dict[tuple[str, str], list] = {}
+    groups: dict[tuple[str, str], list[Allocation]] = {}
     for a in result.allocations:
         if a.owner not in names or a.kind != "device" or a.phase not in lc.POST_KV_PHASES:
             continue

@@ -2,7 +2,9 @@
 
 Backends are named on the command line or in the ini (``--kvprofile-backend``), returned by the
 ``pytest_kvprofile_backends`` hook, installed under the ``pytest_kvprofile.backends`` entry-point
-group, or built in (the correct stubs and the mutant catalog).
+group, or built in (the correct stubs, the mutant catalog, the real-FlashInfer and vLLM backends).
+Why here, above the contract: built-ins (``builtin/``) and engine adapters (``engines/``) register like any
+third-party backend, through this catalog; the contract they implement knows none of them.
 
 When builders are constructed, and why:
 
@@ -20,6 +22,7 @@ When builders are constructed, and why:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -38,6 +41,7 @@ from pytest_kvprofile.contract.support import (
     builder_name,
     declared_support,
 )
+from pytest_kvprofile.lifecycle.parts import model_parts
 
 ENTRY_POINT_GROUP = "pytest_kvprofile.backends"
 REQUIRED_METHODS = ("reserve_persistent_workspace", "declared_workspace")
@@ -144,19 +148,6 @@ def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_poi
     return list(seen.values())
 
 
-def model_parts(backend: Any, case: Any) -> list[Any]:
-    """Everything the engine drives for one model: the backend's builders, then its resources.
-
-    A backend may bring its own resources (``make_resources``); otherwise the case's are used.
-    """
-    from pytest_kvprofile.builtin.resources import case_resources
-
-    builders = list(backend.make_builders(case))
-    make_resources = getattr(backend, "make_resources", None)
-    resources = list(make_resources(case)) if make_resources is not None else case_resources(case)
-    return builders + [ResourceAdapter(r) for r in resources]
-
-
 PartsOnDevice = Callable[[Backend, Any], AbstractContextManager[Callable[[], list[Any]]]]
 """Constructs a backend's parts for a case on the case's device: a context manager yielding the constructor.
 What the constructor raises is the backend factory's; what entering the context raises is the harness's."""
@@ -246,3 +237,24 @@ def _neutral_alone(backend: Backend, neutral: frozenset[str]) -> Backend:
         origin=backend.origin, torch_mode=backend.torch_mode, make_resources=backend.make_resources,
         refuses_layout=backend.refuses_layout, requires=backend.requires, install_hint=backend.install_hint,
     )
+
+
+def _vllm_workspace_manager(run: Any, device: Any, num_ubatches: int) -> Any:
+    from pytest_kvprofile.engines.vllm_workspace import RecordingVllmWorkspaceManager
+
+    return RecordingVllmWorkspaceManager(run, device, num_ubatches)
+
+
+WORKSPACE_MANAGERS: dict[str, Callable[..., Any] | None] = {"harness": None, "vllm": _vllm_workspace_manager}
+"""The shared arena managers a run may use, by ``--kvprofile-workspace-manager`` name: None is the engine's own."""
+
+
+def with_workspace_manager(backend: Backend, kind: str) -> Backend:
+    """The backend integrated with ``kind``'s shared arena manager (``EnginePolicy.workspace_manager`` and its
+    ``manager_factory``)."""
+    if backend.policy.workspace_manager == kind:
+        return backend
+    if kind not in WORKSPACE_MANAGERS:
+        raise BackendError(f"unknown workspace manager {kind!r} ({' or '.join(WORKSPACE_MANAGERS)})")
+    policy = dataclasses.replace(backend.policy, workspace_manager=kind, manager_factory=WORKSPACE_MANAGERS[kind])
+    return dataclasses.replace(backend, policy=policy)
