@@ -29,7 +29,7 @@ V1, V2, RESERVING, EXACT = ("vllm-flashinfer", "vllm-flashinfer-v2", "vllm-flash
 
 
 def backends() -> dict:
-    from pytest_kvprofile.contract.registry import builtin_backends
+    from pytest_kvprofile.registry import builtin_backends
 
     try:
         import vllm_flashinfer_reserving

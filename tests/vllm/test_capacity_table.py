@@ -13,7 +13,7 @@ except vs.VllmUnavailable as exc:
     pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}",
                 allow_module_level=True)
 
-from pytest_kvprofile.contract.registry import builtin_backends  # noqa: E402 - after the vLLM guard
+from pytest_kvprofile.registry import builtin_backends  # noqa: E402 - after the vLLM guard
 
 from pytest_kvprofile.checks.post_kv_cost import post_kv_cost  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa: E402 - after the vLLM guard
