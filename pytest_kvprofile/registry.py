@@ -92,6 +92,34 @@ def entry_point_backends() -> list[Backend]:
     return out
 
 
+def _installed(name: str, catalog: dict[str, Backend]) -> list[Backend]:
+    """An installed backend by name: a backend an entry point makes (that one alone), or an entry point (all it makes,
+    e.g. ``vllm-flashinfer-reserving``'s default and exact arenas when no backend has that name)."""
+    from importlib.metadata import entry_points
+
+    points = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    made: dict[str, list[Backend]] = {}
+    for ep_name in sorted(points):
+        try:
+            made[ep_name] = call_factory(points[ep_name].load(), f"entry point {ep_name!r}")
+        except Exception as exc:  # noqa: BLE001 - any failure of a backend's package is reported as its own
+            if ep_name == name:
+                raise BackendError(f"--kvprofile-backend {name!r}: entry point {points[ep_name].value!r} cannot be "
+                                   f"loaded: {type(exc).__name__}: {exc}") from None
+    for backends in made.values():
+        for backend in backends:
+            if backend.name == name:
+                return [backend]
+    if name in made:
+        return made[name]
+    installed = sorted({b.name for backends in made.values() for b in backends} | set(made))
+    raise BackendError(
+        f"--kvprofile-backend {name!r}: not 'package.module:factory', not a built-in backend (stubs, mutants, or one "
+        f"of: {', '.join(catalog)}) and not an installed backend ({', '.join(installed) or 'none installed'}: a "
+        f"package registers them under the {ENTRY_POINT_GROUP!r} entry point group)"
+    )
+
+
 def builtin_backends() -> dict[str, Backend]:
     """Every built-in backend by name: the correct stubs, the mutant catalog, and the backend made of real
     FlashInfer wrappers (``flashinfer``) with its lazy twin, which run FlashInfer on the simulated GPU."""
@@ -127,10 +155,7 @@ def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_poi
         elif ":" in spec:
             out.extend(load_factory(spec))
         else:
-            raise BackendError(
-                f"--kvprofile-backend {spec!r}: not 'package.module:factory' and not a built-in backend "
-                f"(stubs, mutants, or one of: {', '.join(catalog)})"
-            )
+            out.extend(_installed(spec, catalog))
     for item in hooked:
         if item is None:
             continue
