@@ -22,19 +22,27 @@ takes the reservation path; otherwise the adapter declares nothing and the model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.contract.protocol import (
-    Batch,
-    BuilderContext,
-    WorkspaceDeclaration,
-)
+from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
-from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.engines.adapter import (
+    CONTRACT_DECLARATION,
+    CONTRACT_RESERVATION,
+    EngineAdapter,
+    EngineBuildError,
+    ReservationApi,
+    ReservingAdapter,
+    device_active,
+    engine_backend,
+    map_support,
+)
+from pytest_kvprofile.engines.adapter import reservation_api as _reservation_api
+from pytest_kvprofile.engines.batches import pad_to_capture, pages_per_request, runner_batch
 from pytest_kvprofile.engines.vllm_config import (
     UnexpressibleCase,
     check_expressible,
@@ -53,140 +61,123 @@ from pytest_kvprofile.engines.vllm_standins import (
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 __all__ = ["DECLARATION_NAMES", "RESERVATION_NAMES", "VLLM_BACKENDS", "ReservationApi", "ReservingVllmBuilder",
-           "VllmBuildError", "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal", "make_vllm_builders",
-           "reservation_api"]
+           "VllmAdapter", "VllmBuildError", "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal",
+           "make_vllm_builders", "map_support", "reservation_api"]
 
-DECLARATION_NAMES = ("get_persistent_workspace_memory_profiling_support",  # the contract's
+DECLARATION_NAMES = (CONTRACT_DECLARATION,  # the contract's
                      "persistent_workspace_profiling_support")  # the pull request's earlier name
-RESERVATION_NAMES = ("reserve_persistent_workspace", "prepare_workspace_for_profiling")
-
-
-@dataclasses.dataclass(frozen=True)
-class ReservationApi:
-    """The names one vLLM builder class carries for profiling-time reservation."""
-
-    declaration: str
-    reservation: str
-    rebind: str | None  # re-attach after the reservation (the pull request's rebind_workspace_after_reservation)
+RESERVATION_NAMES = (CONTRACT_RESERVATION, "prepare_workspace_for_profiling")
+REBIND_NAMES = ("rebind_workspace_after_reservation",)
+# the pull request's reservation: reserve the shared arena, then materialize wrappers and their int workspaces
+RESERVATION_CALLS = {"prepare_workspace_for_profiling": ((False,), (True,))}
 
 
 def reservation_api(builder_cls: type) -> ReservationApi | None:
-    """What ``builder_cls`` declares, or None (every released vLLM): then the adapter declares nothing."""
-    declaration = next((n for n in DECLARATION_NAMES if callable(getattr(builder_cls, n, None))), None)
-    reservation = next((n for n in RESERVATION_NAMES if callable(getattr(builder_cls, n, None))), None)
-    if declaration is None or reservation is None:
-        return None
-    rebind = "rebind_workspace_after_reservation"
-    return ReservationApi(declaration, reservation, rebind if callable(getattr(builder_cls, rebind, None)) else None)
+    """What ``builder_cls`` declares (the contract's names or the pull request's), or None (every released
+    vLLM): then the adapter declares nothing."""
+    return _reservation_api(builder_cls, DECLARATION_NAMES, RESERVATION_NAMES, REBIND_NAMES, RESERVATION_CALLS)
 
 
-def map_support(answer: Any) -> Any:
-    """vLLM's answer as a ProfilingSupport: an enum member by name, or the pull request's ``True`` (REQUIRED),
-    ``False`` (NEUTRAL), ``None`` (UNSUPPORTED). Anything else is passed through for the harness to reject."""
-    name = getattr(answer, "name", None)
-    if isinstance(name, str) and name in ProfilingSupport.__members__:
-        return ProfilingSupport[name]
-    if answer is True:
-        return ProfilingSupport.REQUIRED
-    if answer is False:
-        return ProfilingSupport.NEUTRAL
-    if answer is None:
-        return ProfilingSupport.UNSUPPORTED
-    return answer
-
-
-class VllmBuildError(RuntimeError):
+class VllmBuildError(EngineBuildError):
     """vLLM's ``build()`` failed on a batch; the message names the case, the batch and vLLM's own error (for
     example a route the simulated device does not serve, such as DCP prefill's CUTLASS FMHA on SM100)."""
 
 
-class VllmFlashInferBuilder:
+class VllmAdapter(EngineAdapter):
+    """What every vLLM builder's adapter shares: vLLM's stand-ins around each call, ``set_current_vllm_config``
+    around the builders' calls, the builders' ``(kv_cache_spec, layer_names, vllm_config, device)`` constructor
+    and ``build_for_cudagraph_capture``/``build(common_prefix_len=0, ...)``."""
+
+    build_error = VllmBuildError
+
+    @property
+    def vllm_config(self) -> Any:
+        return self.engine_config
+
+    def standins(self) -> Any:
+        return vllm_standins(self.case.gpu, dcp=self.case.dcp, ranks=self.case.tp)
+
+    def make_engine_config(self) -> Any:
+        return make_vllm_config(self.case)
+
+    def engine_scope(self) -> Any:
+        return self._scope()
+
+    @contextlib.contextmanager
+    def _scope(self, *more: Callable[[], Any]) -> Iterator[Any]:
+        """The stand-ins, then ``more``, then the config (made inside them) current; yields vLLM's FlashInfer
+        backend module."""
+        from vllm.config import set_current_vllm_config
+
+        with contextlib.ExitStack() as stack:
+            module = stack.enter_context(self.standins())
+            for make in more:
+                stack.enter_context(make())
+            stack.enter_context(set_current_vllm_config(self.config()))
+            yield module
+
+    def build_for_capture(self, builder: Any, metadata: Any) -> Any:
+        return builder.build_for_cudagraph_capture(metadata)
+
+    def build_serving(self, builder: Any, metadata: Any) -> Any:
+        return builder.build(common_prefix_len=0, common_attn_metadata=metadata)
+
+
+class VllmFlashInferBuilder(VllmAdapter):
     """vLLM's ``FlashInferMetadataBuilder`` as the V1 runner integrates it: builders made with the KV cache,
     each with its own lazily created float workspace. Declares nothing (UNSUPPORTED)."""
 
     name = "vllm-flashinfer"
-    torch_mode = True
+    builder_label = "vLLM's FlashInferMetadataBuilder"
     shares_workspace = False
 
     def __init__(self, case: Any, builder_cls: type | None = None) -> None:
         check_expressible(case)
-        self.case = case
-        self.builder_cls = builder_cls
-        self.vllm_config: Any = None
-        self.builders: dict[int, Any] = {}
+        super().__init__(case, builder_cls)
         self.inputs: Any = None
-        self.built: dict[str, int] = {}  # batches built per route, for reports and tests
-        self.last_metadata: Any = None  # what vLLM's last build() returned (its routes: native or trtllm-gen)
-        if _device_active():
+        if device_active():
             self._make_inputs()
 
     def _make_inputs(self) -> None:
         """The runner's input buffers exist from the runner's construction (before profiling) when a device is
         there; otherwise (configure-time inspection) from the first call."""
-        with self._standins():
-            self.inputs = RunnerInputs(self.case, self._config())
+        with self.standins():
+            self.inputs = RunnerInputs(self.case, self.config())
 
     # -- vLLM's objects ----------------------------------------------------------------------------
-    def _standins(self) -> Any:
-        return vllm_standins(self.case.gpu, dcp=self.case.dcp, ranks=self.case.tp)
-
     def _cls(self, module: Any) -> type:
         return self.builder_cls or module.FlashInferMetadataBuilder
 
-    def _config(self) -> Any:
-        if self.vllm_config is None:
-            config = make_vllm_config(self.case)
-            resolve_kv_cache_layout(self.case, config)
-            standin_layers(self.case, config)
-            self.vllm_config = config
-        return self.vllm_config
+    def make_engine_config(self) -> Any:
+        config = make_vllm_config(self.case)
+        resolve_kv_cache_layout(self.case, config)
+        standin_layers(self.case, config)
+        return config
 
-    def _make_builders(self, num_ubatches: int) -> list[Any]:
-        """One vLLM builder per micro-batch (as the runners make them); returns the new ones."""
+    def make_engine_builder(self, key: Any) -> Any:
         import torch
-        from vllm.config import set_current_vllm_config
 
-        made = []
-        with self._standins() as module:
-            config = self._config()
-            with set_current_vllm_config(config):
-                for ub in range(num_ubatches):
-                    if ub not in self.builders:
-                        self.builders[ub] = self._cls(module)(kv_cache_spec(self.case), layer_names(self.case), config,
-                                                              torch.device("cuda"))
-                        made.append(self.builders[ub])
-                self._after_make(made)
-        if self.inputs is None:
-            self._make_inputs()
+        return self._cls(import_vllm_flashinfer())(kv_cache_spec(self.case), layer_names(self.case), self.config(),
+                                                   torch.device("cuda"))
+
+    def make_engine_builders(self, num_ubatches: int) -> list[Any]:
+        """One vLLM builder per micro-batch (as the runners make them); returns the new ones."""
+        made = super().make_engine_builders(num_ubatches)
+        self.ensure_inputs()
         return made
 
-    def _after_make(self, made: list[Any]) -> None:
+    def after_make(self, made: list[Any]) -> None:
         """V1: nothing; the float workspace appears on each builder's first wrapper."""
 
-    # -- the protocol --------------------------------------------------------------------------------
-    def rebind(self, ctx: BuilderContext) -> None:
-        """The runner's ``initialize_kv_cache``: the builders are made now, after KV sizing."""
-        self._make_builders(ctx.num_ubatches)
+    def ensure_inputs(self) -> None:
+        if self.inputs is None:
+            self._make_inputs()
 
-    def build(self, ctx: BuilderContext, batch: Batch) -> None:
-        """vLLM's ``build()`` on the batch's micro-batch builder, with the runner's padding of decode batches."""
-        from vllm.config import set_current_vllm_config
+    def engine_metadata(self, batch: Batch) -> Any:
+        """vLLM's ``CommonAttentionMetadata`` of the batch, with the runner's padding of decode batches."""
+        return self.inputs.metadata(self.inputs.padded(batch))
 
-        if batch.ubatch not in self.builders:
-            self._make_builders(ctx.num_ubatches)
-        builder = self.builders[batch.ubatch]
-        with self._standins(), set_current_vllm_config(self.vllm_config):
-            metadata = self.inputs.metadata(self.inputs.padded(batch))
-            try:
-                if batch.cuda_graph and batch.kind == "decode":  # vLLM captures full graphs of uniform decode only
-                    self.last_metadata = builder.build_for_cudagraph_capture(metadata)
-                else:
-                    self.last_metadata = builder.build(common_prefix_len=0, common_attn_metadata=metadata)
-            except Exception as exc:  # noqa: BLE001 - named with the case and batch; the driver records it
-                raise VllmBuildError(f"case {self.case.id}: vLLM's FlashInferMetadataBuilder.build() of {batch.label} "
-                                     f"(ubatch {batch.ubatch}) failed on the simulated {self.case.gpu.name}: "
-                                     f"{type(exc).__name__}: {exc}") from exc
-        self.built[batch.kind] = self.built.get(batch.kind, 0) + 1
+    def after_build(self, batch: Batch) -> None:
         _role_trtllm_workspace()
 
     def wrappers(self) -> Iterator[tuple[int, str, Any]]:
@@ -199,9 +190,8 @@ class VllmFlashInferBuilder:
                 yield ub, f"cuda-graph decode {key}", w
 
     def close(self) -> None:
-        self.builders.clear()
+        super().close()
         self.inputs = None
-        self.last_metadata = None
 
 
 class VllmFlashInferV2Builder(VllmFlashInferBuilder):
@@ -211,7 +201,7 @@ class VllmFlashInferV2Builder(VllmFlashInferBuilder):
     name = "vllm-flashinfer-v2"
     shares_workspace = True
 
-    def _after_make(self, made: list[Any]) -> None:
+    def after_make(self, made: list[Any]) -> None:
         first = self.builders[min(self.builders)]
         workspace = first._get_workspace_buffer()
         for b in made:
@@ -219,46 +209,21 @@ class VllmFlashInferV2Builder(VllmFlashInferBuilder):
                 b.set_workspace_buffer(workspace)
 
 
-class ReservingVllmBuilder(VllmFlashInferBuilder):
+class ReservingVllmBuilder(ReservingAdapter, VllmFlashInferBuilder):
     """A vLLM builder class that declares profiling-time reservation, mapped onto the harness protocol: the
     declaration is vLLM's classmethod on the case's config and KV spec; ``reserve_persistent_workspace`` makes
     the builders inside the window and runs vLLM's reservation; the lease keeps them alive."""
-
-    api: ReservationApi
 
     def __init__(self, case: Any, builder_cls: type, api: ReservationApi) -> None:
         super().__init__(case, builder_cls)
         self.api = api
 
-    def get_persistent_workspace_memory_profiling_support(self) -> Any:
-        with self._standins():
-            declare = getattr(self.builder_cls, self.api.declaration)
-            return map_support(declare(self._config(), kv_cache_spec(self.case)))
+    def declaration_args(self) -> tuple[Any, ...]:
+        return self.config(), kv_cache_spec(self.case)
 
     def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
         """vLLM's builders own their float workspace; the int workspace is FlashInfer's default per wrapper."""
         return WorkspaceDeclaration(float_bytes=0, int_bytes=FLASHINFER_INT_WORKSPACE_BYTES)
-
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
-        from vllm.config import set_current_vllm_config
-
-        self._make_builders(ctx.num_ubatches)
-        with self._standins(), set_current_vllm_config(self.vllm_config):
-            for b in self.builders.values():
-                method = getattr(b, self.api.reservation)
-                if self.api.reservation == "prepare_workspace_for_profiling":
-                    method(False)  # reserve the shared arena
-                    method(True)  # materialize wrappers and their int workspaces
-                else:
-                    method()
-        return ctx.lease(list(self.builders.values()))
-
-    def rebind(self, ctx: BuilderContext) -> None:
-        self._make_builders(ctx.num_ubatches)
-        if self.api.rebind is not None:
-            with self._standins(), _current_config(self.vllm_config):
-                for b in self.builders.values():
-                    getattr(b, self.api.rebind)()
 
 
 def _role_trtllm_workspace() -> None:
@@ -270,19 +235,11 @@ def _role_trtllm_workspace() -> None:
     assign_role(getattr(module, "trtllm_workspace_buffer", None), Role.TRTLLM_WORKSPACE)
 
 
-def _current_config(config: Any) -> Any:
-    from vllm.config import set_current_vllm_config
-
-    return set_current_vllm_config(config)
-
-
 class RunnerInputs:
     """The model runner's persistent input buffers (vLLM's ``CpuGpuBuffer``), sized for the envelope, and the
-    ``CommonAttentionMetadata`` of one harness batch built on them.
+    ``CommonAttentionMetadata`` of one harness batch built on them (the batch's layout: ``engines/batches.py``).
 
-    A batch's requests all sit at the envelope's full context (the most split-KV work a plan can see);
-    decode requests carry ``1 + mtp`` query tokens; a mixed batch puts its decodes first, as the runner
-    reorders them; request ``i`` owns pages ``i * pages_per_req ...``.
+    The capture sizes are vLLM's (its config may adjust the case's); decode batches are padded to them.
     """
 
     def __init__(self, case: Any, vllm_config: Any) -> None:
@@ -291,9 +248,8 @@ class RunnerInputs:
         env = case.envelope
         self.case = case
         self.max_reqs = env.max_num_seqs
-        self.pages_per_req = math.ceil(env.max_model_len / env.page_size)
-        captures = sorted(vllm_config.compilation_config.cudagraph_capture_sizes or [])
-        self.capture_sizes = captures
+        self.pages_per_req = pages_per_request(case)
+        self.capture_sizes = sorted(vllm_config.compilation_config.cudagraph_capture_sizes or [])
         dev = "cuda"
         self.query_start_loc = CpuGpuBuffer(self.max_reqs + 1, dtype=_int32(), device=dev, pin_memory=False)
         self.seq_lens = CpuGpuBuffer(self.max_reqs, dtype=_int32(), device=dev, pin_memory=False)
@@ -302,42 +258,26 @@ class RunnerInputs:
         self.slot_mapping = CpuGpuBuffer(env.max_num_batched_tokens, dtype=_int64(), device=dev, pin_memory=False)
         import torch
 
+        # batches.block_table(pages_per_req, max_reqs), filled at once
         self.block_table.cpu.copy_(torch.arange(self.max_reqs * self.pages_per_req, dtype=torch.int32)
                                    .view(self.max_reqs, self.pages_per_req))
         self.block_table.copy_to_gpu()
 
     def padded(self, batch: Batch) -> Batch:
         """A pure decode batch within the captured sizes, padded to the next one (tokens), as the runner does."""
-        q = 1 + self.case.mtp
-        if batch.kind != "decode" or not self.capture_sizes or batch.num_tokens > self.capture_sizes[-1]:
-            return batch
-        size = next(s for s in self.capture_sizes if s >= batch.num_tokens)
-        if size % q:
-            return batch
-        return Batch("decode", size // q, size, batch.cuda_graph, batch.ubatch)
+        return pad_to_capture(batch, self.capture_sizes, self.case.mtp)
 
     def query_lens(self, batch: Batch) -> list[int]:
-        q = 1 + self.case.mtp
-        n = max(1, min(batch.num_reqs, self.max_reqs))
-        if batch.kind == "decode":
-            return [q] * n
-        decodes = n // 2 if batch.kind == "mixed" else 0
-        rest = max(batch.num_tokens - decodes * q, n - decodes)
-        base, extra = divmod(rest, n - decodes)
-        return [q] * decodes + [base + (i < extra) for i in range(n - decodes)]
+        return list(runner_batch(self.case, batch, self.max_reqs).query_lens)
 
     def metadata(self, batch: Batch) -> Any:
         import numpy as np
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        env = self.case.envelope
-        qlens = self.query_lens(batch)
-        n = len(qlens)
-        seq = [max(env.max_model_len, q) for q in qlens]
-        self.query_start_loc.np[0] = 0
-        self.query_start_loc.np[1:n + 1] = np.cumsum(qlens)
-        self.seq_lens.np[:n] = seq
-        tokens = int(sum(qlens))
+        rb = runner_batch(self.case, batch, self.max_reqs)
+        n, tokens = rb.num_reqs, rb.num_tokens
+        self.query_start_loc.np[:n + 1] = rb.query_start_loc
+        self.seq_lens.np[:n] = rb.seq_lens
         self.slot_mapping.np[:tokens] = np.arange(tokens)
         values = {
             "query_start_loc": self.query_start_loc.copy_to_gpu(n + 1),
@@ -349,8 +289,8 @@ class RunnerInputs:
                 prepend=self.query_start_loc.cpu[:1]),
             "num_reqs": n,
             "num_actual_tokens": tokens,
-            "max_query_len": max(qlens),
-            "max_seq_len": max(seq),
+            "max_query_len": rb.max_query_len,
+            "max_seq_len": rb.max_seq_len,
             "block_table_tensor": self.block_table.gpu[:n],
             "slot_mapping": self.slot_mapping.copy_to_gpu(tokens),
             "causal": True,
@@ -361,12 +301,6 @@ class RunnerInputs:
         if missing:
             raise TypeError(f"this vLLM's CommonAttentionMetadata requires fields the adapter does not fill: {missing}")
         return CommonAttentionMetadata(**{k: v for k, v in values.items() if k in fields})
-
-
-def _device_active() -> bool:
-    from pytest_kvprofile.memory.torch_mode import active_simulation
-
-    return active_simulation() is not None
 
 
 def _int32() -> Any:
@@ -422,12 +356,12 @@ def engine_refusal(case: Any) -> str | None:
 
 
 VLLM_BACKENDS: tuple[Backend, ...] = (
-    Backend(name="vllm-flashinfer", make_builders=_make_v1, origin="builtin", torch_mode=True,
-            refuses_layout=engine_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
-            description="vLLM's own FlashInferMetadataBuilder (V1 runner: per-builder lazy float workspace), "
-                        "unmodified, on the simulated GPU"),
-    Backend(name="vllm-flashinfer-v2", make_builders=_make_v2, origin="builtin", torch_mode=True,
-            refuses_layout=engine_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
-            description="vLLM's own FlashInferMetadataBuilder (V2 runner: one eager float workspace shared "
-                        "with set_workspace_buffer), unmodified, on the simulated GPU"),
+    engine_backend("vllm-flashinfer", _make_v1, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
+                   refuses_layout=engine_refusal,
+                   description="vLLM's own FlashInferMetadataBuilder (V1 runner: per-builder lazy float workspace), "
+                               "unmodified, on the simulated GPU"),
+    engine_backend("vllm-flashinfer-v2", _make_v2, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
+                   refuses_layout=engine_refusal,
+                   description="vLLM's own FlashInferMetadataBuilder (V2 runner: one eager float workspace shared "
+                               "with set_workspace_buffer), unmodified, on the simulated GPU"),
 )

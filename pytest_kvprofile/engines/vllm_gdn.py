@@ -24,14 +24,14 @@ serves that one function, compiled from vLLM's own source of it, from a stand-in
 from __future__ import annotations
 
 import ast
-import contextlib
-import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration
+from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines.vllm_config import UnexpressibleCase, make_vllm_config
+from pytest_kvprofile.engines.adapter import declared_support, module_standin
+from pytest_kvprofile.engines.vllm_config import UnexpressibleCase
+from pytest_kvprofile.engines.vllm_flashinfer import DECLARATION_NAMES, VllmAdapter
 
 __all__ = ["GDN_LAYER_MODULE", "VllmGdnBuilder", "gdn_groups", "gdn_resolver_standin", "mamba_spec"]
 
@@ -115,41 +115,29 @@ def _resolver_module() -> Any:
     return module
 
 
-@contextlib.contextmanager
-def gdn_resolver_standin() -> Iterator[None]:
+def gdn_resolver_standin() -> Any:
     """For the block, ``GDN_LAYER_MODULE`` is a stand-in serving vLLM's ``_resolve_gdn_prefill_backend``, unless
     the real module is already imported (a CUDA build of vLLM)."""
-    if GDN_LAYER_MODULE in sys.modules:
-        yield
-        return
-    sys.modules[GDN_LAYER_MODULE] = _resolver_module()
-    try:
-        yield
-    finally:
-        sys.modules.pop(GDN_LAYER_MODULE, None)
+    return module_standin(GDN_LAYER_MODULE, _resolver_module)
 
 
-class VllmGdnBuilder:
+class VllmGdnBuilder(VllmAdapter):
     """vLLM's ``GDNAttentionMetadataBuilder`` as the V1 runner integrates it, sharing ``runner``'s input buffers
-    (a :class:`~pytest_kvprofile.engines.vllm_flashinfer.VllmFlashInferBuilder` of the same case).
+    (a :class:`~pytest_kvprofile.engines.vllm_flashinfer.VllmFlashInferBuilder` of the same case): one builder per
+    micro-batch and KV-cache group, keyed ``(ubatch, group)``.
 
     Declares NEUTRAL, as the vLLM pull request does, unless the installed class declares something itself (the
     contract's or the pull request's classmethod on the case's config and state spec, mapped as the FlashInfer
     adapter maps it)."""
 
     name = "vllm-gdn"
-    torch_mode = True
+    builder_label = "vLLM's GDNAttentionMetadataBuilder"
 
     def __init__(self, case: Any, runner: Any, builder_cls: type | None = None) -> None:
         check_hybrid(case)
-        self.case = case
+        super().__init__(case, builder_cls)
         self.runner = runner
-        self.builder_cls = builder_cls
-        self.vllm_config: Any = None
         self.groups = gdn_groups(case)
-        self.builders: dict[tuple[int, int], Any] = {}  # (ubatch, group) -> vLLM's builder
-        self.built: dict[str, int] = {}
-        self.last_metadata: Any = None
 
     def _cls(self) -> type:
         if self.builder_cls is None:
@@ -158,70 +146,46 @@ class VllmGdnBuilder:
             self.builder_cls = GDNAttentionMetadataBuilder
         return self.builder_cls
 
-    def _config(self) -> Any:
-        if self.vllm_config is None:
-            self.vllm_config = make_vllm_config(self.case)
-        return self.vllm_config
-
     def get_persistent_workspace_memory_profiling_support(self) -> Any:
-        from pytest_kvprofile.engines.vllm_flashinfer import DECLARATION_NAMES, map_support
-
-        with self.runner._standins():
-            cls = self._cls()
-            declare = next((getattr(cls, n) for n in DECLARATION_NAMES if callable(getattr(cls, n, None))), None)
-            if declare is None:
-                return ProfilingSupport.NEUTRAL  # what the pull request declares for GDN
-            return map_support(declare(self._config(), mamba_spec(self.case)))
+        with self.standins():
+            # NEUTRAL: what the pull request declares for GDN
+            return declared_support(self._cls(), DECLARATION_NAMES, lambda: (self.config(), mamba_spec(self.case)),
+                                    ProfilingSupport.NEUTRAL)
 
     def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
         """No float arena and no int workspace: GDN plans no FlashInfer wrapper."""
         return WorkspaceDeclaration(float_bytes=0, int_bytes=0)
 
-    def _make_builders(self, num_ubatches: int) -> None:
-        """One vLLM GDN builder per micro-batch and KV-cache group (as the runner makes them)."""
+    # -- the adapter ---------------------------------------------------------------------------------------
+    def builder_keys(self, ubatch: int) -> list[Any]:
+        return [(ubatch, g) for g in range(len(self.groups))]
+
+    def ubatch_of(self, key: Any) -> int:
+        return int(key[0])
+
+    def describe_key(self, key: Any) -> str:
+        return f"ubatch {key[0]}, group {key[1]}"
+
+    def construction_scope(self) -> Any:
+        """The builder's constructor imports its prefill-backend resolver: :func:`gdn_resolver_standin`."""
+        return self._scope(gdn_resolver_standin)
+
+    def make_engine_builder(self, key: Any) -> Any:
         import torch
-        from vllm.config import set_current_vllm_config
 
-        with self.runner._standins(), gdn_resolver_standin():
-            config = self._config()
-            spec = mamba_spec(self.case)
-            with set_current_vllm_config(config):
-                for ub in range(num_ubatches):
-                    for g, names in enumerate(self.groups):
-                        if (ub, g) not in self.builders:
-                            self.builders[(ub, g)] = self._cls()(spec, names, config, torch.device("cuda"))
+        return self._cls()(mamba_spec(self.case), self.groups[key[1]], self.config(), torch.device("cuda"))
 
-    def rebind(self, ctx: BuilderContext) -> None:
-        """The runner's ``initialize_kv_cache``: the GDN builders are made now, after KV sizing."""
-        self._make_builders(ctx.num_ubatches)
-
-    def build(self, ctx: BuilderContext, batch: Batch) -> None:
-        """vLLM's GDN ``build()`` of every group of the batch's micro-batch, on the runner's padded batch."""
-        from vllm.config import set_current_vllm_config
-
-        from pytest_kvprofile.engines.vllm_flashinfer import VllmBuildError
-
-        if not any(ub == batch.ubatch for ub, _ in self.builders):
-            self._make_builders(ctx.num_ubatches)
+    def ensure_inputs(self) -> None:
         if self.runner.inputs is None:
             self.runner._make_inputs()
+
+    def engine_metadata(self, batch: Batch) -> Any:
+        """The runner's metadata of its padded batch (one runner, one set of input buffers)."""
         inputs = self.runner.inputs
-        with self.runner._standins(), set_current_vllm_config(self.vllm_config):
-            metadata = inputs.metadata(inputs.padded(batch))
-            for (ub, g), builder in sorted(self.builders.items()):
-                if ub != batch.ubatch:
-                    continue
-                try:
-                    if batch.cuda_graph and batch.kind == "decode":
-                        self.last_metadata = builder.build_for_cudagraph_capture(metadata)
-                    else:
-                        self.last_metadata = builder.build(common_prefix_len=0, common_attn_metadata=metadata,
-                                                           **self._spec_args(metadata))
-                except Exception as exc:  # noqa: BLE001 - named with the case and batch; the driver records it
-                    raise VllmBuildError(f"case {self.case.id}: vLLM's GDNAttentionMetadataBuilder.build() of "
-                                         f"{batch.label} (ubatch {batch.ubatch}, group {g}) failed on the simulated "
-                                         f"{self.case.gpu.name}: {type(exc).__name__}: {exc}") from exc
-        self.built[batch.kind] = self.built.get(batch.kind, 0) + 1
+        return inputs.metadata(inputs.padded(batch))
+
+    def build_serving(self, builder: Any, metadata: Any) -> Any:
+        return builder.build(common_prefix_len=0, common_attn_metadata=metadata, **self._spec_args(metadata))
 
     def _spec_args(self, metadata: Any) -> dict[str, Any]:
         """With MTP the runner hands GDN each request's accepted tokens and draft count: decode requests carry
@@ -234,8 +198,3 @@ class VllmGdnBuilder:
         drafts = torch.where(qlens == 1 + self.case.mtp, self.case.mtp, -1).to(torch.int32)
         return {"num_accepted_tokens": metadata.query_start_loc.diff(),
                 "num_decode_draft_tokens_cpu": drafts}
-
-    def close(self) -> None:
-        self.builders.clear()
-        self.last_metadata = None
-

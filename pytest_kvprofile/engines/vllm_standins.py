@@ -26,6 +26,7 @@ import functools
 import sys
 from typing import Any, Iterator
 
+from pytest_kvprofile.engines.adapter import EngineUnavailable, Patches, import_engine
 from pytest_kvprofile.matrix.gpus import GpuSpec
 
 __all__ = [
@@ -46,24 +47,8 @@ _BACKEND_MODULE = "vllm.v1.attention.backends.flashinfer"
 _SIM_CUDA_VERSION = "13.0"
 
 
-class VllmUnavailable(ImportError):
+class VllmUnavailable(EngineUnavailable):
     """vLLM (or one of its pure-Python dependencies) is not importable; the message names the install."""
-
-
-class _Patches:
-    """Attribute patches undone in reverse order."""
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def set(self, obj: Any, name: str, value: Any) -> None:
-        self._undo.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    def undo(self) -> None:
-        while self._undo:
-            obj, name, value = self._undo.pop()
-            setattr(obj, name, value)
 
 
 # -- the platform ---------------------------------------------------------------------------------------------
@@ -164,7 +149,7 @@ def no_nvidia_artifactory() -> Iterator[None]:
     import vllm.utils.flashinfer as fi_utils
 
     original = fi_utils.has_nvidia_artifactory
-    patches = _Patches()
+    patches = Patches()
     for module in _vllm_modules():
         if getattr(module, "has_nvidia_artifactory", None) is original:
             patches.set(module, "has_nvidia_artifactory", _offline)
@@ -196,7 +181,7 @@ class HostCopyPageIndices:
 def host_copy_page_indices() -> Iterator[None]:
     """vLLM's FlashInfer backend copies page indices with :class:`HostCopyPageIndices` for the block."""
     module = sys.modules[_BACKEND_MODULE]
-    patches = _Patches()
+    patches = Patches()
     if hasattr(module, "_copy_page_indices_kernel"):
         patches.set(module, "_copy_page_indices_kernel", HostCopyPageIndices())
     try:
@@ -225,7 +210,7 @@ def dcp_group(world_size: int) -> Iterator[None]:
     """``parallel_state._DCP`` is a :class:`StandinGroup` of ``world_size`` for the block (none when 1)."""
     import vllm.distributed.parallel_state as ps
 
-    patches = _Patches()
+    patches = Patches()
     if world_size > 1:
         patches.set(ps, "_DCP", StandinGroup(world_size))
     try:
@@ -265,7 +250,7 @@ def cuda_version() -> Iterator[None]:
     branch on it), unless something (the simulated device) already set one."""
     import torch.version
 
-    patches = _Patches()
+    patches = Patches()
     if torch.version.cuda is None:
         patches.set(torch.version, "cuda", _SIM_CUDA_VERSION)
     try:
@@ -297,29 +282,13 @@ def import_vllm_flashinfer() -> Any:
     module = sys.modules.get(_BACKEND_MODULE)
     if module is not None:
         return module
-    import threading
-
-    outcome: list[Any] = []
-    worker = threading.Thread(target=_import_backend, args=(outcome,), name="kvprofile-vllm-import")
-    worker.start()
-    worker.join()
-    result = outcome[0] if outcome else ImportError("the import thread died")
-    if isinstance(result, ImportError):
-        raise VllmUnavailable(f"vLLM's FlashInfer backend is not importable ({type(result).__name__}: {result}); "
-                              f"install it with {VLLM_INSTALL_HINT}") from result
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    return import_engine(_import_backend, what="vLLM's FlashInfer backend", install_hint=VLLM_INSTALL_HINT,
+                         unavailable=VllmUnavailable, thread_name="kvprofile-vllm-import")
 
 
-def _import_backend(outcome: list[Any]) -> None:
-    """The import, on its own thread: vLLM keeps the tracebacks of optional imports that failed (its
-    placeholder modules), and on the caller's thread those tracebacks would keep the caller's frames (a whole
-    lifecycle run, with every simulated tensor) alive for the life of the process."""
+def _import_backend() -> Any:
+    """The import, with the stand-in platform current (on its own thread: :func:`import_engine`)."""
     import importlib
 
-    try:
-        with cuda_version(), standin_platform(_standin_platform_cls().gpu, _standin_platform_cls().ranks):
-            outcome.append(importlib.import_module(_BACKEND_MODULE))
-    except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-        outcome.append(exc)
+    with cuda_version(), standin_platform(_standin_platform_cls().gpu, _standin_platform_cls().ranks):
+        return importlib.import_module(_BACKEND_MODULE)

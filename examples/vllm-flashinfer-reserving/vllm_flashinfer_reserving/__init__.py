@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvprofile import Backend, Batch, BuilderContext, ProfilingSupport, WorkspaceDeclaration
+from pytest_kvprofile.engines.batches import window_batches
 from pytest_kvprofile.engines.vllm_flashinfer import VllmFlashInferBuilder, engine_refusal
 from pytest_kvprofile.engines.vllm_gdn import VllmGdnBuilder
 from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT
@@ -74,31 +75,17 @@ class ReservingFlashInferBuilder(VllmFlashInferBuilder):
             views.append(view)
         return views
 
-    def _shapes(self) -> list[Batch]:
-        """One batch of every shape the engine runs: vLLM's build() makes the wrappers and picks the routes.
-
-        Every captured decode size first, then the eager routes at their most requests, last: an eager wrapper's
-        plan() replaces its index buffers with ones sized for the batch, so the window must end on the largest.
-        """
-        env, q = self.case.envelope, 1 + self.case.mtp
-        budget = env.max_num_batched_tokens
-        reqs = max(1, min(env.max_num_seqs, budget // q))
-        shapes = [Batch("decode", c.num_reqs, c.num_tokens, cuda_graph=True)
-                  for c in env.decode_captures(self.case.mtp)]
-        shapes += [Batch("mixed", min(env.max_num_seqs, budget), budget),
-                   Batch("prefill", min(env.max_num_seqs, budget), budget), Batch("decode", reqs, reqs * q)]
-        return shapes
-
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         made: list[Any] = []
         try:
-            made = self._make_builders(ctx.num_ubatches)
+            made = self.make_engine_builders(ctx.num_ubatches)
             views = self._hand_views(ctx)
-            for batch in self._shapes():
+            # every captured decode size first, then the eager routes at their most requests (engines/batches.py)
+            for batch in window_batches(self.case):
                 for ub in range(ctx.num_ubatches):
                     self.build(ctx, Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, ub))
             if self.routes & {"prefill:trtllm-gen", "decode:trtllm-gen", "decode:xqa"}:
-                with self._standins() as module:
+                with self.standins() as module:
                     self.trtllm_workspace = module._get_trtllm_workspace_buffer()
         except BaseException:
             for ub in [ub for ub, b in self.builders.items() if any(b is m for m in made)]:

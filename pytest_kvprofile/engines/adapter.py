@@ -1,0 +1,361 @@
+"""What every engine adapter needs, whatever the engine: the mapping of an engine's own metadata builders onto the
+harness's builder protocol, the mapping of a reservation API an engine's builder class may carry, stand-ins
+installed for a block and undone after, the engine's import (lazy, on its own thread) and its ``Backend``.
+
+Why: an adapter runs a serving engine's released builders unmodified (``engines/vllm_flashinfer.py`` runs vLLM's).
+Most of what it does is the engine's runner, not the engine: make one builder per micro-batch (and KV-cache group)
+when the runner makes them, hand each build the runner's inputs of the batch (``engines/batches.py``), send captured
+decode steps to the builder's capture call and the rest to its build call, count what was built, name a failed
+build with the case and the batch. :class:`EngineAdapter` is that part; an engine's module subclasses it and
+provides only what is its own (docs/engines.md):
+
+- :meth:`EngineAdapter.make_engine_config`: the case as the engine's config;
+- :meth:`EngineAdapter.make_engine_builder`: one of the engine's builders (for one micro-batch, or one key of
+  :meth:`EngineAdapter.builder_keys`);
+- :meth:`EngineAdapter.engine_metadata`: a batch's runner inputs as the engine's metadata object;
+- :meth:`EngineAdapter.build_for_capture` and :meth:`EngineAdapter.build_serving`: the builder's two calls;
+- optionally :meth:`EngineAdapter.standins` (what a CPU-only machine lacks), :meth:`EngineAdapter.engine_scope`
+  (the engine's "current config" around its calls), the hooks ``after_make``/``after_build``/``ensure_inputs``.
+
+A builder class that declares profiling-time reservation is mapped by :class:`ReservingAdapter` with the names
+:func:`reservation_api` finds on it. Nothing here imports an engine, and the base class defines no optional hook of
+the protocol but ``rebind``, ``build`` and ``close`` (a missing hook keeps its meaning: an adapter that declares
+nothing stays on the legacy path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import threading
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
+
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.protocol import Batch, BuilderContext
+from pytest_kvprofile.contract.support import ProfilingSupport
+
+__all__ = ["CONTRACT_DECLARATION", "CONTRACT_RESERVATION", "EngineAdapter", "EngineBuildError", "EngineUnavailable",
+           "Patches", "ReservationApi", "ReservingAdapter", "declared_support", "device_active", "engine_backend",
+           "import_engine", "map_support", "module_standin", "reservation_api"]
+
+CONTRACT_DECLARATION = "get_persistent_workspace_memory_profiling_support"
+CONTRACT_RESERVATION = "reserve_persistent_workspace"
+
+
+# -- the engine's import and its backend ------------------------------------------------------------------------
+
+class EngineUnavailable(ImportError):
+    """The engine (or one of its pure-Python dependencies) is not importable; the message names the install."""
+
+
+def import_engine(load: Callable[[], Any], *, what: str, install_hint: str,
+                  unavailable: type[EngineUnavailable] = EngineUnavailable,
+                  thread_name: str = "kvprofile-engine-import") -> Any:
+    """``load()`` (the engine's import, with whatever stand-ins it needs current) on its own thread; an
+    ``ImportError`` becomes ``unavailable`` naming ``what`` and ``install_hint``.
+
+    Why a thread: an engine may keep the tracebacks of optional imports that failed (vLLM's placeholder modules);
+    on the caller's thread those tracebacks would keep the caller's frames (a whole lifecycle run, with every
+    simulated tensor) alive for the life of the process."""
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append(load())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=target, name=thread_name)
+    worker.start()
+    worker.join()
+    result = outcome[0] if outcome else ImportError("the import thread died")
+    if isinstance(result, ImportError):
+        raise unavailable(f"{what} is not importable ({type(result).__name__}: {result}); "
+                          f"install it with {install_hint}") from result
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def engine_backend(name: str, make_builders: Callable[[Any], Iterable[Any]], *, engine: str, install_hint: str,
+                   description: str = "", refuses_layout: Callable[[Any], str | None] | None = None,
+                   origin: str = "", version: str = "") -> Backend:
+    """A torch-mode ``Backend`` needing the top-level module ``engine``: without it the run is a usage error
+    naming ``install_hint`` before collection; the engine is imported by ``make_builders`` only, never here."""
+    return Backend(name=name, make_builders=make_builders, origin=origin, version=version, torch_mode=True,
+                   refuses_layout=refuses_layout, requires=(engine,), install_hint=install_hint,
+                   description=description)
+
+
+def device_active() -> bool:
+    """A lifecycle's simulated device is serving torch now (the builders are constructed on the run's device),
+    rather than configure-time inspection."""
+    from pytest_kvprofile.memory.torch_mode import active_simulation
+
+    return active_simulation() is not None
+
+
+# -- stand-ins ------------------------------------------------------------------------------------------------
+
+class Patches:
+    """Attribute patches undone in reverse order."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        self._undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        while self._undo:
+            obj, name, value = self._undo.pop()
+            setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def module_standin(name: str, make: Callable[[], Any]) -> Iterator[None]:
+    """For the block, ``sys.modules[name]`` is ``make()`` (a stand-in for a module whose own imports need what a
+    CPU-only machine lacks), unless the real module is already imported."""
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = make()
+    try:
+        yield
+    finally:
+        sys.modules.pop(name, None)
+
+
+# -- declarations ---------------------------------------------------------------------------------------------
+
+def map_support(answer: Any) -> Any:
+    """An engine's answer as a ProfilingSupport: an enum member by name, or ``True`` (REQUIRED), ``False``
+    (NEUTRAL), ``None`` (UNSUPPORTED), as vLLM's pull request answers. Anything else is passed through for the
+    harness to reject."""
+    name = getattr(answer, "name", None)
+    if isinstance(name, str) and name in ProfilingSupport.__members__:
+        return ProfilingSupport[name]
+    if answer is True:
+        return ProfilingSupport.REQUIRED
+    if answer is False:
+        return ProfilingSupport.NEUTRAL
+    if answer is None:
+        return ProfilingSupport.UNSUPPORTED
+    return answer
+
+
+def declared_support(builder_cls: type, names: Sequence[str], args: Callable[[], Sequence[Any]],
+                     default: Any) -> Any:
+    """What ``builder_cls``'s first declaration classmethod of ``names`` answers on ``args()`` (mapped by
+    :func:`map_support`), or ``default`` when the class declares nothing."""
+    declare = next((getattr(builder_cls, n) for n in names if callable(getattr(builder_cls, n, None))), None)
+    if declare is None:
+        return default
+    return map_support(declare(*args()))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReservationApi:
+    """The names one engine builder class carries for profiling-time reservation."""
+
+    declaration: str
+    reservation: str
+    rebind: str | None  # re-attach after the reservation (vLLM's pull request: rebind_workspace_after_reservation)
+    calls: tuple[tuple[Any, ...], ...] = ((),)  # the reservation method's calls, in order, by their arguments
+
+
+def reservation_api(builder_cls: type, declarations: Sequence[str] = (CONTRACT_DECLARATION,),
+                    reservations: Sequence[str] = (CONTRACT_RESERVATION,), rebinds: Sequence[str] = (),
+                    calls: Mapping[str, tuple[tuple[Any, ...], ...]] | None = None) -> ReservationApi | None:
+    """What ``builder_cls`` declares (the first callable of each list), or None: then the adapter declares nothing.
+    ``calls`` gives a reservation method's calls by name (default: one call, no arguments)."""
+    declaration = next((n for n in declarations if callable(getattr(builder_cls, n, None))), None)
+    reservation = next((n for n in reservations if callable(getattr(builder_cls, n, None))), None)
+    if declaration is None or reservation is None:
+        return None
+    rebind = next((n for n in rebinds if callable(getattr(builder_cls, n, None))), None)
+    return ReservationApi(declaration, reservation, rebind, (calls or {}).get(reservation, ((),)))
+
+
+# -- the adapter ----------------------------------------------------------------------------------------------
+
+class EngineBuildError(RuntimeError):
+    """An engine builder's build failed on a batch; the message names the case, the batch and the engine's own
+    error (the driver records it)."""
+
+
+class EngineAdapter:
+    """An engine's metadata builders as the engine's model runner integrates them, as one harness part.
+
+    The runner makes its builders with the KV cache: :meth:`rebind` (the first call after KV sizing) makes one per
+    :meth:`builder_keys` of every micro-batch; nothing of the engine runs in the profiling window. :meth:`build`
+    hands the batch's builders the engine's metadata of the batch (:meth:`engine_metadata`, on the runner's inputs),
+    a captured decode step through :meth:`build_for_capture`, any other batch through :meth:`build_serving`.
+    Declares nothing (UNSUPPORTED: the legacy path); :class:`ReservingAdapter` maps a reservation API."""
+
+    name: str
+    torch_mode = True
+    builder_label = "the engine's metadata builder"  # "vLLM's FlashInferMetadataBuilder", in messages
+    build_error: type[EngineBuildError] = EngineBuildError
+
+    def __init__(self, case: Any, builder_cls: type | None = None) -> None:
+        self.case = case
+        self.builder_cls = builder_cls
+        self.engine_config: Any = None
+        self.builders: dict[Any, Any] = {}  # builder key (the micro-batch by default) -> the engine's builder
+        self.built: dict[str, int] = {}  # batches built per kind, for reports and tests
+        self.last_metadata: Any = None  # what the engine's last build returned
+
+    # -- what an engine's module provides ------------------------------------------------------------------
+    def make_engine_config(self) -> Any:
+        """The case as the engine's config (asked once, inside :meth:`standins`)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no engine config")
+
+    def make_engine_builder(self, key: Any) -> Any:
+        """One engine builder for ``key`` (called inside :meth:`construction_scope`)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no engine builder")
+
+    def engine_metadata(self, batch: Batch) -> Any:
+        """``batch``'s runner inputs as the engine's metadata object (inside :meth:`engine_scope`)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no metadata")
+
+    def build_for_capture(self, builder: Any, metadata: Any) -> Any:
+        """The builder's call for a captured (CUDA-graph) decode step."""
+        raise NotImplementedError(f"{type(self).__name__} has no capture build")
+
+    def build_serving(self, builder: Any, metadata: Any) -> Any:
+        """The builder's call for any other batch."""
+        raise NotImplementedError(f"{type(self).__name__} has no build")
+
+    # -- what an engine's module may change ----------------------------------------------------------------
+    def standins(self) -> ContextManager[Any]:
+        """The stand-ins the engine needs on a CPU-only machine, installed for the block and undone after."""
+        return contextlib.nullcontext()
+
+    def engine_scope(self) -> ContextManager[Any]:
+        """Around every call into the engine's builders: the stand-ins (and, for an engine with one, its current
+        config)."""
+        return self.standins()
+
+    def construction_scope(self) -> ContextManager[Any]:
+        """Around the builders' construction: :meth:`engine_scope` unless the constructor needs more."""
+        return self.engine_scope()
+
+    def builder_keys(self, ubatch: int) -> list[Any]:
+        """The builders one micro-batch has (one; a hybrid runner has one per KV-cache group)."""
+        return [ubatch]
+
+    def ubatch_of(self, key: Any) -> int:
+        return int(key)
+
+    def describe_key(self, key: Any) -> str:
+        return f"ubatch {key}"
+
+    def is_capture(self, batch: Batch) -> bool:
+        """Engines capture full graphs of uniform decode only."""
+        return batch.cuda_graph and batch.kind == "decode"
+
+    def after_make(self, made: list[Any]) -> None:
+        """The builders just made (inside :meth:`construction_scope`)."""
+
+    def ensure_inputs(self) -> None:
+        """The runner's input buffers exist before a build (outside :meth:`engine_scope`)."""
+
+    def after_build(self, batch: Batch) -> None:
+        """After every build of ``batch``."""
+
+    # -- the engine ------------------------------------------------------------------------------------------
+    def config(self) -> Any:
+        """The engine's config of the case, made once."""
+        if self.engine_config is None:
+            self.engine_config = self.make_engine_config()
+        return self.engine_config
+
+    def make_engine_builders(self, num_ubatches: int) -> list[Any]:
+        """The runner's builders for every micro-batch (as the runner makes them); returns the new ones."""
+        made: list[Any] = []
+        with self.construction_scope():
+            for ub in range(num_ubatches):
+                for key in self.builder_keys(ub):
+                    if key not in self.builders:
+                        self.builders[key] = self.make_engine_builder(key)
+                        made.append(self.builders[key])
+            self.after_make(made)
+        return made
+
+    def builders_of(self, ubatch: int) -> list[tuple[Any, Any]]:
+        """(key, builder) of one micro-batch, in key order."""
+        return [(k, b) for k, b in sorted(self.builders.items()) if self.ubatch_of(k) == ubatch]
+
+    # -- the protocol --------------------------------------------------------------------------------------
+    def rebind(self, ctx: BuilderContext) -> None:
+        """The runner's KV-cache initialisation: the builders are made now, after KV sizing."""
+        self.make_engine_builders(ctx.num_ubatches)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        """The engine's build of ``batch`` on every builder of its micro-batch."""
+        if not self.builders_of(batch.ubatch):
+            self.make_engine_builders(ctx.num_ubatches)
+        self.ensure_inputs()
+        with self.engine_scope():
+            metadata = self.engine_metadata(batch)
+            for key, builder in self.builders_of(batch.ubatch):
+                try:
+                    if self.is_capture(batch):
+                        self.last_metadata = self.build_for_capture(builder, metadata)
+                    else:
+                        self.last_metadata = self.build_serving(builder, metadata)
+                except Exception as exc:  # noqa: BLE001 - named with the case and batch; the driver records it
+                    raise self.build_error(f"case {self.case.id}: {self.builder_label}.build() of {batch.label} "
+                                           f"({self.describe_key(key)}) failed on the simulated "
+                                           f"{self.case.gpu.name}: {type(exc).__name__}: {exc}") from exc
+        self.built[batch.kind] = self.built.get(batch.kind, 0) + 1
+        self.after_build(batch)
+
+    def close(self) -> None:
+        self.builders.clear()
+        self.last_metadata = None
+
+
+class ReservingAdapter(EngineAdapter):
+    """An engine builder class that declares profiling-time reservation (:func:`reservation_api`), mapped onto the
+    protocol: the declaration is the class's own on :meth:`declaration_args`; ``reserve_persistent_workspace``
+    makes the builders inside the window and runs their reservation (a failed one keeps none of them); the lease
+    keeps them alive; ``rebind`` runs their rebind method, when they have one."""
+
+    api: ReservationApi
+
+    def declaration_args(self) -> Sequence[Any]:
+        """What the class's declaration is called with (vLLM's: the config and the KV-cache spec)."""
+        return ()
+
+    def get_persistent_workspace_memory_profiling_support(self) -> Any:
+        with self.standins():
+            declare = getattr(self.builder_cls, self.api.declaration)
+            return map_support(declare(*self.declaration_args()))
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        """Exception-safe: the builders a failed reservation made are dropped before the error propagates."""
+        before = set(self.builders)
+        try:
+            self.make_engine_builders(ctx.num_ubatches)
+            with self.engine_scope():
+                for b in self.builders.values():
+                    method = getattr(b, self.api.reservation)
+                    for args in self.api.calls:
+                        method(*args)
+        except BaseException:
+            for key in [k for k in self.builders if k not in before]:
+                del self.builders[key]
+            self.last_metadata = None
+            raise
+        return ctx.lease(list(self.builders.values()))
+
+    def rebind(self, ctx: BuilderContext) -> None:
+        self.make_engine_builders(ctx.num_ubatches)
+        if self.api.rebind is not None:
+            with self.engine_scope():
+                for b in self.builders.values():
+                    getattr(b, self.api.rebind)()
