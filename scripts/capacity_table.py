@@ -9,6 +9,10 @@ default arena and at the sizing module's exact arena.
 
 Each (backend, case) runs ``run_lifecycle`` once, one after another in this process; the figures come from the
 records (``pytest_kvprofile.report.capacity``), with the verdict's arithmetic. Cases vLLM refuses are left out.
+
+With ``--json FILE`` every cell is appended to FILE as it finishes (with ``seconds``, the wall time of its
+lifecycle), and a run given a FILE that already holds cells resumes: the (backend, case) pairs found there are
+not run again, and the table carries them, so a run killed part-way is finished by running the same command.
 """
 
 from __future__ import annotations
@@ -56,6 +60,22 @@ def cases(matrix: str, ubatches: list[int]) -> list:
     return out
 
 
+def read_cells(path: Path, cell_type) -> dict:
+    """The cells of a ``--json`` file, by (backend, case); a later line for the same pair wins, and a last line cut
+    short by a killed run is ignored."""
+    cells: dict = {}
+    for line in path.read_text().splitlines():
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        raw.pop("fits_tokens", None)
+        raw.pop("seconds", None)
+        cell = cell_type(**raw)
+        cells[(cell.backend, cell.case)] = cell
+    return cells
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--matrix", default=str(ROOT / "matrices" / "ci.yaml"))
@@ -74,14 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     cells: dict = {}
     ids: list[str] = []
     if args.from_json:
-        for line in Path(args.from_json).read_text().splitlines():
-            raw = json.loads(line)
-            raw.pop("fits_tokens", None)
-            cell = CapacityCell(**raw)
-            cells[(cell.backend, cell.case)] = cell
-            if cell.case not in ids:
-                ids.append(cell.case)
+        cells = read_cells(Path(args.from_json), CapacityCell)
+        for _, case_id in cells:
+            if case_id not in ids:
+                ids.append(case_id)
     else:
+        done = read_cells(Path(args.json), CapacityCell) if args.json and Path(args.json).exists() else {}
+        if done:
+            print(f"resuming: {len(done)} cells already in {args.json}", file=sys.stderr)
+            if not Path(args.json).read_text().endswith("\n"):  # a line cut short: the next cell starts afresh
+                with open(args.json, "a") as out:
+                    out.write("\n")
         chosen = backends()
         ubatches = [int(u) for u in args.ubatches.split(",") if u.strip()]
         gmus = [float(g) for g in args.gmu.split(",")] if args.gmu else None
@@ -90,16 +113,26 @@ def main(argv: list[str] | None = None) -> int:
             if layout_refusal(chosen[V1], case) or (gmus and not any(abs(case.gmu - g) < 1e-9 for g in gmus)):
                 continue
             ids.append(case.id)
+            case_started = time.monotonic()
+            ran = 0
             for name in (V1, V2, RESERVING, EXACT):
+                if (name, case.id) in done:
+                    cells[(name, case.id)] = done[(name, case.id)]
+                    continue
+                cell_started = time.monotonic()
                 result = run_lifecycle(chosen[name], case)
                 cells[(name, case.id)] = cell = capacity_cell(name, result)
                 close_parts(result)
                 del result
                 gc.collect()
+                ran += 1
                 if args.json:
                     with open(args.json, "a") as out:
-                        out.write(json.dumps(dict(dataclasses.asdict(cell), fits_tokens=cell.fits_tokens)) + "\n")
-            print(f"{case.id}: {time.monotonic() - started:.0f} s", file=sys.stderr)
+                        out.write(json.dumps(dict(dataclasses.asdict(cell), fits_tokens=cell.fits_tokens,
+                                                  seconds=round(time.monotonic() - cell_started, 2))) + "\n")
+            if ran:
+                print(f"{case.id}: {time.monotonic() - case_started:.1f} s ({ran} cells), "
+                      f"{time.monotonic() - started:.0f} s in all", file=sys.stderr, flush=True)
     lines = capacity_table(cells, ids, V1, V2, RESERVING, EXACT)
     text = "\n".join(lines) + "\n"
     if args.out == "-":
