@@ -15,9 +15,9 @@ except vs.VllmUnavailable as exc:
 
 from pytest_kvprofile.checks.base import CheckOutcome  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.checks.post_kv_cost import post_kv_cost  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.registry import builtin_backends  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix  # noqa: E402 - after the vLLM guard
+from pytest_kvprofile.registry import builtin_backends  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.report.capacity import CapacityCell, capacity_cell, capacity_table  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.report.documents import backend_verdict  # noqa: E402 - after the vLLM guard
 from pytest_kvprofile.report.summary import legacy_cost_lines, legacy_costs  # noqa: E402 - after the vLLM guard
