@@ -44,6 +44,11 @@ def check_expressible(case: Case) -> None:
                                 "vLLM's FlashInfer builder plans one head size")
     if model.heads_q % case.tp:
         raise UnexpressibleCase(f"case {case.id}: {model.heads_q} query heads do not split over TP={case.tp}")
+    if case.dcp > 1 and case.gpu.compute_capability[0] >= 10:
+        raise UnexpressibleCase(
+            f"case {case.id}: with DCP={case.dcp} on {case.gpu.name} (compute capability "
+            f"{case.gpu.compute_capability[0]}.{case.gpu.compute_capability[1]}) vLLM's FlashInfer prefill plans "
+            "FlashInfer's CUTLASS sm100 FMHA, which the simulated GPU has no host module for (run it on the GPU tier)")
 
 
 def hf_config(case: Case) -> dict[str, Any]:

@@ -145,6 +145,24 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
 
     patches.set(flashinfer.jit.core.JitSpec, "build_and_load", build_and_load)
     _patch_wrapper_roles(patches)
+    _patch_cudnn_probe(patches)
+
+
+def _no_cudnn() -> bool:
+    return False
+
+
+def _patch_cudnn_probe(patches: _Patches) -> None:
+    """The simulated GPU has no cuDNN runtime: FlashInfer's "may cuDNN serve this paged prefill?" probe (asked by
+    ``plan()`` on compute capability 10.0) answers no, as on a machine without cuDNN, instead of raising from the
+    CPU machine's cuDNN frontend; ``plan()`` then takes its own FA2 route, which the host modules serve."""
+    probe = getattr(sys.modules.get("flashinfer.cudnn.prefill"), "_cudnn_supports_paged_auto", None)
+    if probe is None:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("flashinfer") and vars(module).get("_cudnn_supports_paged_auto") \
+                is probe:
+            patches.set(module, "_cudnn_supports_paged_auto", _no_cudnn)
 
 
 # What a FlashInfer wrapper keeps in each buffer attribute, by role (prefill, ragged prefill, decode, sparse).

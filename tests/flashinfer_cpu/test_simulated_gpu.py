@@ -126,3 +126,15 @@ def test_arena_tensor_on_request_in_ctx_mode():
     assert [x.nbytes for x in dev.live_allocations()] == [4096]
     mgr.close()
     assert not dev.live_allocations()
+
+
+def test_the_simulated_gpu_has_no_cudnn_runtime():
+    """FlashInfer's plan() asks on compute capability 10.0 whether cuDNN may serve a paged prefill; the CPU machine's
+    cuDNN frontend raises when asked, a machine without cuDNN answers no, and so does the simulated B200."""
+    pytest.importorskip("flashinfer")
+    import flashinfer.prefill
+
+    original = flashinfer.prefill._cudnn_supports_paged_auto
+    with sg.simulated_gpu("B200"):
+        assert flashinfer.prefill._cudnn_supports_paged_auto() is False
+    assert flashinfer.prefill._cudnn_supports_paged_auto is original

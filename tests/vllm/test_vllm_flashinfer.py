@@ -180,6 +180,8 @@ def test_the_backends_name_the_layouts_vllm_refuses_so_the_suite_skips_them():
     reason = refuses(small_case(tp=4, dcp=2))  # 8 KV heads: vLLM refuses DCP
     assert "vLLM rejects this layout" in reason and "Decode context parallelism" in reason
     assert refuses(small_case(model=GLM, tp=4, dcp=2)) is None  # 2 KV heads < TP=4: accepted
+    blackwell = refuses(small_case(model=GLM, gpu="B200", tp=4, dcp=2))  # vLLM's DCP prefill: CUTLASS sm100 FMHA
+    assert "CUTLASS sm100 FMHA" in blackwell and "no host module" in blackwell
     assert refuses(small_case()) is None
     assert "FlashInferMLAMetadataBuilder" in refuses(small_case(model=dataclasses.replace(QWEN, name="mla",
                                                                                           attention="mla")))
@@ -197,8 +199,8 @@ def test_the_suite_lists_a_refused_layout_as_skipped_and_the_verdict_does_not_co
                                  "*Decode context parallelism*", "*1 skipped*"])
     (b,) = json.loads(out.read_text())["backends"]
     assert b["results"] == [] and "failed" not in b["counts"]
-    assert len(b["refused_layouts"]) == 8 and refused in {r["case"] for r in b["refused_layouts"]}
-    assert b["coverage"]["cases_in_matrix"] == 40  # 48 ci cases, 8 refused
+    assert len(b["refused_layouts"]) == 12 and refused in {r["case"] for r in b["refused_layouts"]}
+    assert b["coverage"]["cases_in_matrix"] == 36  # 48 ci cases, 8 refused by vLLM, 4 the simulated B200 cannot run
 
 
 # -- the two runner integrations ------------------------------------------------------------------------------
