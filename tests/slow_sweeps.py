@@ -4,7 +4,7 @@ A plain ``pytest`` deselects them (and says how many, under ``-n`` too); any exp
 its own (``pytest -m slow`` runs only them, ``pytest -m "slow or not slow"`` everything), and a slow test named by
 node id (``path::test[...]``) runs. A hook rather than ``addopts = -m 'not slow'`` so that a plain
 ``pytest --pyargs pytest_kvprofile.suite`` from the repository root keeps no project-test option. Loaded by
-``tests/conftest.py``; a module of its own so that ``tests/reliability/test_slow_count.py`` can load it alone.
+``tests/conftest.py``; a module of its own so that ``tests/acceptance/test_slow_count.py`` can load it alone.
 """
 
 from __future__ import annotations

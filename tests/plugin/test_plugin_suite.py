@@ -1,6 +1,6 @@
 """The plugin end to end, through pytester: ids, header, summary, reports, selection.
 
-Scheduling (serial, ``-p no:xdist``, ``-n 2``) is ``tests/reliability/test_determinism.py``'s.
+Scheduling (serial, ``-p no:xdist``, ``-n 2``) is ``tests/acceptance/test_determinism.py``'s.
 """
 
 import json

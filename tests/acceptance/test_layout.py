@@ -113,7 +113,7 @@ LAZY_HEAVY: dict[str, str] = {
 }
 
 # Modules that import a heavy module at import time: they are themselves only ever imported lazily
-# (tests/core/test_lazy_imports.py checks the plugin loads none of them).
+# (tests/acceptance/test_lazy_imports.py checks the plugin loads none of them).
 EAGER_HEAVY: dict[str, str] = {
     "pytest_kvprofile.memory.torch_mode": "serves torch \"cuda\" calls: it subclasses torch's TorchFunctionMode",
 }
@@ -245,3 +245,14 @@ def test_docstrings_point_inside_the_repository():
         assert "DESIGN.md" not in text, name
         for ref in {w.strip("`'\"(),.:;") for w in text.split() if w.strip("`'\"(),.:;").startswith("docs/")}:
             assert (root / ref).exists(), f"{name} points to {ref}, which does not exist"
+
+
+def test_the_tests_mirror_the_packages():
+    """``tests/<package>/`` per package, ``tests/acceptance/`` for end-to-end runs: docs/architecture.md's "The tests"."""
+    tests = PACKAGE.parent / "tests"
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    packages |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    dirs = {d.name for d in tests.iterdir() if d.is_dir() and d.name != "__pycache__"}
+    assert dirs - packages <= {"acceptance"}, f"test directories that mirror no package: {sorted(dirs - packages)}"
+    loose = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not loose, f"tests outside a package's directory: {loose}"

@@ -6,7 +6,6 @@ import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 
-pytest_plugins = ["pytester"]
 
 
 def test_a_plain_run_says_how_many_slow_tests_it_left_out(pytester: pytest.Pytester,

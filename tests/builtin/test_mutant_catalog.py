@@ -6,7 +6,7 @@ plain functions (``tests/plugin/test_plugin_suite.py`` shows the same verdicts t
 A plain run sweeps a covering subset of the default matrix's layouts at their highest gmu (see
 :func:`representative_layouts`); the ``slow`` tests sweep every case and print the catch table:
 
-    .venv/bin/pytest -m slow -s -p no:cacheprovider tests/core/test_mutant_catalog.py
+    .venv/bin/pytest -m slow -s -p no:cacheprovider tests/builtin/test_mutant_catalog.py
 """
 
 from __future__ import annotations
