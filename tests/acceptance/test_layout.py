@@ -248,7 +248,7 @@ def test_docstrings_point_inside_the_repository():
 
 
 def test_the_tests_mirror_the_packages():
-    """``tests/<package>/`` per package, ``tests/acceptance/`` for end-to-end runs: docs/architecture.md's "The tests"."""
+    """``tests/<package>/`` per package, ``tests/acceptance/`` for end-to-end runs (architecture.md, "The tests")."""
     tests = PACKAGE.parent / "tests"
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     packages |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
