@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
 EXPECTED = {
     ("overhead", "per-item wall ratio"),
     ("overhead", "per-item CPU ratio"),

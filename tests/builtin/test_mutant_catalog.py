@@ -233,11 +233,26 @@ def representative_layouts(cases: Iterable[Case]) -> list[Case]:
     return out
 
 
+def covering_layouts(cases: Iterable[Case]) -> list[Case]:
+    """Of the representative layouts, enough that every model, GPU, TP, DCP and MTP value of the matrix, and a
+    resource-carrying layout, is met at least once (greedily, in matrix order): a dozen layouts, where the
+    representative ones are 195."""
+    seen: set[tuple] = set()
+    out = []
+    for case in representative_layouts(cases):
+        keys = {("model", case.model.name), ("gpu", case.gpu.name), ("tp", case.tp), ("dcp", case.dcp),
+                ("mtp", case.mtp), ("resources", bool(case.resources))}
+        if keys - seen:
+            seen |= keys
+            out.append(case)
+    return out
+
+
 def plain_run_layouts(backend: Any) -> list[Case]:
-    """The plain run's layouts for a backend: the representative ones; every fourth of them in torch mode,
-    where each lifecycle runs real torch calls and costs several times a context-mode one (the slow sweep
-    runs every case for both)."""
-    cases = representative_layouts(default_cases())
+    """The plain run's layouts for a backend: the covering ones (``pytest -m slow`` runs every default case, and
+    proves each mutant caught on every case its bug applies to); every fourth one in torch mode, where each
+    lifecycle runs real torch calls and costs several times a context-mode one."""
+    cases = covering_layouts(default_cases())
     return cases[::4] if backend.torch_mode else cases
 
 

@@ -187,6 +187,7 @@ def test_the_backends_name_the_layouts_vllm_refuses_so_the_suite_skips_them():
                                                                                           attention="mla")))
 
 
+@pytest.mark.slow  # a subprocess classifying every ci case with vLLM's builders
 def test_the_suite_lists_a_refused_layout_as_skipped_and_the_verdict_does_not_count_it(pytester):
     ci = Path(__file__).resolve().parents[2] / "matrices" / "ci.yaml"
     refused = "qwen3-8b-tp4-dcp2-mtp0-l40s-gmu0.90"

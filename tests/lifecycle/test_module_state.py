@@ -181,7 +181,13 @@ def fresh_process(monkeypatch):
     empty_places()  # what the test left must not meet a later test of the process: its remembering is undone
 
 
-@pytest.mark.parametrize("place", process_state.PLACES)
+def _places() -> list:
+    """Every place process-wide state lives: the module dict in the plain run, the others in ``pytest -m slow``
+    (``test_every_hiding_place_is_found_with_the_path_that_reaches_it`` finds each of them in the plain run)."""
+    return [pytest.param(p, marks=[] if p == "module-dict" else [pytest.mark.slow], id=p) for p in process_state.PLACES]
+
+
+@pytest.mark.parametrize("place", _places())
 def test_one_workspace_per_process_passes_first_alone_and_after_another_case(fresh_process, place):
     backend = PLACES[f"process-workspace-{place}-{process_state.ONCE}"]
     assert _failing(backend, LAST) == {}  # the first case of the process (``-k`` on one case)
@@ -190,7 +196,7 @@ def test_one_workspace_per_process_passes_first_alone_and_after_another_case(fre
 
 
 @pytest.mark.parametrize("when", [process_state.AFTER_KV, process_state.PER_ENGINE])
-@pytest.mark.parametrize("place", process_state.PLACES)
+@pytest.mark.parametrize("place", _places())
 def test_a_workspace_made_after_kv_sizing_or_by_every_engine_fails_on_the_first_case_and_later(
         fresh_process, place, when):
     backend = PLACES[f"process-workspace-{place}-{when}"]
@@ -202,6 +208,7 @@ def test_a_workspace_made_after_kv_sizing_or_by_every_engine_fails_on_the_first_
     assert "no_state_outlives_case" in later, later
 
 
+@pytest.mark.slow  # every sixth (torch) or second (ctx) ci case, twice, per backend
 @pytest.mark.parametrize("backend", process_state.backends(), ids=lambda b: b.name)
 def test_the_correct_process_workspace_backends_pass_every_ci_case_in_both_orders(fresh_process, backend):
     cases = CI[::6] if backend.torch_mode else CI[::2]

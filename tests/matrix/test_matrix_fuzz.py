@@ -236,7 +236,7 @@ def test_edited_matrix_text(text: str) -> None:
 def test_shipped_matrices_expand_to_every_point(name: str) -> None:
     matrix = load_matrix_text(SHIPPED[name], name)
     _check_matrix(matrix, SHIPPED_DATA[name])
-    assert any(c.skip_reason for c in matrix.cases) or name == "ci.yaml"
+    assert any(c.skip_reason for c in matrix.cases) or name in ("ci.yaml", "hybrid.yaml")  # small, targeted
 
 
 def test_python_object_tags_are_rejected_without_running(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ def test_kvprofile_runs_the_suite_from_an_empty_directory(pytester):
     assert "glm-4" not in result.stdout.str()
 
 
+@pytest.mark.slow  # collects (and classifies) every default case: a minute
 def test_kvprofile_alone_collects_the_default_matrix(pytester):
     result = pytester.runpytest("--kvprofile", "--collect-only", "-q", "-p", "no:cacheprovider")
     assert result.ret == 0

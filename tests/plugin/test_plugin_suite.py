@@ -40,7 +40,18 @@ def test_k_selects_by_check_backend_and_layout(pytester, suite_args):
     ]
 
 
-@pytest.mark.parametrize("mutant", [m.name for m in MUTANT_BACKENDS])
+def _one_per_bug_class() -> list:
+    """Every mutant; the first of each bug class in the plain run, the others in ``pytest -m slow``."""
+    seen: set[int] = set()
+    params = []
+    for m in MUTANT_BACKENDS:
+        marks = [pytest.mark.slow] if m.bug_class in seen else []
+        seen.add(m.bug_class)
+        params.append(pytest.param(m.name, marks=marks, id=m.name))
+    return params
+
+
+@pytest.mark.parametrize("mutant", _one_per_bug_class())
 def test_each_mutant_fails_with_a_message_naming_the_rule(pytester, suite_args, mutant):
     backend = next(m for m in MUTANT_BACKENDS if m.name == mutant)
     own = [c for c in CHECKS if backend.bug_class in c.bugs]

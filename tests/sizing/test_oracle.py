@@ -118,6 +118,7 @@ def _copy_cache(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst)
 
 
+@pytest.mark.slow  # compiles the oracle again (nvcc, about 10 s)
 def test_corrupted_library_is_rebuilt(oracle_cache, tmp_path, monkeypatch):
     root, lib = oracle_cache
     copy = tmp_path / "cache"
@@ -167,6 +168,7 @@ def _build_in_child(cache: str, queue) -> None:
     queue.put((str(path), len(calls)))
 
 
+@pytest.mark.slow  # compiles the oracle in several processes at once (nvcc, about 10 s)
 def test_concurrent_builds_produce_one_library(oracle_cache, tmp_path):
     cache = tmp_path / "fresh"
     ctx = mp.get_context("fork")
