@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
 EXPECTED = {
     ("overhead", "per-item wall ratio"),
@@ -20,6 +22,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # a benchmark run, however small: 15 s
 def test_smoke_run_prints_a_table_of_numbers(tmp_path: Path) -> None:
     out, js = tmp_path / "results.md", tmp_path / "results.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--json", str(js)],

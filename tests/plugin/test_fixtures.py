@@ -89,6 +89,7 @@ def _example(pytester) -> None:
     pytester.syspathinsert(EXAMPLE)
 
 
+@pytest.mark.slow  # the example's tests over every default case (the xdist run below covers it in the plain run)
 def test_the_example_backends_own_tests_pass_on_every_case(pytester):
     _example(pytester)
     result = pytester.runpytest("-p", "no:cacheprovider", "--kvprofile-matrix", CI)

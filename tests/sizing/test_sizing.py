@@ -34,9 +34,12 @@ ENVELOPES = [
 
 
 def _cases():
-    for lay in LAYOUTS:
+    """Every layout under every envelope: the plain run takes each layout under one envelope (in turn), the slow
+    run the rest."""
+    for j, lay in enumerate(LAYOUTS):
         for i, env in enumerate(ENVELOPES):
-            yield pytest.param(lay, env, id=f"{lay[0]}q{lay[1]}kv-d{lay[2]}-sm{lay[4]}-env{i}")
+            marks = () if i == j % len(ENVELOPES) else (pytest.mark.slow,)
+            yield pytest.param(lay, env, id=f"{lay[0]}q{lay[1]}kv-d{lay[2]}-sm{lay[4]}-env{i}", marks=marks)
 
 
 @pytest.mark.parametrize("layout,env", list(_cases()))
