@@ -295,36 +295,15 @@ def lifecycle_per_case(work: Path, size: int, backend_name: str) -> tuple[float,
 
 
 def lifecycle_scaling(b: Bench, sizes: tuple[int, ...], backend_name: str) -> None:
-    """Pure Python ``run_lifecycle`` + ``failing_checks`` over every runnable case, per size."""
-    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
-    from pytest_kvprofile.checks.catalog import failing_checks
-    from pytest_kvprofile.lifecycle.driver import run_lifecycle
-    from pytest_kvprofile.matrix.schema import load_matrix
-
-    backend = next(s for s in STUB_BACKENDS if s.name == backend_name)
+    """Pure Python ``run_lifecycle`` + ``failing_checks`` over every runnable case, per size (CPU time)."""
     per_case: dict[int, float] = {}
     for size in sizes:
-        cases = [c for c in load_matrix(matrixgen.write_matrix(b.work, size)).cases if c.skip_reason is None]
-        for case in cases[:3]:
-            failing_checks(run_lifecycle(backend, case))  # warm imports and first-call caches, untimed
-        life = checks = 0.0
-        failed = 0
-        for case in cases:
-            t0 = time.perf_counter()
-            result = run_lifecycle(backend, case)
-            t1 = time.perf_counter()
-            failed += bool(failing_checks(result))
-            t2 = time.perf_counter()
-            life, checks = life + t1 - t0, checks + t2 - t1
-        if failed:
-            raise RuntimeError(f"{failed} of {len(cases)} cases fail checks under {backend_name}; expected none")
-        per_case[size] = (life + checks) / len(cases)
-        b.add("scaling", f"lifecycle+checks per case, {len(cases)} cases", 1e3 * per_case[size], "ms",
-              note=f"{backend_name}; lifecycle {1e3 * life / len(cases):.2f} ms, "
-                   f"checks {1e3 * checks / len(cases):.2f} ms")
+        life, checks, n = lifecycle_per_case(b.work, size, backend_name)
+        per_case[size] = (life + checks) / n
+        b.add("scaling", f"lifecycle+checks per case, {n} cases", 1e3 * per_case[size], "ms",
+              note=f"{backend_name}, CPU; lifecycle {1e3 * life / n:.2f} ms, checks {1e3 * checks / n:.2f} ms")
         if size == sizes[-1]:
-            b.add("device", "lifecycle simulation per case", 1e3 * life / len(cases), "ms",
-                  note=f"{backend_name}, {len(cases)} cases")
+            b.add("device", "lifecycle simulation per case", 1e3 * life / n, "ms", note=f"{backend_name}, {n} cases")
     lo, hi = min(per_case), max(per_case)
     ratio = per_case[hi] / per_case[lo]
     b.add("scaling", f"lifecycle+checks time/case, ~{hi} over ~{lo} cases", ratio, "x", "<= 1.2", ratio <= 1.2)

@@ -56,6 +56,29 @@ class ArenaView:
         return self.ptr + self.nbytes
 
 
+def check_ubatch(ubatch: int, num_ubatches: int) -> None:
+    """A micro-batch index the manager has an arena for, or an IndexError saying how many it has."""
+    if not 0 <= ubatch < num_ubatches:
+        raise IndexError(f"ubatch {ubatch} out of range: the manager has {num_ubatches} micro-batch arenas")
+
+
+def checked_request(requester: str, nbytes: int, ubatch: int, num_ubatches: int, alignment: int,
+                    requesters: dict[str, int]) -> int:
+    """An arena request as any manager takes it: who asks first (the ctx way round is a clear TypeError), a micro-batch
+    it has, no negative size; the size rounded up to ``alignment`` and kept as the requester's largest."""
+    if not isinstance(requester, str) or isinstance(nbytes, str):
+        raise TypeError(
+            f"WorkspaceManager.get_workspace(requester, nbytes, ubatch) takes the requester's name first, got "
+            f"({requester!r}, {nbytes!r}, {ubatch!r}); a builder asks through its context: "
+            "ctx.get_workspace(nbytes, ubatch), which names the builder for it")
+    check_ubatch(ubatch, num_ubatches)
+    if nbytes < 0:
+        raise ValueError(f"{requester!r} asked for a negative workspace ({nbytes} bytes)")
+    nbytes = -(-nbytes // alignment) * alignment
+    requesters[requester] = max(requesters.get(requester, 0), nbytes)
+    return nbytes
+
+
 class WorkspaceManager:
     """Owns one float arena per micro-batch; grows on demand until ``lock()``."""
 
@@ -76,8 +99,7 @@ class WorkspaceManager:
         self._allocation_generation: dict[int, tuple[int, int]] = {}  # arena allocation id -> (ubatch, generation)
 
     def _check_ubatch(self, ubatch: int) -> None:
-        if not 0 <= ubatch < self.num_ubatches:
-            raise IndexError(f"ubatch {ubatch} out of range: the manager has {self.num_ubatches} micro-batch arenas")
+        check_ubatch(ubatch, self.num_ubatches)
 
     def size(self, ubatch: int = 0) -> int:
         self._check_ubatch(ubatch)
@@ -86,16 +108,7 @@ class WorkspaceManager:
 
     def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
         """Return a view of at least ``nbytes`` in ``ubatch``'s arena, growing it if unlocked."""
-        if not isinstance(requester, str) or isinstance(nbytes, str):
-            raise TypeError(
-                f"WorkspaceManager.get_workspace(requester, nbytes, ubatch) takes the requester's name first, got "
-                f"({requester!r}, {nbytes!r}, {ubatch!r}); a builder asks through its context: "
-                "ctx.get_workspace(nbytes, ubatch), which names the builder for it")
-        self._check_ubatch(ubatch)
-        if nbytes < 0:
-            raise ValueError(f"{requester!r} asked for a negative workspace ({nbytes} bytes)")
-        nbytes = -(-nbytes // self.alignment) * self.alignment
-        self.requesters[requester] = max(self.requesters.get(requester, 0), nbytes)
+        nbytes = checked_request(requester, nbytes, ubatch, self.num_ubatches, self.alignment, self.requesters)
         arena = self._arenas[ubatch]
         current = arena.nbytes if arena is not None else 0
         if nbytes > current:

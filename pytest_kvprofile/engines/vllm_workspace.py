@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, TypeVar
 
 from pytest_kvprofile.contract.roles import Role
-from pytest_kvprofile.contract.workspace import OWNER, ArenaView, WorkspaceLockedError
+from pytest_kvprofile.contract.workspace import (
+    OWNER,
+    ArenaView,
+    WorkspaceLockedError,
+    check_ubatch,
+    checked_request,
+)
 from pytest_kvprofile.lifecycle.driver import _RecordingMixin
 from pytest_kvprofile.lifecycle.record import Refusal
 
@@ -197,8 +203,7 @@ class VllmWorkspaceManager:
         return bool(self.inner.is_locked())
 
     def _check_ubatch(self, ubatch: int) -> None:
-        if not 0 <= ubatch < self.num_ubatches:
-            raise IndexError(f"ubatch {ubatch} out of range: the manager has {self.num_ubatches} micro-batch arenas")
+        check_ubatch(ubatch, self.num_ubatches)
 
     def size(self, ubatch: int = 0) -> int:
         self._check_ubatch(ubatch)
@@ -207,18 +212,9 @@ class VllmWorkspaceManager:
 
     def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0) -> ArenaView:
         """``get_simultaneous(((nbytes,), uint8))`` in ``ubatch``'s slot (lane 0): a view of at least ``nbytes``."""
-        if not isinstance(requester, str) or isinstance(nbytes, str):
-            raise TypeError(
-                f"WorkspaceManager.get_workspace(requester, nbytes, ubatch) takes the requester's name first, got "
-                f"({requester!r}, {nbytes!r}, {ubatch!r}); a builder asks through its context: "
-                "ctx.get_workspace(nbytes, ubatch), which names the builder for it")
-        self._check_ubatch(ubatch)
-        if nbytes < 0:
-            raise ValueError(f"{requester!r} asked for a negative workspace ({nbytes} bytes)")
+        nbytes = checked_request(requester, nbytes, ubatch, self.num_ubatches, self.alignment, self.requesters)
         import torch
 
-        nbytes = -(-nbytes // self.alignment) * self.alignment
-        self.requesters[requester] = max(self.requesters.get(requester, 0), nbytes)
         slot = self._slots[ubatch][0]
         if nbytes == 0 and slot.alloc is None:
             # vLLM's get_simultaneous slices its missing tensor (TypeError): nothing reserved, an empty view
