@@ -43,6 +43,7 @@ from pytest_kvprofile.contract.workspace import (
     check_ubatch,
     checked_request,
 )
+from pytest_kvprofile.engines.adapter import EngineUnavailable, import_engine
 from pytest_kvprofile.lifecycle.driver import _RecordingMixin
 from pytest_kvprofile.lifecycle.record import Refusal
 
@@ -56,7 +57,7 @@ _MISSING = object()
 DIRECT = "vllm-direct-caller"  # the requester of a vLLM call made outside any builder call
 
 
-class VllmWorkspaceUnavailable(ImportError):
+class VllmWorkspaceUnavailable(EngineUnavailable):
     """vLLM's WorkspaceManager cannot be imported; the message names the install script."""
 
 
@@ -80,35 +81,23 @@ def vllm_workspace_unavailable() -> str | None:
 def import_vllm_workspace() -> tuple[Any, Any]:
     """``(vllm.v1.worker.workspace, vllm.v1.worker.ubatching)``, imported on their own thread with the stand-in
     platform current, as ``vllm_standins.import_vllm_flashinfer`` imports vLLM (and for the same reasons)."""
-    if _WORKSPACE_MODULE in sys.modules and _UBATCHING_MODULE in sys.modules:
-        return sys.modules[_WORKSPACE_MODULE], sys.modules[_UBATCHING_MODULE]
-    outcome: list[Any] = []
-    worker = threading.Thread(target=_import, args=(outcome,), name="kvprofile-vllm-workspace-import")
-    worker.start()
-    worker.join()
-    result = outcome[0] if outcome else ImportError("the import thread died")
-    if isinstance(result, ImportError):
-        raise VllmWorkspaceUnavailable(f"vLLM's WorkspaceManager is not importable ({type(result).__name__}: "
-                                       f"{result}); install vLLM with {VLLM_INSTALL_HINT}") from result
-    if isinstance(result, BaseException):
-        raise result
+    if _WORKSPACE_MODULE not in sys.modules or _UBATCHING_MODULE not in sys.modules:
+        import_engine(_load, what="vLLM's WorkspaceManager", install_hint=VLLM_INSTALL_HINT,
+                      unavailable=VllmWorkspaceUnavailable, thread_name="kvprofile-vllm-workspace-import")
     return sys.modules[_WORKSPACE_MODULE], sys.modules[_UBATCHING_MODULE]
 
 
-def _import(outcome: list[Any]) -> None:
+def _load() -> Any:
     from pytest_kvprofile.engines.vllm_standins import (
         _standin_platform_cls,
         cuda_version,
         standin_platform,
     )
 
-    try:
-        platform = _standin_platform_cls()
-        with cuda_version(), standin_platform(platform.gpu, platform.ranks):
-            importlib.import_module(_UBATCHING_MODULE)
-            outcome.append(importlib.import_module(_WORKSPACE_MODULE))
-    except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-        outcome.append(exc)
+    platform = _standin_platform_cls()
+    with cuda_version(), standin_platform(platform.gpu, platform.ranks):
+        importlib.import_module(_UBATCHING_MODULE)
+        return importlib.import_module(_WORKSPACE_MODULE)
 
 
 class VllmWorkspaceRefusal(WorkspaceLockedError, AssertionError):
