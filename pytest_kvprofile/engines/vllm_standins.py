@@ -150,7 +150,7 @@ def no_nvidia_artifactory() -> Iterator[None]:
 
     original = fi_utils.has_nvidia_artifactory
     patches = Patches()
-    for module in _vllm_modules():
+    for module in _modules_binding_artifactory():
         if getattr(module, "has_nvidia_artifactory", None) is original:
             patches.set(module, "has_nvidia_artifactory", _offline)
     try:
@@ -221,9 +221,20 @@ def dcp_group(world_size: int) -> Iterator[None]:
 
 # -- caches and torch ------------------------------------------------------------------------------------------
 
-def _vllm_modules() -> list[Any]:
-    return [m for name, m in list(sys.modules.items())
-            if m is not None and (name == "vllm" or name.startswith("vllm."))]
+_BOUND: tuple[tuple[int, str], list[Any]] = ((0, ""), [])
+
+
+def _modules_binding_artifactory() -> list[Any]:
+    """vLLM's imported modules that bind a ``has_nvidia_artifactory``. Walking ``sys.modules`` (thousands of them
+    once vLLM is imported) costs milliseconds and every builder call needs the answer, so it is kept until a module
+    is imported or dropped (the count or the newest name changes)."""
+    global _BOUND
+    key = (len(sys.modules), next(reversed(sys.modules), ""))
+    if _BOUND[0] != key:
+        _BOUND = (key, [m for name, m in list(sys.modules.items())
+                        if m is not None and (name == "vllm" or name.startswith("vllm."))
+                        and "has_nvidia_artifactory" in getattr(m, "__dict__", {})])
+    return _BOUND[1]
 
 
 def _clear_vllm_caches() -> None:

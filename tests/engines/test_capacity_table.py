@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvprofile.engines import vllm_standins as vs
+from pytest_kvprofile.checks.base import CheckOutcome
+from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
+from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+from pytest_kvprofile.registry import builtin_backends
+from pytest_kvprofile.report.capacity import CapacityCell, capacity_cell, capacity_table
+from pytest_kvprofile.report.documents import backend_verdict
+from pytest_kvprofile.report.summary import legacy_cost_lines, legacy_costs
+from pytest_kvprofile.units import MiB
 
-try:
-    vs.import_vllm_flashinfer()
-except vs.VllmUnavailable as exc:
-    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}",
-                allow_module_level=True)
-
-from pytest_kvprofile.checks.base import CheckOutcome  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.checks.post_kv_cost import post_kv_cost  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.registry import builtin_backends  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.report.capacity import CapacityCell, capacity_cell, capacity_table  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.report.documents import backend_verdict  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.report.summary import legacy_cost_lines, legacy_costs  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.units import MiB  # noqa: E402 - after the vLLM guard
+pytestmark = pytest.mark.usefixtures("vllm_flashinfer")
 
 CASE = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.id == "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.98")
 

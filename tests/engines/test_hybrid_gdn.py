@@ -10,23 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvprofile.engines import vllm_standins as vs
+import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
+from pytest_kvprofile.contract.backends import layout_refusal
+from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.engines.vllm_gdn import gdn_groups, mamba_spec
+from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
+from pytest_kvprofile.matrix.models import kv_bytes_per_token
+from pytest_kvprofile.matrix.schema import MatrixError, load_matrix, load_matrix_text
 
-try:
-    vs.import_vllm_flashinfer()
-except vs.VllmUnavailable as exc:
-    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}",
-                allow_module_level=True)
-
-import pytest_kvprofile.lifecycle.phases as lc  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.checks.catalog import failing_checks  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.checks.post_kv_cost import post_kv_cost  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.contract.backends import layout_refusal  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.contract.support import ProfilingSupport  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.engines.vllm_gdn import gdn_groups, mamba_spec  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.matrix.models import kv_bytes_per_token  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.matrix.schema import MatrixError, load_matrix, load_matrix_text  # noqa: E402
+pytestmark = pytest.mark.usefixtures("vllm_flashinfer")
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "vllm-flashinfer-reserving"))

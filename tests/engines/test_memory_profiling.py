@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvprofile.engines import vllm_standins as vs
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS
+from pytest_kvprofile.engines.vllm_memory import NAME, VllmMemoryProfiling, non_kv_difference
+from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
-try:
-    vs.import_vllm_flashinfer()
-except vs.VllmUnavailable as exc:
-    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}",
-                allow_module_level=True)
-
-from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS  # noqa: E402
-from pytest_kvprofile.engines.vllm_memory import NAME, VllmMemoryProfiling, non_kv_difference  # noqa: E402
-from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle  # noqa: E402
-from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix  # noqa: E402
+pytestmark = pytest.mark.usefixtures("vllm_flashinfer")
 
 CI_CASES = [c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None]
 STUB = next(b for b in STUB_BACKENDS if b.name == "stub-flashinfer")

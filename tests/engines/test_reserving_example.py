@@ -9,18 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvprofile.engines import vllm_standins as vs
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.contract.backends import layout_refusal
+from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
-try:
-    vs.import_vllm_flashinfer()
-except vs.VllmUnavailable as exc:
-    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}",
-                allow_module_level=True)
-
-from pytest_kvprofile.checks.catalog import failing_checks  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.contract.backends import layout_refusal  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa: E402 - after the vLLM guard
-from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix  # noqa: E402 - after the vLLM guard
+pytestmark = pytest.mark.usefixtures("vllm_flashinfer")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "vllm-flashinfer-reserving"))
 from vllm_flashinfer_reserving import backends  # noqa: E402 - the example is not installed by the test command

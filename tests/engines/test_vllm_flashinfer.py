@@ -10,22 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.engines import vllm_config as vc
 from pytest_kvprofile.engines import vllm_standins as vs
-
-try:  # the one guard: vLLM and the dependencies its FlashInfer backend imports
-    vs.import_vllm_flashinfer()
-except vs.VllmUnavailable as exc:
-    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}",
-                allow_module_level=True)
-
-import torch  # noqa: E402
-
-from pytest_kvprofile.contract.backends import Backend  # noqa: E402
-from pytest_kvprofile.contract.roles import Role  # noqa: E402
-from pytest_kvprofile.contract.support import ProfilingSupport  # noqa: E402
-from pytest_kvprofile.engines import vllm_config as vc  # noqa: E402
-from pytest_kvprofile.engines.vllm_flashinfer import (  # noqa: E402
+from pytest_kvprofile.engines.vllm_flashinfer import (
     VLLM_BACKENDS,
     ReservingVllmBuilder,
     VllmFlashInferBuilder,
@@ -33,13 +25,15 @@ from pytest_kvprofile.engines.vllm_flashinfer import (  # noqa: E402
     map_support,
     reservation_api,
 )
-from pytest_kvprofile.lifecycle.driver import run_lifecycle  # noqa: E402
-from pytest_kvprofile.lifecycle.phases import POST_KV_PHASES, RESERVATION  # noqa: E402
-from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING  # noqa: E402
-from pytest_kvprofile.matrix.cases import Envelope, layout_case  # noqa: E402
-from pytest_kvprofile.matrix.gpus import lookup_gpu  # noqa: E402
-from pytest_kvprofile.matrix.models import ModelSpec  # noqa: E402
-from pytest_kvprofile.units import MiB  # noqa: E402
+from pytest_kvprofile.lifecycle.driver import run_lifecycle
+from pytest_kvprofile.lifecycle.phases import POST_KV_PHASES, RESERVATION
+from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING
+from pytest_kvprofile.matrix.cases import Envelope, layout_case
+from pytest_kvprofile.matrix.gpus import lookup_gpu
+from pytest_kvprofile.matrix.models import ModelSpec
+from pytest_kvprofile.units import MiB
+
+pytestmark = pytest.mark.usefixtures("vllm_flashinfer")
 
 FI_MODULE = "vllm.v1.attention.backends.flashinfer"
 SMALL = Envelope(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048, page_size=16,

@@ -7,29 +7,23 @@ across a growth), the difference is pinned here and described in docs/vllm.md.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, CheckOptions, failing_checks
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.contract.workspace import OWNER, WorkspaceLockedError
 from pytest_kvprofile.engines import vllm_workspace as vw
+from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+from pytest_kvprofile.memory.device import SimDevice
+from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+from pytest_kvprofile.registry import with_workspace_manager
+from pytest_kvprofile.units import GiB, MiB
 
-try:
-    vw.import_vllm_workspace()
-except vw.VllmWorkspaceUnavailable as exc:
-    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vw.VLLM_INSTALL_HINT}",
-                allow_module_level=True)
-
-import torch  # noqa: E402 - after the vLLM guard
-
-from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS  # noqa: E402
-from pytest_kvprofile.builtin.stubs import STUB_BACKENDS  # noqa: E402
-from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, CheckOptions, failing_checks  # noqa: E402
-from pytest_kvprofile.contract.backends import Backend  # noqa: E402
-from pytest_kvprofile.contract.roles import Role  # noqa: E402
-from pytest_kvprofile.contract.workspace import OWNER, WorkspaceLockedError  # noqa: E402
-from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle  # noqa: E402
-from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix  # noqa: E402
-from pytest_kvprofile.memory.device import SimDevice  # noqa: E402
-from pytest_kvprofile.memory.torch_mode import SimulatedCuda  # noqa: E402
-from pytest_kvprofile.registry import with_workspace_manager  # noqa: E402
-from pytest_kvprofile.units import GiB, MiB  # noqa: E402
+pytestmark = pytest.mark.usefixtures("vllm_workspace")
 
 CASE = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.id == "qwen3-8b-tp1-dcp1-mtp1-l40s-gmu0.90")
 
