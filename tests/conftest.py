@@ -1,19 +1,30 @@
-"""Project-test conftest: FlashInfer imported once, and the ``slow`` marker's hooks (``slow_sweeps.py``)."""
+"""Project-test conftest: FlashInfer and the plugin's own modules imported once, and the ``slow`` marker's hooks
+(``slow_sweeps.py``)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import pkgutil
 import warnings
 
+import pytest_kvprofile
+
+# An in-process ``pytester`` run restores ``sys.modules`` when it ends: what it imported first is unloaded there
+# and imported (and assertion-rewritten) again by the next run. Imported once for the whole session instead:
+# FlashInfer (unloaded, its CUTLASS DSL objects are garbage-collected later at random, which crashes the
+# interpreter), the plugin's lazily imported modules and Hypothesis (its pytest plugin imports it in every run's
+# summary): about half a second per in-process run.
 if importlib.util.find_spec("flashinfer") is not None:
-    # Imported once for the whole session: an in-process ``pytester`` run restores ``sys.modules`` when it
-    # ends, and a FlashInfer first imported inside one would be unloaded there, its CUTLASS DSL objects
-    # garbage-collected later at random, which crashes the interpreter.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # its CUTLASS DSL's own deprecations
         import flashinfer  # noqa: F401
+if importlib.util.find_spec("hypothesis") is not None:
+    import hypothesis  # noqa: F401
+for _module in pkgutil.walk_packages(pytest_kvprofile.__path__, "pytest_kvprofile."):
+    importlib.import_module(_module.name)  # each imports its heavy dependencies lazily (tests/acceptance)
 
-from slow_sweeps import (  # noqa: E402 - after FlashInfer's import, on purpose
+from slow_sweeps import (  # noqa: E402 - after the imports above, on purpose
     pytest_collection_modifyitems,  # noqa: F401 - a hook
     pytest_terminal_summary,  # noqa: F401 - a hook
     pytest_testnodedown,  # noqa: F401 - a hook

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
-from gpu_fakes import FakeCuda, FakeTorch
+from gpu_fakes import FakeCuda, FakeTorch, HybridCuda, HybridTorch
 
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 from pytest_kvprofile.gpu.cuda_device import CudaDevice, CudaDeviceFactory
@@ -103,6 +105,27 @@ def test_lazy_release_waits_for_empty_cache():
     assert dev.memory_reserved() == pool.reserved > 0
     dev.empty_cache()
     assert dev.memory_reserved() == 0
+
+
+def test_close_collects_garbage_only_when_a_cycle_still_holds_device_memory(monkeypatch):
+    """A tensor only a reference cycle keeps is freed by close(); a clean close skips the 0.2 s collection."""
+    collections = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or collect(*a))
+    dev = CudaDevice(0, torch_mod=HybridTorch(HybridCuda()))
+    dev.free(dev.allocate(MiB, owner="b", tag="freed"))
+    dev.close()
+    assert collections == [] and dev.memory_allocated() == 0
+    cycle: list = [dev.tensor(dev.allocate(MiB, owner="b", tag="in a cycle"))]
+    cycle.append(cycle)
+    del cycle
+    gc.disable()  # the cycle must outlive this test's own allocations until close()
+    try:
+        held = dev.memory_allocated()
+        dev.close()
+    finally:
+        gc.enable()
+    assert held > 0 and len(collections) == 1 and dev.memory_allocated() == 0
 
 
 def test_run_lifecycle_runs_unchanged_on_the_adapter():

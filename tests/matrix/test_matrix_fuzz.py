@@ -25,7 +25,9 @@ from pytest_kvprofile.matrix.schema import MatrixError, load_matrix_text, parse_
 MATRIX_DIR = Path(__import__("pytest_kvprofile").__file__).parent / "matrices"
 SHIPPED = {p.name: p.read_text(encoding="utf-8") for p in sorted(MATRIX_DIR.glob("*.yaml"))}
 SHIPPED_DATA = {name: yaml.safe_load(text) for name, text in SHIPPED.items()}
-FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+_FUZZ = {"deadline": None, "suppress_health_check": list(HealthCheck), "database": None}
+FUZZ = settings(max_examples=100, **_FUZZ)  # the plain run
+DEEP = settings(max_examples=1000, **_FUZZ)  # pytest -m slow: test_each_property_at_depth
 EXTREMES = [0, -1, 0.5, 2**53, 2**53 + 1, 2**63, 10**400, 1e308, float("inf"), float("nan")]
 TOP_KEYS = ["name", "description", "envelope", "models", "gpus", "tp", "dcp", "mtp", "gmu", "exclude", "resources"]
 
@@ -196,18 +198,18 @@ def mutated_matrix(draw: Any) -> tuple[str, Any]:
     return name, data
 
 
-@FUZZ
-@given(mutated_matrix())
-def test_mutated_shipped_matrices(named: tuple[str, Any]) -> None:
+def _mutated(named: tuple[str, Any]) -> None:
     name, data = named
     _load_data(data, f"mutant-of-{name}")
 
 
-@FUZZ
-@given(st.fixed_dictionaries({}, optional={k: values for k in TOP_KEYS}) | values)
-def test_random_documents(data: Any) -> None:
-    text = yaml.safe_dump(data, allow_unicode=True)
-    _load_text(text, "random.yaml")
+def _random(data: Any) -> None:
+    _load_text(yaml.safe_dump(data, allow_unicode=True), "random.yaml")
+
+
+random_documents = st.fixed_dictionaries({}, optional={k: values for k in TOP_KEYS}) | values
+test_mutated_shipped_matrices = FUZZ(given(mutated_matrix())(_mutated))
+test_random_documents = FUZZ(given(random_documents)(_random))
 
 
 @st.composite
@@ -225,10 +227,19 @@ def edited_text(draw: Any) -> str:
     return text
 
 
-@FUZZ
-@given(edited_text())
-def test_edited_matrix_text(text: str) -> None:
+def _edited(text: str) -> None:
     _load_text(text, "edited.yaml")
+
+
+test_edited_matrix_text = FUZZ(given(edited_text())(_edited))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "prop"), [(mutated_matrix(), _mutated), (random_documents, _random),
+                                                (edited_text(), _edited)], ids=["mutated", "random", "edited"])
+def test_each_property_at_depth(strategy: Any, prop: Any) -> None:
+    """The three properties above, ten times as many examples each."""
+    DEEP(given(strategy)(prop))()
 
 
 # -- targeted cases ------------------------------------------------------------------------------

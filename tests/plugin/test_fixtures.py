@@ -50,10 +50,11 @@ def test_my_builder(kvprofile_case, kvprofile_workspace_manager, kvprofile_run):
 
 
 def test_kvprofile_runs_the_suite_from_an_empty_directory(pytester):
-    result = pytester.runpytest("--kvprofile", "-q", "-p", "no:cacheprovider", "--kvprofile-matrix", CI, "-k", "qwen3")
+    result = pytester.runpytest("--kvprofile", "-q", "-p", "no:cacheprovider", "--kvprofile-matrix", CI,
+                                "-k", "qwen3 and l40s and gmu0.90")  # 6 of the 48 cases: every layout, one GPU
     assert result.ret == 0
     outcomes = result.parseoutcomes()
-    assert outcomes["passed"] > 900 and outcomes["deselected"] > 900 and "failed" not in outcomes
+    assert outcomes["passed"] > 200 and outcomes["deselected"] > 1800 and "failed" not in outcomes
     result.stdout.fnmatch_lines(["*kvprofile summary*", "stub-flashinfer *"])
     assert "glm-4" not in result.stdout.str()
 
