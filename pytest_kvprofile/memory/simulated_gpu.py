@@ -14,8 +14,10 @@ nvcc for a GPU.
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import importlib.util
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -48,31 +50,39 @@ def clear_flashinfer_caches() -> int:
     return cleared
 
 
-_cached_functions: tuple[int, tuple[str, ...], list[Any]] = (-1, (), [])
+_modules: tuple[tuple[int, str], list[tuple[str, Any]]] = ((-1, ""), [])
+_cached_functions: tuple[list[tuple[str, Any]] | None, list[Any]] = (None, [])
+
+
+def _flashinfer_modules() -> list[tuple[str, Any]]:
+    """The loaded ``flashinfer`` modules, by name. Walking ``sys.modules`` on every simulated phase would cost more
+    than the phase, so the list is kept until a module is imported or dropped (the count or the newest name
+    changes)."""
+    global _modules
+    key = (len(sys.modules), next(reversed(sys.modules), ""))
+    if _modules[0] != key:
+        _modules = (key, [(n, m) for n, m in list(sys.modules.items())
+                          if m is not None and (n == "flashinfer" or n.startswith("flashinfer."))])
+    return _modules[1]
 
 
 def _flashinfer_cached_functions() -> list[Any]:
-    """The memoized functions of the loaded ``flashinfer`` modules, found again only when those modules change
-    (walking every module's namespace on each simulated run would cost more than the run)."""
+    """The memoized functions of the loaded ``flashinfer`` modules, found again only when those modules change."""
     global _cached_functions
-    if len(sys.modules) == _cached_functions[0]:
-        return _cached_functions[2]
-    names = tuple(n for n, m in list(sys.modules.items())
-                  if m is not None and (n == "flashinfer" or n.startswith("flashinfer.")))
-    if names == _cached_functions[1]:
-        _cached_functions = (len(sys.modules), names, _cached_functions[2])
-        return _cached_functions[2]
+    modules = _flashinfer_modules()
+    if modules is _cached_functions[0]:
+        return _cached_functions[1]
     found: dict[int, Any] = {}
-    for name in names:
-        for value in list(vars(sys.modules[name]).values()):
+    for _name, module in modules:
+        for value in list(vars(module).values()):
             fn = value
             while fn is not None:
                 if getattr(fn, "cache_info", None) is not None and callable(getattr(fn, "cache_clear", None)):
                     found[id(fn)] = fn
                     break
                 fn = getattr(fn, "__wrapped__", None)
-    _cached_functions = (len(sys.modules), names, list(found.values()))
-    return _cached_functions[2]
+    _cached_functions = (modules, list(found.values()))
+    return _cached_functions[1]
 
 
 def _resolve(gpu: str | GpuSpec, total_memory: int | None, nontorch_bytes: int, record_stacks: bool) -> SimDevice:
@@ -128,9 +138,7 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
     if mla_loader is not None:
         originals["get_batch_mla_module"] = mla_loader
         replacements["get_batch_mla_module"] = host_plan.mla_loader(device)
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("flashinfer"):
-            continue
+    for _name, module in _flashinfer_modules():
         namespace = vars(module)
         for loader in _LOADERS:
             if loader in originals and namespace.get(loader) is originals[loader]:
@@ -159,9 +167,8 @@ def _patch_cudnn_probe(patches: _Patches) -> None:
     probe = getattr(sys.modules.get("flashinfer.cudnn.prefill"), "_cudnn_supports_paged_auto", None)
     if probe is None:
         return
-    for name, module in list(sys.modules.items()):
-        if module is not None and name.startswith("flashinfer") and vars(module).get("_cudnn_supports_paged_auto") \
-                is probe:
+    for _name, module in _flashinfer_modules():
+        if vars(module).get("_cudnn_supports_paged_auto") is probe:
             patches.set(module, "_cudnn_supports_paged_auto", _no_cudnn)
 
 
@@ -226,8 +233,8 @@ def simulated_gpu_on(device: SimDevice, gpu: str | GpuSpec | None = None, *,
     own device (``SimulatedCuda``); this adds what a real-wrapper backend needs on that same device. Enter it
     *outside* ``SimulatedCuda(device)``, which reads the compute capability on entry: a device without one
     (``(0, 0)``) takes ``gpu``'s for the block (a catalog name or :class:`GpuSpec`; Hopper's when neither
-    has one). ``flashinfer``: None patches FlashInfer when it is installed, True requires it, False leaves it
-    alone (no import).
+    has one). ``flashinfer``: None patches FlashInfer if it is imported, now or by the block's code (a block that
+    never imports it does not pay the import), True imports and patches it, False leaves it alone.
     """
     import torch.version
 
@@ -236,18 +243,82 @@ def simulated_gpu_on(device: SimDevice, gpu: str | GpuSpec | None = None, *,
         spec = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
         cc = spec.compute_capability if spec is not None and spec.compute_capability != (0, 0) else None
         patches.set(device, "compute_capability", cc or DEFAULT_COMPUTE_CAPABILITY)
-    if flashinfer is None:
-        flashinfer = importlib.util.find_spec("flashinfer") is not None
+    fi_patches = _Patches()
+    patched = False
+
+    def patch_flashinfer() -> None:
+        nonlocal patched
+        clear_flashinfer_caches()
+        _patch_flashinfer(fi_patches, device)
+        patched = True
+
+    hook: _PatchOnImport | None = None
     try:
         patches.set(torch.version, "cuda", SIMULATED_CUDA_VERSION)
-        if flashinfer:
-            clear_flashinfer_caches()
-            _patch_flashinfer(patches, device)
+        if flashinfer or (flashinfer is None and "flashinfer" in sys.modules):
+            patch_flashinfer()
+        elif flashinfer is None and importlib.util.find_spec("flashinfer") is not None:
+            hook = _PatchOnImport(patch_flashinfer)  # imported only if the block's code imports it (3 s)
         yield device
     finally:
+        if hook is not None:
+            hook.remove()
+        fi_patches.undo()
         patches.undo()
-        if flashinfer:
+        if patched:
             clear_flashinfer_caches()
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch`` right after ``flashinfer`` is first imported, until :meth:`remove`: a block whose code never
+    imports FlashInfer does not pay its import. An import finishing after ``remove`` (on another thread) patches
+    nothing."""
+
+    def __init__(self, patch: Callable[[], None]) -> None:
+        self._patch: Callable[[], None] | None = patch
+        self._lock = threading.Lock()  # a patch under way on an import thread finishes before remove() returns
+        sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        with self._lock:
+            self._patch = None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "flashinfer" or self._patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _ThenPatch(spec.loader, self)
+                return spec
+        return None
+
+    def loaded(self) -> None:
+        with self._lock:
+            patch, self._patch = self._patch, None
+            if patch is not None:
+                patch()
+
+
+class _ThenPatch(importlib.abc.Loader):
+    """``loader``, then the hook's patch once the module has run."""
+
+    def __init__(self, loader: Any, hook: _PatchOnImport) -> None:
+        self._loader, self._hook = loader, hook
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        self._hook.loaded()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
 
 
 @contextmanager
@@ -255,9 +326,9 @@ def simulated_gpu(gpu: str | GpuSpec, *, total_memory: int | None = None, nontor
                   record_stacks: bool = False, flashinfer: bool | None = None) -> Iterator[SimDevice]:
     """Torch "cuda" is a simulated ``gpu`` (catalog name or :class:`GpuSpec`) for the block; yields its device.
 
-    ``total_memory`` overrides the catalog's bytes. ``flashinfer``: None patches FlashInfer when it is
-    installed, True requires it, False leaves it alone. Everything is restored on exit, FlashInfer's
-    device caches included.
+    ``total_memory`` overrides the catalog's bytes. ``flashinfer``: None patches FlashInfer if it is imported, now
+    or by the block's code, True imports and patches it, False leaves it alone. Everything is restored on exit,
+    FlashInfer's device caches included.
     """
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 

@@ -138,3 +138,33 @@ def test_the_simulated_gpu_has_no_cudnn_runtime():
     with sg.simulated_gpu("B200"):
         assert flashinfer.prefill._cudnn_supports_paged_auto() is False
     assert flashinfer.prefill._cudnn_supports_paged_auto is original
+
+
+LAZY = """
+import sys
+from pytest_kvprofile.memory import simulated_gpu as sg
+
+with sg.simulated_gpu("B200"):
+    assert "flashinfer" not in sys.modules  # entering costs no FlashInfer import
+    import flashinfer.prefill  # the block's code imports it: patched as it arrives
+
+    assert flashinfer.prefill._cudnn_supports_paged_auto() is False
+    patched = flashinfer.prefill.get_batch_prefill_module
+assert flashinfer.prefill._cudnn_supports_paged_auto is not sg._no_cudnn
+assert flashinfer.prefill.get_batch_prefill_module is not patched  # undone on exit
+assert not any(isinstance(f, sg._PatchOnImport) for f in sys.meta_path)
+with sg.simulated_gpu("B200"):  # imported now: patched on entry
+    assert flashinfer.prefill._cudnn_supports_paged_auto() is False
+print("ok")
+"""
+
+
+def test_flashinfer_is_imported_only_by_code_that_uses_it_and_then_patched():
+    """A torch-mode block that never imports FlashInfer does not pay its import (seconds); one that does gets the
+    simulated GPU's FlashInfer all the same."""
+    pytest.importorskip("flashinfer")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
