@@ -638,7 +638,9 @@ class _Mode(TorchFunctionMode):
         registry = self.sim._registry
         if kwargs is None:
             kwargs = {}
-        if func == _DEVICE_GET:
+        if _plain(func):
+            pass
+        elif func == _DEVICE_GET:
             alloc = registry.get(_storage_ptr(args[0]))
             return _CUDA0 if alloc is not None and alloc.kind == "device" else func(*args)
         if func == _IS_CUDA_GET:
@@ -774,8 +776,35 @@ def _tensor_inputs(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
+_SPECIAL = (_DEVICE_GET, _IS_CUDA_GET, _TENSOR_CUDA, _TENSOR_TO, _TENSOR_CPU, _TENSOR_GET_DEVICE, _TENSOR_PIN,
+            _TENSOR_IS_PINNED)
+_PLAIN: dict[Any, bool] = {}  # func -> neither one of _SPECIAL nor a property getter (every torch call asks)
+_API_NAMES: dict[Any, str] = {}
+
+
+def _plain(func: Any) -> bool:
+    try:
+        return _PLAIN[func]
+    except KeyError:
+        plain = _PLAIN[func] = not any(func == f for f in _SPECIAL) and getattr(func, "__name__", None) != "__get__"
+        return plain
+    except TypeError:  # an unhashable callable
+        return False
+
+
 def _api_name(func: Any) -> str:
-    name = getattr(func, "__name__", repr(func))
+    try:
+        return _API_NAMES[func]
+    except KeyError:
+        pass
+    except TypeError:
+        return _name_of(func)
+    name = _API_NAMES[func] = _name_of(func)
+    return name
+
+
+def _name_of(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
     qualname = getattr(func, "__qualname__", name)
     if qualname.startswith(("TensorBase.", "Tensor.")):
         return "Tensor." + name
