@@ -4,7 +4,7 @@ importable vLLM those tests skip with the install command."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -12,23 +12,20 @@ from pytest_kvprofile.engines import vllm_standins as vs
 from pytest_kvprofile.engines import vllm_workspace as vw
 
 
-def _skip(exc: Exception) -> None:
-    pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}")
+def _import_or_skip(importer: Callable[[], Any], unavailable: type[Exception]) -> Any:
+    try:
+        return importer()
+    except unavailable as exc:
+        pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}")
 
 
 @pytest.fixture(scope="session")
 def vllm_flashinfer() -> Any:
     """vLLM's FlashInfer backend module, imported with its dependencies."""
-    try:
-        return vs.import_vllm_flashinfer()
-    except vs.VllmUnavailable as exc:
-        _skip(exc)
+    return _import_or_skip(vs.import_vllm_flashinfer, vs.VllmUnavailable)
 
 
 @pytest.fixture(scope="session")
 def vllm_workspace() -> Any:
     """vLLM's ``vllm.v1.worker.workspace`` module and what it needs."""
-    try:
-        return vw.import_vllm_workspace()
-    except vw.VllmWorkspaceUnavailable as exc:
-        _skip(exc)
+    return _import_or_skip(vw.import_vllm_workspace, vw.VllmWorkspaceUnavailable)
