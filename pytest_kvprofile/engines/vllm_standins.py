@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 from pytest_kvprofile.engines.adapter import EngineUnavailable, Patches, import_engine
 from pytest_kvprofile.matrix.gpus import GpuSpec
+from pytest_kvprofile.memory.simulated_gpu import loaded_modules
 
 __all__ = [
     "VLLM_INSTALL_HINT",
@@ -221,19 +222,16 @@ def dcp_group(world_size: int) -> Iterator[None]:
 
 # -- caches and torch ------------------------------------------------------------------------------------------
 
-_BOUND: tuple[tuple[int, str], list[Any]] = ((0, ""), [])
+_BOUND: tuple[list[tuple[str, Any]] | None, list[Any]] = (None, [])
 
 
 def _modules_binding_artifactory() -> list[Any]:
-    """vLLM's imported modules that bind a ``has_nvidia_artifactory``. Walking ``sys.modules`` (thousands of them
-    once vLLM is imported) costs milliseconds and every builder call needs the answer, so it is kept until a module
-    is imported or dropped (the count or the newest name changes)."""
+    """vLLM's imported modules that bind a ``has_nvidia_artifactory``, found again only when a module is imported
+    (every builder call asks)."""
     global _BOUND
-    key = (len(sys.modules), next(reversed(sys.modules), ""))
-    if _BOUND[0] != key:
-        _BOUND = (key, [m for name, m in list(sys.modules.items())
-                        if m is not None and (name == "vllm" or name.startswith("vllm."))
-                        and "has_nvidia_artifactory" in getattr(m, "__dict__", {})])
+    modules = loaded_modules("vllm")
+    if modules is not _BOUND[0]:
+        _BOUND = (modules, [m for _n, m in modules if "has_nvidia_artifactory" in getattr(m, "__dict__", {})])
     return _BOUND[1]
 
 

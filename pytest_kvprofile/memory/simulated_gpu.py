@@ -27,8 +27,8 @@ from pytest_kvprofile.memory.device import SimDevice
 from pytest_kvprofile.sizing.host_plan import SimulatedDeviceUnsupported  # the host modules raise it too
 
 __all__ = [
-    "SIMULATED_CUDA_VERSION", "SimulatedDeviceUnsupported", "clear_flashinfer_caches", "simulated_gpu",
-    "simulated_gpu_on",
+    "SIMULATED_CUDA_VERSION", "SimulatedDeviceUnsupported", "clear_flashinfer_caches", "loaded_modules",
+    "simulated_gpu", "simulated_gpu_on",
 ]
 
 SIMULATED_CUDA_VERSION = "13.0"  # what torch.version.cuda reads inside the block (FlashInfer's sm*a checks)
@@ -50,20 +50,24 @@ def clear_flashinfer_caches() -> int:
     return cleared
 
 
-_modules: tuple[tuple[int, str], list[tuple[str, Any]]] = ((-1, ""), [])
 _cached_functions: tuple[list[tuple[str, Any]] | None, list[Any]] = (None, [])
+_loaded: dict[str, tuple[tuple[int, str], list[tuple[str, Any]]]] = {}
+
+
+def loaded_modules(package: str) -> list[tuple[str, Any]]:
+    """``package``'s imported modules, by name. Walking ``sys.modules`` (thousands of entries once vLLM or FlashInfer
+    is imported) on every simulated phase or builder call would cost more than the call, so the list is kept until
+    a module is imported or dropped (the count or the newest name changes); the same list object until then."""
+    key = (len(sys.modules), next(reversed(sys.modules), ""))
+    cached = _loaded.get(package)
+    if cached is None or cached[0] != key:
+        cached = _loaded[package] = (key, [(n, m) for n, m in list(sys.modules.items())
+                                           if m is not None and (n == package or n.startswith(package + "."))])
+    return cached[1]
 
 
 def _flashinfer_modules() -> list[tuple[str, Any]]:
-    """The loaded ``flashinfer`` modules, by name. Walking ``sys.modules`` on every simulated phase would cost more
-    than the phase, so the list is kept until a module is imported or dropped (the count or the newest name
-    changes)."""
-    global _modules
-    key = (len(sys.modules), next(reversed(sys.modules), ""))
-    if _modules[0] != key:
-        _modules = (key, [(n, m) for n, m in list(sys.modules.items())
-                          if m is not None and (n == "flashinfer" or n.startswith("flashinfer."))])
-    return _modules[1]
+    return loaded_modules("flashinfer")
 
 
 def _flashinfer_cached_functions() -> list[Any]:
