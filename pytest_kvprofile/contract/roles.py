@@ -25,6 +25,8 @@ class Role(str, Enum):
 
 def as_role(value: "Role | str") -> Role:
     """A role from its member or value; anything else is a TypeError naming the allowed values."""
+    if type(value) is Role:
+        return value
     try:
         return Role(value)
     except ValueError:

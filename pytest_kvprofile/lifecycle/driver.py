@@ -190,7 +190,7 @@ class LifecycleRun:
             policy=self.policy,
         )
         self.result.arena_alignment = self.manager.alignment
-        self._unsubscribe = device.subscribe(self._on_event)
+        self._unsubscribe = device.subscribe(self._on_event, kinds=("alloc",))
 
     # -- recording ---------------------------------------------------------------------------
     def _on_event(self, event: Any) -> None:

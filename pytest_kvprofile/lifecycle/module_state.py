@@ -146,7 +146,7 @@ def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int
     for mod in modules:
         walk = _Walk(mod.__name__, memory_of, found, seen, memory)
         for name, value in list(vars(mod).items()):
-            if not name.startswith("__"):
+            if not name.startswith("__") and not _inert(value):
                 walk.visit(value, (mod.__name__, "attr", name), 0, ("attr", mod, name))
     return found
 
@@ -196,7 +196,7 @@ class _Walk:
             if key is not None:  # memory held in one more place: a fresh view clears each
                 self.found[key][1].append((slot, outer))
             return
-        if tp is types.FunctionType and not (value.__closure__ or value.__defaults__ or value.__dict__):
+        if tp is _FUNCTION and not (value.__closure__ or value.__defaults__ or value.__dict__):
             return  # most functions: nothing they hold can change
         self.seen.add(id(value))
         if tp not in _CONTAINERS:
@@ -218,6 +218,16 @@ class _Walk:
             self.visit(item, (path, kind, key), depth + 1, slot if immutable else item_slot, slot)
 
 
+_FUNCTION = types.FunctionType
+
+
+def _inert(value: Any) -> bool:
+    """What ``_Walk.visit`` returns from at once (a skipped type, a function holding nothing that can change),
+    tested before its path and slot are built: most of a module's state is this."""
+    tp = type(value)
+    return tp in _SKIP_TYPES or (tp is _FUNCTION and not (value.__closure__ or value.__defaults__ or value.__dict__))
+
+
 def _harness(value: Any) -> bool:
     """The harness's own ledger: a device (its live allocations) or the torch-mode simulation, reachable from a
     library's module while the run's simulation has patched it (FlashInfer's module loaders close over the
@@ -230,13 +240,16 @@ def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None
     cache's results: each as (label kind, key, item, the slot that holds it)."""
     if tp is dict:
         for k, v in list(value.items())[:MAX_ITEMS]:
-            yield "item", k, v, ("item", value, k)
+            if not _inert(v):
+                yield "item", k, v, ("item", value, k)
     elif tp is list or tp is set:
         for i, v in enumerate(list(value)[:MAX_ITEMS]):
-            yield "index", i, v, ("member", value, v)
+            if not _inert(v):
+                yield "index", i, v, ("member", value, v)
     elif tp in _IMMUTABLE:
         for i, v in enumerate(list(value)[:MAX_ITEMS]):
-            yield "index", i, v, None
+            if not _inert(v):
+                yield "index", i, v, None
     elif tp is types.FunctionType:
         closure = value.__closure__
         if closure:
@@ -275,6 +288,9 @@ def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None
 
 def _attributes(value: Any, attrs: Any) -> Iterator[tuple[str, Any, Any, Slot | None]]:
     for k, v in list(attrs.items())[:MAX_ITEMS]:
+        tp = type(v)  # _inert(v), inline: most of a class's attributes are its plain methods
+        if tp in _SKIP_TYPES or (tp is _FUNCTION and not (v.__closure__ or v.__defaults__ or v.__dict__)):
+            continue
         if not (type(k) is str and k.startswith("__")):
             yield "attr", k, v, ("attr", value, k)
 

@@ -289,7 +289,7 @@ def _probe_reservations(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) 
 def _allocations_of(device: Any, fn: Callable[[], object]) -> list[Any]:
     """The allocations (ledger entries) made while ``fn`` runs, in order."""
     seen: list[Any] = []
-    unsubscribe = device.subscribe(lambda e: seen.append(e.alloc) if e.kind == "alloc" else None)
+    unsubscribe = device.subscribe(lambda e: seen.append(e.alloc), kinds=("alloc",))
     try:
         fn()
     finally:
@@ -331,7 +331,7 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
     what = f"its reservation failed at allocation #{k + 1} ({site.tag!r}, {site.nbytes / MiB:.2f} MiB)"
     before = {a.id for a in dev.live_allocations()}
     ooms: list[Any] = []
-    unsubscribe = dev.subscribe(lambda e: ooms.append(e) if e.kind == "oom" else None)
+    unsubscribe = dev.subscribe(ooms.append, kinds=("oom",))
     dev.fail_after(k)
     raised: str | None = None
     try:

@@ -166,6 +166,31 @@ class _Stat:
         self.freed += amount
 
 
+def _add(stats: tuple[_Stat, _Stat, _Stat], idx: int, amount: int) -> None:
+    """``_Stat.inc`` on the all-pools entry and on pool ``idx``'s (torch counts both), in one call: it runs on every
+    malloc and free."""
+    a = stats[_ALL]
+    a.current += amount
+    a.allocated += amount
+    if a.current > a.peak:
+        a.peak = a.current
+    b = stats[idx]
+    b.current += amount
+    b.allocated += amount
+    if b.current > b.peak:
+        b.peak = b.current
+
+
+def _sub(stats: tuple[_Stat, _Stat, _Stat], idx: int, amount: int) -> None:
+    """``_Stat.dec`` on the all-pools entry and on pool ``idx``'s."""
+    a = stats[_ALL]
+    a.current -= amount
+    a.freed += amount
+    b = stats[idx]
+    b.current -= amount
+    b.freed += amount
+
+
 def _stat_array() -> tuple[_Stat, _Stat, _Stat]:
     return (_Stat(), _Stat(), _Stat())
 
@@ -389,12 +414,9 @@ class CachingAllocator:
         self.active_blocks[block.ptr] = block
         idx = _SMALL if small else _LARGE
         bsize = block.size
-        self.allocated_bytes[_ALL].inc(bsize)
-        self.allocated_bytes[idx].inc(bsize)
-        self.requested_bytes[_ALL].inc(nbytes)
-        self.requested_bytes[idx].inc(nbytes)
-        self.allocation[_ALL].inc(1)
-        self.allocation[idx].inc(1)
+        _add(self.allocated_bytes, idx, bsize)
+        _add(self.requested_bytes, idx, nbytes)
+        _add(self.allocation, idx, 1)
         pool.allocated += bsize
         if pool.allocated > pool.high_water_allocated:
             pool.high_water_allocated = pool.allocated
@@ -407,12 +429,9 @@ class CachingAllocator:
         small = segment.small
         idx = _SMALL if small else _LARGE
         bsize = block.size
-        self.allocated_bytes[_ALL].dec(bsize)
-        self.allocated_bytes[idx].dec(bsize)
-        self.requested_bytes[_ALL].dec(block.requested)
-        self.requested_bytes[idx].dec(block.requested)
-        self.allocation[_ALL].dec(1)
-        self.allocation[idx].dec(1)
+        _sub(self.allocated_bytes, idx, bsize)
+        _sub(self.requested_bytes, idx, block.requested)
+        _sub(self.allocation, idx, 1)
         pool.allocated -= bsize
         if self._oversize(bsize):
             self.oversize_allocations.dec(1)
@@ -477,15 +496,11 @@ class CachingAllocator:
     def _inactive_split(self, block: Block, sign: int) -> None:
         idx = _SMALL if block.segment.small else _LARGE
         if sign > 0:
-            self.inactive_split_bytes[_ALL].inc(block.size)
-            self.inactive_split_bytes[idx].inc(block.size)
-            self.inactive_split[_ALL].inc(1)
-            self.inactive_split[idx].inc(1)
+            _add(self.inactive_split_bytes, idx, block.size)
+            _add(self.inactive_split, idx, 1)
         else:
-            self.inactive_split_bytes[_ALL].dec(block.size)
-            self.inactive_split_bytes[idx].dec(block.size)
-            self.inactive_split[_ALL].dec(1)
-            self.inactive_split[idx].dec(1)
+            _sub(self.inactive_split_bytes, idx, block.size)
+            _sub(self.inactive_split, idx, 1)
 
     # -- segments ------------------------------------------------------------------------------------
 
@@ -501,10 +516,8 @@ class CachingAllocator:
         if pool.reserved > pool.high_water_reserved:
             pool.high_water_reserved = pool.reserved
         idx = _SMALL if small else _LARGE
-        self.reserved_bytes[_ALL].inc(size)
-        self.reserved_bytes[idx].inc(size)
-        self.segment[_ALL].inc(1)
-        self.segment[idx].inc(1)
+        _add(self.reserved_bytes, idx, size)
+        _add(self.segment, idx, 1)
         if self._oversize(size):
             self.oversize_segments.inc(1)
         self.num_device_alloc += 1
@@ -520,10 +533,8 @@ class CachingAllocator:
         del pool.segments[segment.ptr]
         pool.reserved -= segment.size
         idx = _SMALL if segment.small else _LARGE
-        self.reserved_bytes[_ALL].dec(segment.size)
-        self.reserved_bytes[idx].dec(segment.size)
-        self.segment[_ALL].dec(1)
-        self.segment[idx].dec(1)
+        _sub(self.reserved_bytes, idx, segment.size)
+        _sub(self.segment, idx, 1)
         if self._oversize(segment.size):
             self.oversize_segments.dec(1)
         self.num_device_free += 1

@@ -18,6 +18,7 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
+    Collection,
     Iterator,
     NoReturn,
 )
@@ -186,7 +187,8 @@ class EventSource:
     name: str
     _phase: str
     _seq: int
-    _subscribers: list[Callable[[DeviceEvent], None]]
+    _subscribers: list[tuple[Callable[[DeviceEvent], None], frozenset[str] | None]]
+    _wanted: frozenset[str] | None
     _fail_countdown: int | None
     _live: dict[int, Allocation]
     _next_id: int
@@ -198,6 +200,7 @@ class EventSource:
         self._next_id = 0
         self._live = {}
         self._subscribers = []
+        self._wanted = frozenset()
         self._fail_countdown = None
 
     def _figures(self) -> tuple[int, int]:
@@ -212,24 +215,41 @@ class EventSource:
         self._phase = value
         self._emit("phase", None)
 
-    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` for every event from now on; the returned function unsubscribes."""
-        self._subscribers.append(callback)
+    def subscribe(self, callback: Callable[[DeviceEvent], None],
+                  kinds: Collection[str] | None = None) -> Callable[[], None]:
+        """Call ``callback`` for every event from now on (only those of ``kinds`` when given: an event nobody
+        asked for is never built); the returned function unsubscribes."""
+        entry = (callback, None if kinds is None else frozenset(kinds))
+        self._subscribers.append(entry)
+        self._listen()
 
         def unsubscribe() -> None:
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
+            if any(e is entry for e in self._subscribers):
+                self._subscribers[:] = [e for e in self._subscribers if e is not entry]
+                self._listen()
 
         return unsubscribe
 
+    def _listen(self) -> None:
+        """The event kinds some subscriber wants (None: every kind)."""
+        wanted: set[str] = set()
+        for _callback, kinds in self._subscribers:
+            if kinds is None:
+                self._wanted = None
+                return
+            wanted |= kinds
+        self._wanted = frozenset(wanted)
+
     def _emit(self, kind: str, alloc: Allocation | None, nbytes: int = 0, pool: str = "", ptr: int = 0) -> None:
         self._seq += 1
-        if not self._subscribers:
+        wanted = self._wanted
+        if wanted is not None and kind not in wanted:
             return
         allocated, reserved = self._figures()
         event = DeviceEvent(self._seq, kind, self._phase, alloc, allocated, reserved, nbytes, pool, ptr)
-        for callback in tuple(self._subscribers):
-            callback(event)
+        for callback, kinds in tuple(self._subscribers):
+            if kinds is None or kind in kinds:
+                callback(event)
 
     def fail_after(self, n: int) -> None:
         """Fault injection: the next ``n`` calls to ``allocate`` succeed, the one after raises

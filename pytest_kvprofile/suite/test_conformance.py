@@ -17,14 +17,14 @@ from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.plugin.recorder import RECORD_KEY
-from pytest_kvprofile.plugin.session import KvprofileSession
+from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession
 from pytest_kvprofile.plugin.timeouts import call_with_timeout
 
 
 def _make_test(check: Check) -> Callable[..., None]:
-    def test(kvprofile_pair: tuple[Backend, Case], kvprofile_session: KvprofileSession,
-             request: pytest.FixtureRequest) -> None:
+    def test(kvprofile_pair: tuple[Backend, Case], request: pytest.FixtureRequest) -> None:
         backend, case = kvprofile_pair
+        kvprofile_session = request.config.stash[SESSION_KEY]  # not a fixture: one lookup less per item
         record = CheckOutcome(check=check.name, backend=backend.name, case=case.id)
         try:
             result, violations = call_with_timeout(

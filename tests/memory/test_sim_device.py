@@ -143,6 +143,30 @@ def test_events(dev: SimDevice) -> None:
     assert len(seen) == 6
 
 
+def test_events_of_the_kinds_asked_for_keep_the_sequence_numbers(dev: SimDevice) -> None:
+    """A subscriber that asks for some kinds gets only those, numbered as if it had every event (the numbers count
+    every event, asked for or not); the others are not built while nobody asks for them."""
+    every: list[DeviceEvent] = []
+    allocs: list[DeviceEvent] = []
+    stop_allocs = dev.subscribe(allocs.append, kinds=("alloc",))
+    a = dev.allocate(5 * MiB, owner="t")
+    dev.free(a)
+    stop_every = dev.subscribe(every.append)
+    b = dev.allocate(5 * MiB, owner="t")  # from the cached segment
+    dev.free(b)
+    assert [e.kind for e in allocs] == ["alloc", "alloc"]
+    assert [e.alloc for e in allocs] == [a, b]
+    assert [e.kind for e in every] == ["alloc", "free"]
+    assert allocs[1].seq == every[0].seq == allocs[0].seq + 2  # alloc, free (not asked for), alloc
+    stop_every()
+    stop_every()  # twice: a no-op
+    dev.phase = "later"
+    dev.allocate(1, owner="t")
+    stop_allocs()
+    dev.allocate(1, owner="t")
+    assert len(every) == 2 and len(allocs) == 3
+
+
 def test_graph_pool_stays_reserved_until_released(dev: SimDevice) -> None:
     dev.allocate(3 * MiB, owner="model")
     base_reserved = dev.memory_reserved()
