@@ -638,32 +638,31 @@ class _Mode(TorchFunctionMode):
         registry = self.sim._registry
         if kwargs is None:
             kwargs = {}
-        if _plain(func):
-            pass
-        elif func == _DEVICE_GET:
-            alloc = registry.get(_storage_ptr(args[0]))
-            return _CUDA0 if alloc is not None and alloc.kind == "device" else func(*args)
-        if func == _IS_CUDA_GET:
-            alloc = registry.get(_storage_ptr(args[0]))
-            return alloc is not None and alloc.kind == "device"
-        if getattr(func, "__name__", None) == "__get__":
-            return func(*args, **kwargs)
-        if func == _TENSOR_CUDA:
-            return self._to_cuda(args[0], "Tensor.cuda")
-        if func == _TENSOR_TO:
-            return self._tensor_to(func, args, kwargs)
-        if func == _TENSOR_CPU:
-            return self._to_cpu(func(*args, **kwargs))
-        if func == _TENSOR_GET_DEVICE:
-            alloc = registry.get(_storage_ptr(args[0]))
-            return 0 if alloc is not None and alloc.kind == "device" else func(*args, **kwargs)
-        if func == _TENSOR_PIN:
-            out = args[0].clone()
-            self.sim._record(out, "Tensor.pin_memory", pinned=True)
-            return out
-        if func == _TENSOR_IS_PINNED:
-            alloc = registry.get(_storage_ptr(args[0]))
-            return alloc is not None and alloc.kind == "pinned_host"
+        if not _plain(func):  # one of _SPECIAL, a property getter or an unhashable callable: most calls are not
+            if func == _DEVICE_GET:
+                alloc = registry.get(_storage_ptr(args[0]))
+                return _CUDA0 if alloc is not None and alloc.kind == "device" else func(*args)
+            if func == _IS_CUDA_GET:
+                alloc = registry.get(_storage_ptr(args[0]))
+                return alloc is not None and alloc.kind == "device"
+            if getattr(func, "__name__", None) == "__get__":
+                return func(*args, **kwargs)
+            if func == _TENSOR_CUDA:
+                return self._to_cuda(args[0], "Tensor.cuda")
+            if func == _TENSOR_TO:
+                return self._tensor_to(func, args, kwargs)
+            if func == _TENSOR_CPU:
+                return self._to_cpu(func(*args, **kwargs))
+            if func == _TENSOR_GET_DEVICE:
+                alloc = registry.get(_storage_ptr(args[0]))
+                return 0 if alloc is not None and alloc.kind == "device" else func(*args, **kwargs)
+            if func == _TENSOR_PIN:
+                out = args[0].clone()
+                self.sim._record(out, "Tensor.pin_memory", pinned=True)
+                return out
+            if func == _TENSOR_IS_PINNED:
+                alloc = registry.get(_storage_ptr(args[0]))
+                return alloc is not None and alloc.kind == "pinned_host"
 
         pinned = bool(kwargs.get("pin_memory"))
         if pinned:
