@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -514,13 +515,13 @@ MODES: dict[str, dict] = {
     "full": {"overhead": [("default subset (1 model)", 1, 2), ("default matrix", None, 1)],
              "parallel": ("default subset (1 model)", "default matrix"), "collect": (100, 1000, 10000),
              "lifecycle": (100, 1000, 10000), "oracle": True, "tensors": (3000, 5), "timeout": 420,
-             "collect_budget": 60, "host_plan": 2.0},
+             "collect_budget": 60, "host_plan": 2.0, "instructions": (40, 80)},
     "quick": {"overhead": [("default subset (1 model)", 1, 2)], "parallel": ("default subset (1 model)",),
               "collect": (100, 1000, 3000), "lifecycle": (100, 300, 1000), "oracle": True, "tensors": (2000, 3),
-              "timeout": 300, "collect_budget": 60, "host_plan": 1.0},
+              "timeout": 300, "collect_budget": 60, "host_plan": 1.0, "instructions": (40, 80)},
     "smoke": {"overhead": [("synthetic 16 cases", "synthetic-16", 1)], "parallel": (), "collect": (8, 16),
               "lifecycle": (8, 16), "oracle": False, "tensors": (200, 2), "timeout": 60, "collect_budget": 30,
-              "host_plan": 0},
+              "host_plan": 0, "instructions": (8, 16)},
 }
 
 
@@ -548,8 +549,41 @@ def _lifecycle_in(tree: Path | None, work: Path, size: int, backend: str) -> tup
     return data["life"], data["checks"], data["cases"]
 
 
+def _instructions_in(tree: Path | None, work: Path, size: int, backend: str) -> tuple[int, int]:
+    """(instructions, cases) of ``lifecycle_per_case`` under callgrind: a count, not a time, so a shared machine's
+    load does not move it (the interpreter's start-up and imports are in it; ``before_after`` subtracts them)."""
+    env = {"PYTHONPATH": str(tree if tree is not None else HERE.parent)}
+    out = work / f"callgrind.{os.getpid()}.{size}.{'before' if tree is not None else 'after'}"
+    proc = run_proc(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", PY, str(Path(__file__).resolve()),
+                     "--lifecycle-probe", str(size), "--backend", backend], work, env=env, timeout=3600)
+    out.unlink(missing_ok=True)
+    _require(proc, f"lifecycle probe under callgrind in {tree or 'this checkout'}")
+    count = re.search(r"Collected : (\d+)", proc.out)
+    if count is None:
+        raise RuntimeError(f"callgrind printed no instruction count:\n{proc.out[-2000:]}")
+    data = json.loads([ln for ln in proc.out.splitlines() if ln.startswith("{")][-1])
+    return int(count.group(1)), data["cases"]
+
+
+def instructions_per_case(b: Bench, trees: dict[str, Path | None], sizes: tuple[int, int], backend: str) -> None:
+    """Instructions per case of lifecycle+checks, before and after: the difference between two matrix sizes over
+    the difference in cases (start-up and imports cancel). Needs valgrind; skipped, and said so, without it."""
+    if shutil.which("valgrind") is None:
+        b.add("before/after", "lifecycle+checks instructions per case", None, "M", note="valgrind not installed")
+        return
+    per: dict[str, float] = {}
+    for label, where in trees.items():
+        (small, n_small), (large, n_large) = (_instructions_in(where, b.work, size, backend) for size in sizes)
+        per[label] = (large - small) / (n_large - n_small) / 1e6
+        b.add("before/after", f"lifecycle+checks instructions per case, {label}", per[label], "M",
+              note=f"{backend}; callgrind, ({n_large} - {n_small} cases)")
+    before, after = per.values()
+    b.add("before/after", "lifecycle+checks instructions per case, after / before", after / before, "x",
+          note="the load-free measure of the per-case change")
+
+
 def before_after(b: Bench, ref: str, subset: Path, lifecycle_size: int, collect_size: int, backend: str,
-                 repeats: int, timeout: float) -> None:
+                 repeats: int, timeout: float, instruction_sizes: tuple[int, int]) -> None:
     """The same measurements on ``ref`` (before) and on this checkout (after), alternated in one run: the per-item
     CPU and wall ratio against bare pytest on the default subset, lifecycle+checks CPU per case, and the collection
     of a synthetic matrix (CPU, peak RSS)."""
@@ -578,6 +612,7 @@ def before_after(b: Bench, ref: str, subset: Path, lifecycle_size: int, collect_
             b.add("before/after", f"lifecycle+checks CPU per case, {n} cases, {label}", per, "ms", "<= 3",
                   per <= 3 if label == "after" else None,
                   f"{backend}; lifecycle {1e3 * life / n:.2f} ms, checks {1e3 * checks / n:.2f} ms")
+        instructions_per_case(b, trees, instruction_sizes, backend)
         path = matrixgen.write_matrix(b.work, collect_size)
         for label, where in trees.items():
             env = {"PYTHONPATH": str(where if where is not None else HERE.parent)}
@@ -656,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             print(f"[0/6] before ({args.baseline}) and after, side by side", flush=True)
             before_after(b, args.baseline, matrixgen.subset_matrix(b.work, 1), cfg["lifecycle"][-1],
-                         cfg["collect"][-1], args.backend, 2 if mode != "smoke" else 1, cfg["timeout"])
+                         cfg["collect"][-1], args.backend, 2 if mode != "smoke" else 1, cfg["timeout"],
+                         cfg["instructions"])
         if not args.only_baseline:
             sections(b, cfg, args.backend)
     elapsed = time.perf_counter() - start

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,25 @@ def test_smoke_run_prints_a_table_of_numbers(tmp_path: Path) -> None:
     assert "## Machine" in md and "cores:" in md and "python:" in md and "torch:" in md
     assert "flashinfer-python:" in md and "date (UTC):" in md
     assert md.count("\n| ") == len(rows) + 1
+
+
+@pytest.mark.slow  # two trees, each through the suite, the lifecycle probe and (with valgrind) callgrind: ~2 min
+def test_baseline_rows_put_before_and_after_side_by_side(tmp_path: Path) -> None:
+    """``--baseline REF``: every before/after measurement once per tree, and the instruction counts (a count, not a
+    time) with their ratio, or a row saying valgrind is missing."""
+    js = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--baseline", "HEAD", "--only-baseline",
+                           "--out", str(tmp_path / "results.md"), "--json", str(js)],
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [r for r in json.loads(js.read_text())["rows"] if r["section"] == "before/after"]
+    for metric in ("per-item CPU ratio", "lifecycle+checks CPU per case", "collection of"):
+        labels = [r["metric"].rsplit(", ", 1)[1] for r in rows if r["metric"].startswith(metric)]
+        assert labels == ["before (HEAD)", "after"], (metric, labels)
+    counts = [r for r in rows if r["metric"].startswith("lifecycle+checks instructions per case")]
+    if shutil.which("valgrind") is None:
+        assert [r["note"] for r in counts] == ["valgrind not installed"]
+    else:
+        assert [r["metric"].rsplit(", ", 1)[1] for r in counts] == ["before (HEAD)", "after", "after / before"]
+        assert all(r["value"] > 0 for r in counts)
+        assert 0.9 < counts[2]["value"] < 1.1  # the same tree twice: the count barely moves
