@@ -8,6 +8,9 @@ asserted), because the machines this runs on are shared and absolute seconds mea
     python benchmarks/run.py --smoke    # tiny sizes, no oracle build (seconds); for the smoke test
     python benchmarks/run.py --quick --baseline REF   # also "before" (git REF) and "after" side by side
 
+With ``--baseline`` and valgrind installed, the lifecycle+checks cost per case is also counted in instructions
+(callgrind), before and after: a count a shared machine's load does not move.
+
 The table is printed at the end and written to ``benchmarks/results.md`` (``--out``), with the
 machine and the date; ``--json`` also writes the rows as JSON.
 """
