@@ -500,10 +500,14 @@ def table(rows: list[Row]) -> list[str]:
     return [fmt.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt.format(*x) for x in body)]
 
 
-def write_markdown(path: Path, mode: str, rows: list[Row], info: dict[str, str], elapsed: float) -> None:
+def write_markdown(path: Path, mode: str, rows: list[Row], info: dict[str, str], elapsed: float,
+                   baseline: str | None = None) -> None:
+    command = f"python benchmarks/run.py{'' if mode == 'full' else ' --' + mode}"
+    if baseline:
+        command += f" --baseline {baseline}"
     lines = [
         "# pytest-kvprofile benchmarks", "",
-        (f"`python benchmarks/run.py{'' if mode == 'full' else ' --' + mode}` ({mode} mode, {elapsed:.0f} s). "
+        (f"`{command}` ({mode} mode, {elapsed:.0f} s). "
          "Ratios are taken side by side in the same run; absolute times are for reference only."), "",
         "## Machine", "",
         *(f"- {k}: {v}" for k, v in info.items()), "",
@@ -704,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(lines))
     print(f"\n{mode} run took {elapsed:.0f} s; " + ", ".join(f"{k} {v}" for k, v in info.items()))
-    write_markdown(out, mode, b.rows, info, elapsed)
+    write_markdown(out, mode, b.rows, info, elapsed, args.baseline)
     if args.json:
         args.json.write_text(json.dumps({"mode": mode, "elapsed_s": elapsed, "machine": info,
                                          "rows": [asdict(r) for r in b.rows]}, indent=1), encoding="utf-8")
