@@ -188,16 +188,14 @@ class _Walk:
     memory: dict[int, int]  # id of a value holding memory -> id of its allocation
 
     def visit(self, value: Any, path: _Path | str, depth: int, slot: Slot | None, outer: Slot | None = None) -> None:
-        tp = type(value)
-        if tp in _SKIP_TYPES:
+        if _inert(value):
             return
         if id(value) in self.seen:
             key = self.memory.get(id(value))
             if key is not None:  # memory held in one more place: a fresh view clears each
                 self.found[key][1].append((slot, outer))
             return
-        if tp is _FUNCTION and not (value.__closure__ or value.__defaults__ or value.__dict__):
-            return  # most functions: nothing they hold can change
+        tp = type(value)
         self.seen.add(id(value))
         if tp not in _CONTAINERS:
             if isinstance(value, _SKIP) or _harness(value):
@@ -218,14 +216,13 @@ class _Walk:
             self.visit(item, (path, kind, key), depth + 1, slot if immutable else item_slot, slot)
 
 
-_FUNCTION = types.FunctionType
-
-
 def _inert(value: Any) -> bool:
-    """What ``_Walk.visit`` returns from at once (a skipped type, a function holding nothing that can change),
-    tested before its path and slot are built: most of a module's state is this."""
+    """What the walk never looks into: a skipped type, or a function holding nothing that can change (most
+    functions). Tested before a value's path and slot are built: most of a module's state is this."""
     tp = type(value)
-    return tp in _SKIP_TYPES or (tp is _FUNCTION and not (value.__closure__ or value.__defaults__ or value.__dict__))
+    if tp is types.FunctionType:
+        return not (value.__closure__ or value.__defaults__ or value.__dict__)
+    return tp in _SKIP_TYPES
 
 
 def _harness(value: Any) -> bool:
@@ -288,10 +285,7 @@ def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None
 
 def _attributes(value: Any, attrs: Any) -> Iterator[tuple[str, Any, Any, Slot | None]]:
     for k, v in list(attrs.items())[:MAX_ITEMS]:
-        tp = type(v)  # _inert(v), inline: most of a class's attributes are its plain methods
-        if tp in _SKIP_TYPES or (tp is _FUNCTION and not (v.__closure__ or v.__defaults__ or v.__dict__)):
-            continue
-        if not (type(k) is str and k.startswith("__")):
+        if not (type(k) is str and k.startswith("__")) and not _inert(v):
             yield "attr", k, v, ("attr", value, k)
 
 
