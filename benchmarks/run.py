@@ -514,7 +514,12 @@ def write_markdown(path: Path, mode: str, rows: list[Row], info: dict[str, str],
         "## Results", "",
         *table(rows), "",
     ]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    kept = old[old.index(DERIVED):] if DERIVED in old else ""  # written by hand from several runs: kept
+    path.write_text("\n".join(lines) + ("\n" + kept if kept else ""), encoding="utf-8")
+
+
+DERIVED = "## Derived"
 
 
 MODES: dict[str, dict] = {
