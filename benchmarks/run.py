@@ -500,6 +500,9 @@ def table(rows: list[Row]) -> list[str]:
     return [fmt.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt.format(*x) for x in body)]
 
 
+DERIVED = "## Derived"  # results.md's hand-written section (figures from several runs): a re-run keeps it
+
+
 def write_markdown(path: Path, mode: str, rows: list[Row], info: dict[str, str], elapsed: float,
                    baseline: str | None = None) -> None:
     command = f"python benchmarks/run.py{'' if mode == 'full' else ' --' + mode}"
@@ -515,11 +518,8 @@ def write_markdown(path: Path, mode: str, rows: list[Row], info: dict[str, str],
         *table(rows), "",
     ]
     old = path.read_text(encoding="utf-8") if path.exists() else ""
-    kept = old[old.index(DERIVED):] if DERIVED in old else ""  # written by hand from several runs: kept
+    kept = old[old.index(DERIVED):] if DERIVED in old else ""
     path.write_text("\n".join(lines) + ("\n" + kept if kept else ""), encoding="utf-8")
-
-
-DERIVED = "## Derived"
 
 
 MODES: dict[str, dict] = {

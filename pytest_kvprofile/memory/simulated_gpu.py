@@ -66,14 +66,10 @@ def loaded_modules(package: str) -> list[tuple[str, Any]]:
     return cached[1]
 
 
-def _flashinfer_modules() -> list[tuple[str, Any]]:
-    return loaded_modules("flashinfer")
-
-
 def _flashinfer_cached_functions() -> list[Any]:
     """The memoized functions of the loaded ``flashinfer`` modules, found again only when those modules change."""
     global _cached_functions
-    modules = _flashinfer_modules()
+    modules = loaded_modules("flashinfer")
     if modules is _cached_functions[0]:
         return _cached_functions[1]
     found: dict[int, Any] = {}
@@ -142,7 +138,7 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
     if mla_loader is not None:
         originals["get_batch_mla_module"] = mla_loader
         replacements["get_batch_mla_module"] = host_plan.mla_loader(device)
-    for _name, module in _flashinfer_modules():
+    for _name, module in loaded_modules("flashinfer"):
         namespace = vars(module)
         for loader in _LOADERS:
             if loader in originals and namespace.get(loader) is originals[loader]:
@@ -171,7 +167,7 @@ def _patch_cudnn_probe(patches: _Patches) -> None:
     probe = getattr(sys.modules.get("flashinfer.cudnn.prefill"), "_cudnn_supports_paged_auto", None)
     if probe is None:
         return
-    for _name, module in _flashinfer_modules():
+    for _name, module in loaded_modules("flashinfer"):
         if vars(module).get("_cudnn_supports_paged_auto") is probe:
             patches.set(module, "_cudnn_supports_paged_auto", _no_cudnn)
 

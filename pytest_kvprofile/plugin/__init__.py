@@ -322,15 +322,6 @@ def _is_suite_item(item: pytest.Item) -> bool:
     return any(f in fixtures for f in ("kvprofile_pair", "kvprofile_impossible_case", "kvprofile_refused_pair"))
 
 
-@pytest.fixture(scope="session")
-def kvprofile_session(request: pytest.FixtureRequest) -> KvprofileSession:
-    """The plugin's session state: matrices, backends and the lifecycle-result cache."""
-    session = _session(request.config)
-    if session is None:
-        pytest.fail("pytest-kvprofile is not configured", pytrace=False)
-    return session
-
-
 @pytest.fixture
 def kvprofile_impossible_case(request: pytest.FixtureRequest) -> Any:
     return request.param

@@ -24,12 +24,12 @@ from pytest_kvprofile.plugin.timeouts import call_with_timeout
 def _make_test(check: Check) -> Callable[..., None]:
     def test(kvprofile_pair: tuple[Backend, Case], request: pytest.FixtureRequest) -> None:
         backend, case = kvprofile_pair
-        kvprofile_session = request.config.stash[SESSION_KEY]  # not a fixture: one lookup less per item
+        session: KvprofileSession = request.config.stash[SESSION_KEY]  # not a fixture: one lookup less per item
         record = CheckOutcome(check=check.name, backend=backend.name, case=case.id)
         try:
             result, violations = call_with_timeout(
-                kvprofile_session.settings.timeout, f"{backend.name} / {check.name} / {case.id}",
-                _run, kvprofile_session, backend, case, check,
+                session.settings.timeout, f"{backend.name} / {check.name} / {case.id}",
+                _run, session, backend, case, check,
             )
             record = dataclasses.replace(record, details=check.details(result))
             if violations:
