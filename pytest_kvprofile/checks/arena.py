@@ -13,7 +13,7 @@ from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import size_text
 
 
 def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -46,7 +46,7 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
 
 
 def _fmt_arena(arena: tuple[ArenaView, ...]) -> str:
-    return ", ".join(f"ubatch {v.ubatch}: ptr {v.ptr:#x} size {v.nbytes / MiB:.2f} MiB" for v in arena) or "none"
+    return ", ".join(f"ubatch {v.ubatch}: ptr {v.ptr:#x} size {size_text(v.nbytes)}" for v in arena) or "none"
 
 
 def _fmt_int(w: BoundWorkspace) -> str:
@@ -109,7 +109,7 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
                 where = f"inside ubatch {other[0]}'s arena" if other else "outside its arena"
                 out.append(
                     f"phase {rec.name!r}: {bound.owner}'s {bound.workspace.role} for ubatch {ub} points {where} "
-                    f"(ptr {ptr:#x}, {nbytes / MiB:.2f} MiB)"
+                    f"(ptr {ptr:#x}, {size_text(nbytes)})"
                 )
         if out:
             break

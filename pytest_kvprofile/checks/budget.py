@@ -12,7 +12,7 @@ from pytest_kvprofile.checks.evidence import (
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.memory.budget import Budget, tokens_for
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import MiB, bytes_text, size_text
 
 
 def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -28,7 +28,7 @@ def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> 
         tokens = tokens_for(max(overrun, 0), budget.kv_bytes_per_token)
         head = (
             f"after KV sizing the device peaked at {result.post_kv_peak_used / MiB:.1f} MiB, "
-            f"{max(overrun, 0) / MiB:.2f} MiB ({max(overrun, 0)} bytes) over total x gmu = {budget.limit / MiB:.1f} MiB"
+            f"{bytes_text(max(overrun, 0))} over total x gmu = {budget.limit / MiB:.1f} MiB"
         )
         if oom:
             head += f"; out of memory: {oom[0].message}"
@@ -54,7 +54,7 @@ def _cached_left_behind(result: LifecycleResult, names: set[str]) -> str:
     for ptr, size in sorted(result.post_kv_peak_cached, key=lambda b: (-b[1], b[0])):
         users = [a for a in freed if a.ptr < ptr + size and ptr < a.ptr + a.size]
         if users:
-            parts.append(f"{size / MiB:.2f} MiB cached after " + grouped(result, users))
+            parts.append(f"{size_text(size)} cached after " + grouped(result, users))
     return "; ".join(parts)
 
 
@@ -64,9 +64,9 @@ def check_graph_pool_full_high_water(result: LifecycleResult, options: CheckOpti
     if budget.graph_pool_estimate < result.graph_pool_high_water:
         missing = result.graph_pool_high_water - budget.graph_pool_estimate
         return [
-            f"the CUDA-graph pool was estimated at {budget.graph_pool_estimate / MiB:.2f} MiB but its high-water mark "
-            f"is {result.graph_pool_high_water / MiB:.2f} MiB ({result.graph_pool_retained / MiB:.2f} MiB retained): "
-            f"{missing / MiB:.2f} MiB of live reserved pages omitted (gross - retained accounting)"
+            f"the CUDA-graph pool was estimated at {size_text(budget.graph_pool_estimate)} but its high-water mark "
+            f"is {size_text(result.graph_pool_high_water)} ({size_text(result.graph_pool_retained)} retained): "
+            f"{size_text(missing)} of live reserved pages omitted (gross - retained accounting)"
         ]
     return []
 

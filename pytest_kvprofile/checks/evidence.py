@@ -6,12 +6,12 @@ from typing import Any, Callable
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.lifecycle.record import LifecycleResult
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import bytes_text, size_text
 
 
 def fmt_alloc(a: Any) -> str:
     where = f" at {a.stack}" if getattr(a, "stack", None) else ""
-    return f"{a.owner}: {a.tag!r} {a.nbytes / MiB:.2f} MiB ({a.nbytes} bytes) in phase {a.phase!r}{where}"
+    return f"{a.owner}: {a.tag!r} {bytes_text(a.nbytes)} in phase {a.phase!r}{where}"
 
 
 def builder_names(result: LifecycleResult) -> set[str]:
@@ -74,9 +74,9 @@ def grouped(result: LifecycleResult, allocs: list[Any], first: Callable[[Any], b
 
     parts = []
     for (owner, tag, nbytes, method, phase, stack), members in sorted(groups.items(), key=order):
-        times = f" x {len(members)} = {nbytes * len(members) / MiB:.2f} MiB" if len(members) > 1 else ""
+        times = f" x {len(members)} = {size_text(nbytes * len(members))}" if len(members) > 1 else ""
         where = f" at {stack}" if stack else ""
-        parts.append(f"{owner}: {tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){times} from {method}() in phase "
+        parts.append(f"{owner}: {tag!r} {bytes_text(nbytes)}{times} from {method}() in phase "
                      f"{phase!r}{where}")
     return "; ".join(parts)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult, MemoryUse
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import bytes_text
 
 
 def describe_use(use: MemoryUse) -> str:
@@ -22,7 +22,7 @@ def describe_use(use: MemoryUse) -> str:
     times = f" ({use.count} times)" if use.count > 1 else ""
     building = f" building micro-batch {use.for_ubatch}" if use.for_ubatch is not None else ""
     return (f"{use.owner} {use.method or '-'}(){building} in phase {use.phase!r} used {use.what}, "
-            f"{use.nbytes / MiB:.2f} MiB ({use.nbytes} bytes){via}{where}{times}")
+            f"{bytes_text(use.nbytes)}{via}{where}{times}")
 
 
 def check_no_use_after_free(result: LifecycleResult, options: CheckOptions) -> list[str]:

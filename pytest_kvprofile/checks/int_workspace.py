@@ -18,7 +18,7 @@ from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.memory.device import Allocation
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import bytes_text, size_text
 
 # Phases at whose end the serving wrappers exist and plan: from the rebind after KV sizing to the end. (Between
 # the lease release and the rebind a builder may legally hold wrappers it has dropped the int workspaces of.)
@@ -74,12 +74,12 @@ def _sizes(result: LifecycleResult, name: str, decl: WorkspaceDeclaration, need:
     if short:
         out.append(
             f"builder {name!r} keeps int workspaces smaller than FlashInfer's planner writes for one wrapper's plan "
-            f"({need / MiB:.2f} MiB, {need} bytes: pytest_kvprofile.sizing.for_case(case).int_bytes): "
+            f"({size_text(need)}, {need} bytes: pytest_kvprofile.sizing.for_case(case).int_bytes): "
             f"{grouped(result, short)}; plan() overflows them. Give each wrapper at least that many bytes")
     under = [a for a in kept if a.nbytes < decl.int_bytes]
     if under:
         out.append(
-            f"builder {name!r} declares {decl.int_bytes / MiB:.2f} MiB ({decl.int_bytes} bytes) of int workspace "
+            f"builder {name!r} declares {bytes_text(decl.int_bytes)} of int workspace "
             f"per wrapper but allocates less: {grouped(result, under)}; allocate what you declare (or declare what "
             "your wrappers really get)")
     return out

@@ -15,8 +15,7 @@ from pytest_kvprofile.checks.evidence import (
     live_device_bytes,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
-from pytest_kvprofile.memory.device import Allocation
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import bytes_text
 
 
 def check_persistent_memory_visible_at_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -37,18 +36,16 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
                     and (a.freed_phase is None or lc.PHASE_ORDER.index(a.freed_phase) > lc.PHASE_ORDER.index(phase))
                 ]
                 released = lease_released_sites(result, owner)
-
-                def not_released(a: Allocation, r: set[tuple[str, str, int]] = released) -> bool:
-                    return (a.owner, a.tag, a.nbytes) not in r
-
-                detail = grouped(
-                    result, late, first=not_released,
-                ) or "(memory re-used from earlier phases)"
+                new = [a for a in late if (a.owner, a.tag, a.nbytes) not in released]
+                remade = [a for a in late if (a.owner, a.tag, a.nbytes) in released]
+                made = grouped(result, new) or "nothing new: the memory is re-used from earlier phases"
+                context = (f". Context, re-created after the lease released them: {grouped(result, remade)}"
+                           if remade else "")
                 out.append(
-                    f"persistent_memory_visible_at_closing: builder {owner!r} holds {live / MiB:.2f} MiB after KV "
-                    f"sizing (phase {phase!r}) but held only {held / MiB:.2f} MiB at the closing measurement: "
-                    f"{(live - held) / MiB:.2f} MiB invisible to KV sizing. Alive and allocated after KV sizing "
-                    f"(new allocations first, then re-creations of what the lease released): {detail}"
+                    f"persistent_memory_visible_at_closing: case {result.case.id}: builder {owner!r}: "
+                    f"{bytes_text(live - held)} invisible to KV sizing (held {bytes_text(held)} at the closing "
+                    f"measurement, {bytes_text(live)} in phase {phase!r}). Made after KV sizing and still alive: "
+                    f"{made}{context}"
                 )
                 break
     return out
@@ -101,11 +98,10 @@ def check_lease_released_before_graph_profiling(result: LifecycleResult, options
                 continue
             kept_bytes, remade_bytes = sum(a.nbytes for a in kept), sum(a.nbytes for a in remade)
             out.append(
-                f"lease_released_before_graph_profiling: builder {rec.owner!r} still holds {kept_bytes / MiB:.2f} MiB "
-                f"({kept_bytes} bytes) of its leased memory in phase {phase!r} and has made {remade_bytes / MiB:.2f} "
-                f"MiB ({remade_bytes} bytes) again since the lease release: it holds {live / MiB:.2f} MiB ({live} "
-                f"bytes) where the engine counted {counted / MiB:.2f} MiB ({counted} bytes) at the closing "
-                f"measurement, {(live - counted) / MiB:.2f} MiB counted twice. Free what the lease held when it is "
+                f"lease_released_before_graph_profiling: builder {rec.owner!r} still holds {bytes_text(kept_bytes)} "
+                f"of its leased memory in phase {phase!r} and has made {bytes_text(remade_bytes)} again since the "
+                f"lease release: it holds {bytes_text(live)} where the engine counted {bytes_text(counted)} at the "
+                f"closing measurement, {bytes_text(live - counted)} counted twice. Free what the lease held when it is "
                 f"released, or reuse it instead of making it again. Kept: {grouped(result, kept)}. Made again: "
                 f"{grouped(result, remade)}"
             )

@@ -17,7 +17,7 @@ import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.memory.budget import tokens_for
 from pytest_kvprofile.memory.device import Allocation
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import MiB, size_text
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,11 @@ class PostKvCost:
                 "overrun_kv_tokens": self.overrun_kv_tokens, "sources": [s.as_dict() for s in self.sources]}
 
     def describe(self, limit: int = 4) -> str:
-        head = (f"{self.nbytes / MiB:.2f} MiB appear after KV sizing on {self.case} ({self.kv_tokens} KV tokens an "
+        head = (f"{size_text(self.nbytes)} appear after KV sizing on {self.case} ({self.kv_tokens} KV tokens an "
                 f"opted-in backend would reserve)")
         if self.overrun_bytes:
-            head += f"; the device peaks {self.overrun_bytes / MiB:.2f} MiB over total x gmu"
-        parts = [f"{s.owner}: {s.nbytes / MiB:.2f} MiB in {s.count} allocation(s) at {s.source}"
+            head += f"; the device peaks {size_text(self.overrun_bytes)} over total x gmu"
+        parts = [f"{s.owner}: {size_text(s.nbytes)} in {s.count} allocation(s) at {s.source}"
                  for s in self.sources[:limit]]
         more = len(self.sources) - limit
         if more > 0:

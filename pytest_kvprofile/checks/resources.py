@@ -11,7 +11,7 @@ from pytest_kvprofile.checks.evidence import (
     live_device_bytes,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import bytes_text
 
 
 def _has_capacity_resource(case: Any, parts: list[Any]) -> bool:
@@ -33,8 +33,8 @@ def check_resource_capacity_honoured(result: LifecycleResult, options: CheckOpti
             if live > capacity:
                 mine = [a for a in result.allocations if a.owner == part.name and a.kind == "device"]
                 out.append(
-                    f"resource {part.name!r} declared an exact capacity of {capacity / MiB:.2f} MiB ({capacity} bytes) "
-                    f"but holds {live / MiB:.2f} MiB ({live} bytes) in phase {rec.name!r}: {grouped(result, mine)}. "
+                    f"resource {part.name!r} declared an exact capacity of {bytes_text(capacity)} "
+                    f"but holds {bytes_text(live)} in phase {rec.name!r}: {grouped(result, mine)}. "
                     "Declare the capacity it really holds, or allocate within it"
                 )
                 break

@@ -12,7 +12,7 @@ from pytest_kvprofile.checks.evidence import (
 )
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import bytes_text, size_text
 
 
 def check_support_declaration(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -39,7 +39,7 @@ def check_support_declaration(result: LifecycleResult, options: CheckOptions) ->
         if kept:
             out.append(
                 f"builder {name!r} declares NEUTRAL (it reserves nothing of its own) but keeps "
-                f"{sum(a.nbytes for a in kept) / MiB:.2f} MiB of its own device memory: {grouped(result, kept)}. "
+                f"{size_text(sum(a.nbytes for a in kept))} of its own device memory: {grouped(result, kept)}. "
                 "Declare REQUIRED and reserve it inside the profiling window, or plan into arena views"
             )
     return out
@@ -63,7 +63,7 @@ def check_legacy_path_unchanged(result: LifecycleResult, options: CheckOptions) 
     if kept:
         total = sum(a.nbytes for a in kept)
         out.append(
-            f"builders on the legacy path kept {total / MiB:.2f} MiB ({total} bytes) from the profiling window, "
+            f"builders on the legacy path kept {bytes_text(total)} from the profiling window, "
             f"which changes legacy KV sizing: {grouped(result, kept)}. Free what the window made before it closes, "
             "or declare REQUIRED and reserve it under a lease"
         )

@@ -10,7 +10,7 @@ from pytest_kvprofile.checks.evidence import (
     grouped,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import bytes_text
 
 
 def check_profile_replayed_after_warmup(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -21,7 +21,7 @@ def check_profile_replayed_after_warmup(result: LifecycleResult, options: CheckO
     if warmed and result.phase(lc.PROFILE_REPLAY) is None:
         total = sum(a.nbytes for a in warmed)
         return [
-            (f"warmup inside the window made {total / MiB:.2f} MiB ({total} bytes) persistent but the profile was not "
+            (f"warmup inside the window made {bytes_text(total)} persistent but the profile was not "
             "replayed, so the closing measurement never saw the persistent baseline and the activation peak together: "
             f"{grouped(result, warmed)}. Replay the profile run after an in-window warmup")
         ]

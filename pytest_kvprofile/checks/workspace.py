@@ -31,7 +31,7 @@ from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.memory.budget import tokens_for
 from pytest_kvprofile.memory.device import Allocation
 from pytest_kvprofile.sizing.case import for_case, need_for_routes, routes
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import MiB, bytes_text, size_text
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def check_workspace_covers_planner(result: LifecycleResult, options: CheckOption
         limit = options.max_waste.limit_bytes(cost.kv_bytes_per_token, cost.kv_pool_bytes)
         if limit is not None and cost.nbytes > limit:
             out.append(f"{describe_waste(result, cost)}: over the waste budget of {options.max_waste.describe()}, "
-                       f"{limit / MiB:.2f} MiB ({limit} bytes) on this case; size the workspace from "
+                       f"{bytes_text(limit)} on this case; size the workspace from "
                        "`kvprofile size` for the routes the builder plans, or raise the budget")
     return out
 
@@ -214,10 +214,10 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     declared_short = bool(views) and declared < arena_need
     if declared_short:
         out.append(
-            f"builder {name!r} declares {declared / MiB:.2f} MiB ({declared} bytes) of float workspace but FlashInfer "
-            f"{need.flashinfer_version}'s planner carves {arena_need / MiB:.2f} MiB ({need.method}) on "
+            f"builder {name!r} declares {bytes_text(declared)} of float workspace but FlashInfer "
+            f"{need.flashinfer_version}'s planner carves {size_text(arena_need)} ({need.method}) on "
             f"{case.gpu.num_sm} SMs for routes {_routes_text(subs)} (worst batch {fmt_batch(need.worst_batch)}): "
-            f"short by {(arena_need - declared) / MiB:.2f} MiB (Buffer overflow ... Increase the workspace "
+            f"short by {size_text((arena_need - declared))} (Buffer overflow ... Increase the workspace "
             "buffer size); declare what `kvprofile size` says for those routes")
     by_route: dict[str | None, ViewGrant] = {}
     for g in views:
@@ -236,10 +236,10 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
         via = f"{g.method}()" if g.method else "a call"
         what = f"route {route!r}" if route else "every route of the case (the views name none)"
         out.append(
-            f"builder {name!r} plans {what} into arena views of at most {g.nbytes / MiB:.2f} MiB ({g.nbytes} bytes, "
+            f"builder {name!r} plans {what} into arena views of at most {size_text(g.nbytes)} ({g.nbytes} bytes, "
             f"from {via} in phase {g.phase!r}, ubatch {g.ubatch}) but FlashInfer {need.flashinfer_version}'s planner "
-            f"carves {route_need / MiB:.2f} MiB for {', '.join(subs)}: "
-            f"short by {(route_need - g.nbytes) / MiB:.2f} MiB "
+            f"carves {size_text(route_need)} for {', '.join(subs)}: "
+            f"short by {size_text((route_need - g.nbytes))} "
             "(Buffer overflow ... Increase the workspace buffer size)")
     return out
 
@@ -262,10 +262,10 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
                 if alloc else "memory outside the simulated device")
         route_need, subs = needs[route]
         out.append(
-            f"builder {name!r}: its {route} wrappers plan() into {nbytes / MiB:.2f} MiB ({nbytes} bytes) of float "
+            f"builder {name!r}: its {route} wrappers plan() into {bytes_text(nbytes)} of float "
             f"workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, but FlashInfer "
-            f"{need.flashinfer_version}'s planner carves {route_need / MiB:.2f} MiB for the worst batch of "
-            f"{', '.join(subs)}: short by {(route_need - nbytes) / MiB:.2f} MiB (Buffer overflow ... Increase the "
+            f"{need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
+            f"{', '.join(subs)}: short by {size_text((route_need - nbytes))} (Buffer overflow ... Increase the "
             "workspace buffer size)")
     return out
 
@@ -279,21 +279,21 @@ def describe_waste(result: LifecycleResult, cost: CaseWaste) -> str:
         bits = []
         if b.float_waste:
             view = b.largest_view
-            via = (f"; largest view {view.nbytes / MiB:.2f} MiB ({view.nbytes} bytes) from "
+            via = (f"; largest view {bytes_text(view.nbytes)} from "
                    f"{view.method or 'a call'}() in phase {view.phase!r}" if view else "")
             bits.append(
-                f"float workspace {(b.arena_bytes + b.private_bytes) / MiB:.2f} MiB over {b.ubatches} micro-batch(es) "
-                f"(arena {b.arena_bytes / MiB:.2f} MiB: declared {b.declared_bytes / MiB:.2f} MiB per micro-batch"
-                f"{via}; own buffers {b.private_bytes / MiB:.2f} MiB) where routes "
-                f"{_routes_text(b.sized)} need {b.need_per_ubatch / MiB:.2f} MiB per micro-batch: "
-                f"{b.float_waste / MiB:.2f} MiB ({b.float_waste} bytes) beyond the need"
+                f"float workspace {size_text((b.arena_bytes + b.private_bytes))} over {b.ubatches} micro-batch(es) "
+                f"(arena {size_text(b.arena_bytes)}: declared {size_text(b.declared_bytes)} per micro-batch"
+                f"{via}; own buffers {size_text(b.private_bytes)}) where routes "
+                f"{_routes_text(b.sized)} need {size_text(b.need_per_ubatch)} per micro-batch: "
+                f"{bytes_text(b.float_waste)} beyond the need"
                 + (f" [own buffers: {grouped(result, list(b.private))}]" if b.private else ""))
         if b.unused_trtllm:
             bits.append(f"a trtllm-gen workspace no route uses (every route plans natively: {', '.join(b.native)}): "
                         f"{grouped(result, list(b.unused_trtllm))}")
         parts.append(f"builder {b.builder!r}: " + "; ".join(bits))
     pool = f", {100 * cost.nbytes / cost.kv_pool_bytes:.2f}% of the KV pool" if cost.kv_pool_bytes else ""
-    return (f"{cost.nbytes / MiB:.2f} MiB ({cost.nbytes} bytes) of workspace wasted on {cost.case}, "
+    return (f"{bytes_text(cost.nbytes)} of workspace wasted on {cost.case}, "
             f"{cost.kv_tokens} KV tokens per rank{pool}: " + "; ".join(parts))
 
 

@@ -30,7 +30,7 @@ from pytest_kvprofile.lifecycle.driver import LifecycleRun, make_device
 from pytest_kvprofile.lifecycle.record import ProbeTarget
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.device import DeviceOutOfMemory
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import bytes_text, size_text
 
 
 class _Stop(Exception):
@@ -155,7 +155,7 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
     if leaked:
         out.append(
             f"builder {name!r}: a warmup {where} that failed at its allocation #{k + 1} leaked "
-            + "; ".join(f"{a.tag!r} {a.nbytes / MiB:.2f} MiB" for a in leaked[:4])
+            + "; ".join(f"{a.tag!r} {size_text(a.nbytes)}" for a in leaked[:4])
         )
     try:
         _warmup(run, b)
@@ -310,9 +310,9 @@ def _first_error_wins(exc: BaseException) -> bool:
 def _fmt_held(held: Held) -> str:
     parts = []
     for (tag, nbytes, stack), n in sorted(held.items(), key=lambda kv: (-kv[0][1] * kv[1], kv[0])):
-        times = f" x {n} = {nbytes * n / MiB:.2f} MiB" if n > 1 else ""
+        times = f" x {n} = {size_text(nbytes * n)}" if n > 1 else ""
         where = f" at {stack}" if stack else ""
-        parts.append(f"{tag!r} {nbytes / MiB:.2f} MiB ({nbytes} bytes){times}{where}")
+        parts.append(f"{tag!r} {bytes_text(nbytes)}{times}{where}")
     return "; ".join(parts)
 
 
@@ -328,7 +328,7 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
     ``look_wide`` False: a clean reservation from the same fresh view left nothing in process-wide state, so none of
     what this one leaves is exempt as such (and the module walk is skipped)."""
     b, dev = run.builders[index], run.device
-    what = f"its reservation failed at allocation #{k + 1} ({site.tag!r}, {site.nbytes / MiB:.2f} MiB)"
+    what = f"its reservation failed at allocation #{k + 1} ({site.tag!r}, {size_text(site.nbytes)})"
     before = {a.id for a in dev.live_allocations()}
     ooms: list[Any] = []
     unsubscribe = dev.subscribe(ooms.append, kinds=("oom",))
@@ -360,7 +360,7 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
         gc.collect()
         leaked = _held(dev, name, before, frozenset(process_wide))
     if leaked:
-        out.append(f"builder {name!r}: {what}, and {_total(leaked) / MiB:.2f} MiB ({_total(leaked)} bytes) of what it "
+        out.append(f"builder {name!r}: {what}, and {bytes_text(_total(leaked))} of what it "
                    f"made stays allocated: {_fmt_held(leaked)}. A reservation that fails leaks nothing: free (or drop) "
                    "what it made before raising")
     if not retry:
@@ -384,7 +384,7 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
             parts.append("extra " + _fmt_held(got - expected))
         if expected - got:
             parts.append("missing " + _fmt_held(expected - got))
-        out.append(f"builder {name!r}: after {what}, a second reservation holds {_total(got) / MiB:.2f} MiB "
-                   f"({_total(got)} bytes) against {_total(expected) / MiB:.2f} MiB ({_total(expected)} bytes) of a "
+        out.append(f"builder {name!r}: after {what}, a second reservation holds {bytes_text(_total(got))} "
+                   f"against {bytes_text(_total(expected))} of a "
                    f"clean one ({'; '.join(parts)}): it must hold exactly what a clean reservation holds")
     return out

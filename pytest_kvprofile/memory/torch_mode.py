@@ -638,7 +638,10 @@ class _Mode(TorchFunctionMode):
         registry = self.sim._registry
         if kwargs is None:
             kwargs = {}
-        if not _plain(func):  # one of _SPECIAL, a property getter or an unhashable callable: most calls are not
+        kind = _kind(func)
+        if kind == _METADATA_CALL:  # reads what a tensor is, not its bytes: never a use, even of freed memory
+            return func(*args, **kwargs)
+        if kind == _SPECIAL_CALL:  # one of _SPECIAL, a property getter or an unhashable callable: most calls are not
             if func == _DEVICE_GET:
                 alloc = registry.get(_storage_ptr(args[0]))
                 return _CUDA0 if alloc is not None and alloc.kind == "device" else func(*args)
@@ -777,18 +780,31 @@ def _tensor_inputs(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
 
 _SPECIAL = (_DEVICE_GET, _IS_CUDA_GET, _TENSOR_CUDA, _TENSOR_TO, _TENSOR_CPU, _TENSOR_GET_DEVICE, _TENSOR_PIN,
             _TENSOR_IS_PINNED)
-_PLAIN: dict[Any, bool] = {}  # func -> neither one of _SPECIAL nor a property getter (every torch call asks)
+_METADATA = (torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride, torch.Tensor.numel,
+             torch.Tensor.nelement, torch.Tensor.element_size, torch.Tensor.storage_offset, torch.Tensor.dim,
+             torch.Tensor.ndimension, torch.Tensor.untyped_storage, torch.Tensor.is_contiguous, torch.Tensor.__len__)
+"""Calls that read a tensor's metadata (its pointer, shape, strides, element size, storage) and none of its bytes:
+comparing ``data_ptr()`` of a stale view with a new one is how real code tells a moved arena (vLLM's pull request
+does in its wrapper reset), so none of these is a use of the memory, freed or not."""
+_PLAIN_CALL, _SPECIAL_CALL, _METADATA_CALL = 0, 1, 2
+_KINDS: dict[Any, int] = {}  # func -> its kind (every torch call asks)
 _API_NAMES: dict[Any, str] = {}
 
 
-def _plain(func: Any) -> bool:
+def _kind(func: Any) -> int:
     try:
-        return _PLAIN[func]
+        return _KINDS[func]
     except KeyError:
-        plain = _PLAIN[func] = not any(func == f for f in _SPECIAL) and getattr(func, "__name__", None) != "__get__"
-        return plain
+        if any(func == f for f in _METADATA):
+            kind = _METADATA_CALL
+        elif any(func == f for f in _SPECIAL) or getattr(func, "__name__", None) == "__get__":
+            kind = _SPECIAL_CALL
+        else:
+            kind = _PLAIN_CALL
+        _KINDS[func] = kind
+        return kind
     except TypeError:  # an unhashable callable
-        return False
+        return _SPECIAL_CALL
 
 
 def _api_name(func: Any) -> str:

@@ -41,10 +41,30 @@ class Recorder:
 _XDIST_HEADER = re.compile(r"^\[gw\d+\] \S+ -- Python ")
 
 
+MESSAGE_CHARS = 4000  # what a record keeps of a failure's text
+LINE_CHARS = 1500  # what it keeps of one line of it
+
+
 def _short_message(report: pytest.TestReport) -> str:
+    """The failure's assertion lines, cut from the end so that every kept line keeps its head: the rule, the case
+    and the amount lead each check's message, and they are what a reviewer reads first."""
     text = getattr(report, "longreprtext", "") or str(report.longrepr)
     lines = [ln for ln in text.splitlines() if ln.strip() and not _XDIST_HEADER.match(ln)]
     kept = [ln[2:] if ln.startswith("E ") else ln for ln in lines if ln.startswith("E ") or not ln.startswith(" ")]
-    return "\n".join(kept or lines)[-4000:]
+    return cut_keeping_heads(kept or lines, MESSAGE_CHARS, LINE_CHARS)
 
 
+def cut_keeping_heads(lines: list[str], total: int, per_line: int) -> str:
+    """``lines`` joined, each cut to ``per_line`` characters and the whole to ``total``, always at the end, saying
+    how much was cut."""
+    out: list[str] = []
+    size = 0
+    for i, line in enumerate(lines):
+        if len(line) > per_line:
+            line = f"{line[:per_line]} [... {len(line) - per_line:,} characters cut]"
+        if out and size + len(line) + 1 > total:
+            out.append(f"[... {len(lines) - i} more line(s) cut]")
+            break
+        out.append(line[:total])
+        size += len(line) + 1
+    return "\n".join(out)

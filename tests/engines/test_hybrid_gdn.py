@@ -74,7 +74,7 @@ def test_the_suite_finds_that_vllms_gdn_builder_is_not_neutral():
         assert "support_declaration" in failing
         message = " ".join(failing["support_declaration"])
         assert "'vllm-gdn' declares NEUTRAL" in message and "gdn_attn.py" in message
-        assert "builder 'vllm-gdn' holds" in " ".join(failing["persistent_memory_visible_at_closing"])
+        assert "builder 'vllm-gdn': " in " ".join(failing["persistent_memory_visible_at_closing"])
         cost = post_kv_cost(result)
         assert cost is not None
         assert sum(s.nbytes for s in cost.sources if s.owner == "vllm-gdn") == sum(a.nbytes for a in kept) == 44592

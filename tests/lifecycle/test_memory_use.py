@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pytest_kvprofile import Backend, WorkspaceManager, run_lifecycle
-from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, TorchStaleArenaViewBuilder
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS, FlashInferLikeBuilder
 from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, failing_checks
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
@@ -224,3 +224,45 @@ def test_the_verdict_is_the_same_for_a_case_run_alone(case):
     probes._reservation_simulated.cache_clear()
     alone = failing_checks(run_lifecycle(backend, case))
     assert after_twin == alone and RESERVATION in alone
+
+
+class ComparesStaleViewPointers(TorchStaleArenaViewBuilder):
+    """Legal (issue 32): keeps its first views across the growth, reads only their metadata (the pull request's
+    wrapper reset compares ``data_ptr()``), and writes into a fresh view."""
+
+    name = "compares-stale-pointers"
+
+    def _plan(self, ctx: BuilderContext, w: Any) -> None:
+        stale = w.view.tensor
+        fresh = ctx.get_workspace(self.float_bytes(), w.ubatch).tensor
+        moved = (stale.data_ptr() != fresh.data_ptr() or stale.shape != fresh.shape or stale.stride() != fresh.stride()
+                 or stale.numel() != fresh.numel() or stale.element_size() != 1 or stale.storage_offset() < 0
+                 or stale.dtype != fresh.dtype or stale.device != fresh.device
+                 or stale.untyped_storage().nbytes() < stale.numel())
+        w.int_workspace[:64].copy_(torch_arange(64))
+        fresh[:64].zero_()
+        self.moved = getattr(self, "moved", False) or moved
+
+
+class ReadsStaleViewBytes(ComparesStaleViewPointers):
+    """Its twin: reads the stale view's bytes (a sum) after comparing the pointers: a use after free."""
+
+    name = "reads-stale-bytes"
+
+    def _plan(self, ctx: BuilderContext, w: Any) -> None:
+        super()._plan(ctx, w)
+        w.view.tensor[:64].sum()
+
+
+def torch_arange(n: int) -> Any:
+    import torch
+
+    return torch.arange(n, dtype=torch.uint8)
+
+
+def test_reading_a_stale_views_metadata_is_not_a_use_and_reading_its_bytes_is(case):
+    legal = run(ComparesStaleViewPointers, case)
+    assert any(v.generation == 2 for p in legal.phases for v in p.arena)  # the arena grew under the kept views
+    assert violations(legal, USE_AFTER_FREE) == []
+    found = violations(run(ReadsStaleViewBytes, case), USE_AFTER_FREE)
+    assert found and any("via Tensor.sum" in v for v in found), found
