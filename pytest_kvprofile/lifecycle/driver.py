@@ -365,13 +365,16 @@ class LifecycleRun:
             self._fail(f"engine ({owner}: {tag})", exc)
 
     def _serve_step(self, batch: Batch) -> None:
+        """One serving step as a runner takes it: the attention metadata is built first, then the forward runs.
+
+        So what ``build()`` allocates and frees before it returns never coexists with the step's activations: it
+        is transient, within the headroom the closing measurement kept for the profiled activation peak (vLLM's
+        ``non_kv = consumed + transient peak``); what it keeps stays alive through the forward."""
+        for b in self.builders:
+            for ub in range(self.manager.num_ubatches):
+                self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
         act = self._alloc_engine(self._activation_bytes(batch.num_tokens), "model", "activations")
-        try:
-            for b in self.builders:
-                for ub in range(self.manager.num_ubatches):
-                    self._call(b, "build", self.ctx(b), _with_ubatch(batch, ub))
-        finally:
-            self.device.free(act)
+        self.device.free(act)
 
     # -- the phases --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -540,7 +543,9 @@ class LifecycleRun:
         if self.result.errors or self.result.path != PROFILING or not isinstance(self.device, SimDevice) or not any(
                 id(h.alloc) in mine and h.alloc.owner in parts for h in self.result.module_held):
             return
-        second = _SecondEngineRun(self.result.probe, self.result.probe.device_factory(self.case)).run()
+        # a fresh process makes its engine config anew: the second engine gets an equal Case, not the same object
+        target = dataclasses.replace(self.result.probe, case=dataclasses.replace(self.case))
+        second = _SecondEngineRun(target, target.device_factory(target.case)).run()
         close_parts(second)
         made = {id(a) for a in second.allocations}
         names = set(second.builder_names())
@@ -679,7 +684,8 @@ class LifecycleRun:
 
         if profiling:
             self._enter(LEASE_RELEASE)
-            for rec in self.result.leases:
+            # the engine's release, then its ``finally`` releasing again: release must be idempotent
+            for rec in [*self.result.leases, *self.result.leases]:
                 try:
                     with self._as_part(rec.owner, "lease.release"):
                         rec.lease.release()

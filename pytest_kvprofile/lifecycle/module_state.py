@@ -225,11 +225,20 @@ def _inert(value: Any) -> bool:
     return tp in _SKIP_TYPES
 
 
+_HARNESS_MODULES = frozenset({
+    "pytest_kvprofile.memory.torch_mode",  # the simulation
+    "pytest_kvprofile.lifecycle.record",  # a run's record: LifecycleResult and its phase records
+    "pytest_kvprofile.lifecycle.driver",  # a run in progress
+    "pytest_kvprofile.plugin.session",  # the session's cache of records
+})
+
+
 def _harness(value: Any) -> bool:
-    """The harness's own ledger: a device (its live allocations) or the torch-mode simulation, reachable from a
-    library's module while the run's simulation has patched it (FlashInfer's module loaders close over the
-    simulated device). What it holds is every allocation of the run, not process-wide state of the backend."""
-    return isinstance(value, EventSource) or type(value).__module__ == "pytest_kvprofile.memory.torch_mode"
+    """The harness's own ledger: a device (its live allocations), the torch-mode simulation, or a run's record,
+    reachable from a library's module while the run's simulation has patched it (FlashInfer's module loaders close
+    over the simulated device) or from the module a test keeps its results in. What it holds is every allocation
+    of a run, not process-wide state of the backend; putting it back to a fresh process's would erase the record."""
+    return isinstance(value, EventSource) or type(value).__module__ in _HARNESS_MODULES
 
 
 def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None]]:

@@ -76,6 +76,13 @@ def _legacy_reason(declared: dict[str, str]) -> str | None:
     return None
 
 
+def waste_budget(budget: Any) -> dict | None:
+    """The run's waste budget as the verdict records it (None: waste is reported, never refused)."""
+    if budget is None:
+        return None
+    return {"amount": budget.amount, "unit": budget.unit, "text": budget.describe()}
+
+
 def verdict_document(session: Any) -> dict:
     """Per backend: declared support, results per check x case, coverage of its matrix, and whether it may opt in.
 
@@ -90,6 +97,7 @@ def verdict_document(session: Any) -> dict:
         "hardware": session.hardware,
         "matrix_digest": session.matrix_digest(),
         "matrices": [m.path for m in session.matrices],
+        "waste_budget": waste_budget(session.settings.max_waste),
         "backends": [],
     }
     by_backend: dict[str, list[CheckOutcome]] = defaultdict(list)
@@ -194,6 +202,15 @@ def merge_verdicts(docs: dict[str, dict]) -> dict:
     """
     if not docs:
         raise MergeError("no verdicts to merge")
+    for name, doc in docs.items():
+        if "results" in doc and "summary" in doc and "partial" not in doc:  # what json_document writes
+            raise MergeError(f"{name} is a --kvprofile-json report, not a verdict: merge the files that "
+                             "--kvprofile-verdict writes")
+    budgets = {name: _budget_key(doc) for name, doc in docs.items()}
+    if len(set(budgets.values())) > 1:
+        raise MergeError("the verdicts were judged under different waste budgets (--kvprofile-max-waste): "
+                         + ", ".join(f"{n}: {_budget_text(d)}" for n, d in docs.items())
+                         + "; run them again with one budget")
     for key in ("schema", "matrix_digest"):
         values = {name: doc.get(key) for name, doc in docs.items()}
         if len(set(map(str, values.values()))) > 1:
@@ -220,12 +237,23 @@ def merge_verdicts(docs: dict[str, dict]) -> dict:
         "hardware": [d.get("hardware") for d in docs.values() if d.get("hardware")] or None,
         "matrix_digest": first.get("matrix_digest"),
         "matrices": first.get("matrices"),
+        "waste_budget": first.get("waste_budget"),
         "merge": {"sources": [{"path": name, "tier": d.get("tier"), "partial": d.get("partial"),
                                "versions": d.get("versions"), "hardware": d.get("hardware")}
                               for name, d in docs.items()]},
         "backends": backends,
         "partial": any(b["partial"] for b in backends),
     }
+
+
+def _budget_key(doc: dict) -> str:
+    budget = doc.get("waste_budget")
+    return "none" if not budget else f"{budget.get('amount')} {budget.get('unit')}"
+
+
+def _budget_text(doc: dict) -> str:
+    budget = doc.get("waste_budget")
+    return "no budget" if not budget else str(budget.get("text") or _budget_key(doc))
 
 
 def _merge_backend(found: list[tuple[str, dict]]) -> dict:

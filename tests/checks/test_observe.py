@@ -147,7 +147,8 @@ def _session(declared: dict[str, str]) -> Any:
     backend = Backend(name="b", make_builders=lambda case: [])
     record = CheckOutcome("support_declaration", "b", "c", outcome="passed", nodeid="x")
     return SimpleNamespace(
-        tier="cpu", hardware=None, matrix_digest=lambda: "d", matrices=[], records=[record], backends=[backend],
+        tier="cpu", hardware=None, settings=SimpleNamespace(max_waste=None), matrix_digest=lambda: "d",
+        matrices=[], records=[record], backends=[backend],
         profiles={"b": SimpleNamespace(declared_support=declared)},
         planned=lambda backend: {"c": ["support_declaration"]}, refused_pairs=list,
     )

@@ -319,3 +319,49 @@ def test_a_second_engine_that_fails_on_the_state_the_first_left_fails_the_case(f
         message = _failing(backend, case)["no_state_outlives_case"][0]
         assert "second engine" in message and "already made" in message, message
     _ONE_PER_PROCESS.clear()
+
+
+AUTHOR_SCRIPT = """
+from pytest_kvprofile import Backend, run_lifecycle
+from pytest_kvprofile.builtin.stubs import TorchFlashInferLikeBuilder
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+
+
+class AuthorBuilder(TorchFlashInferLikeBuilder):
+    name = "author"
+
+    def build(self, ctx, batch):
+        import torch
+
+        scratch = torch.empty(1 << 21, dtype=torch.uint8, device="cuda")
+        scratch.zero_()
+        super().build(ctx, batch)
+
+
+cases = {c.id: c for c in load_matrix(packaged_matrix("ci")).cases}
+for cid in ("qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90", "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.98"):
+    result = run_lifecycle(Backend(name="author", make_builders=lambda c: [AuthorBuilder(c)], torch_mode=True),
+                           cases[cid])
+    made = len(result.allocations)
+    print(cid, sorted(failing_checks(result)), made, len(result.allocations))
+"""
+
+
+def test_a_script_that_keeps_run_records_in_its_globals_keeps_them_whole(tmp_path):
+    """A backend author's script defines its builder and keeps the result it ran in a global, beside the builder's
+    class: the fresh view of process-wide state that a later run (and its probes) makes puts the backend's state
+    back, never the records (they list every allocation, and erasing them refused a correct builder)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "author.py"
+    script.write_text(AUTHOR_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=True).stdout
+    lines = out.splitlines()
+    assert len(lines) == 2, out
+    for line in lines:
+        cid, rest = line.split(" ", 1)
+        assert rest.startswith("[] "), line
+        made, kept = rest[3:].split()
+        assert made == kept, line

@@ -171,3 +171,23 @@ def test_a_verdict_without_its_planned_matrix_cannot_be_merged():
     del old["backends"][0]["planned"]
     with pytest.raises(MergeError, match=r"backend 'b' in OLD does not say which cases its matrix has"):
         merge_verdicts({"NEW": _doc(), "OLD": old})
+
+
+def test_the_verdict_records_its_waste_budget_and_merge_refuses_different_ones():
+    """Issue 37, point 10: waste is refused only above a budget, so verdicts judged under two budgets disagree."""
+    a, b, none = _doc(), _doc(case="c2"), _doc(case="c2")
+    a["waste_budget"] = {"amount": 64.0, "unit": "MiB", "text": "64 MiB (--kvprofile-max-waste)"}
+    b["waste_budget"] = {"amount": 1000.0, "unit": "tok", "text": "1000 KV tokens per rank (--kvprofile-max-waste)"}
+    with pytest.raises(MergeError, match=r"different waste budgets.*A: 64 MiB.*B: 1000 KV tokens"):
+        merge_verdicts({"A": a, "B": b})
+    with pytest.raises(MergeError, match=r"A: 64 MiB.*C: no budget"):
+        merge_verdicts({"A": a, "C": none})
+    same = dict(b, waste_budget=a["waste_budget"])
+    assert merge_verdicts({"A": a, "B": same})["waste_budget"] == a["waste_budget"]
+
+
+def test_merging_a_json_report_says_what_it_is():
+    report = {"schema": 1, "tier": "cpu", "backends": [{"name": "b"}], "summary": {}, "results": [],
+              "matrix_digest": "x"}
+    with pytest.raises(MergeError, match=r"R is a --kvprofile-json report, not a verdict"):
+        merge_verdicts({"R": report, "V": _doc()})

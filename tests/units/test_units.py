@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_kvprofile.units import MiB, SMALL_BYTES, bytes_text, size_text
+from pytest_kvprofile.units import SMALL_BYTES, MiB, bytes_text, size_text
 
 
 def test_small_amounts_are_written_in_exact_bytes():
