@@ -188,6 +188,9 @@ def plain_parts(backend: Backend, case: Any) -> Iterator[Callable[[], list[Any]]
 class BackendProfile:
     """What one construction of a backend's builders showed at configure.
 
+    ``contract_api``: for a part that adapts an engine's own builder class, which revision of the engine's
+    reservation API it drives (its ``contract_api``), so the verdict says what was judged.
+
     ``declared_support`` maps each part to its answer (``required``/``neutral``/``unsupported``, or
     ``invalid: ...``/``error: ...`` when the declaration or the factory raised); ``neutral_alone``
     is the derived backend of its NEUTRAL builders alone, when it mixes them with REQUIRED ones.
@@ -196,6 +199,7 @@ class BackendProfile:
     backend: Backend
     declared_support: dict[str, str]
     neutral_alone: Backend | None
+    contract_api: dict[str, str] = dataclasses.field(default_factory=dict)  # part -> the API revision driven
 
 
 def inspect_backend(backend: Backend, case: Any, on_device: PartsOnDevice = plain_parts) -> BackendProfile:
@@ -210,6 +214,8 @@ def inspect_backend(backend: Backend, case: Any, on_device: PartsOnDevice = plai
     with on_device(backend, case) as construct:
         try:
             parts = construct()
+        except BackendError:  # the factory says its builders cannot be driven at all: a usage error
+            raise
         except Exception as exc:  # noqa: BLE001 - reported per case by every check
             return BackendProfile(backend, {"<factory>": f"error: {type(exc).__name__}: {exc}"}, None)
         return _profile(backend, parts)
@@ -242,7 +248,8 @@ def _profile(backend: Backend, parts: list[Any]) -> BackendProfile:
     derived = None
     if neutral and has_required and backend.origin not in ("builtin", "mutant"):
         derived = _neutral_alone(backend, frozenset(neutral))
-    return BackendProfile(backend, supports, derived)
+    apis = {builder_name(p): str(p.contract_api) for p in parts if getattr(p, "contract_api", None)}
+    return BackendProfile(backend, supports, derived, apis)
 
 
 def _neutral_alone(backend: Backend, neutral: frozenset[str]) -> Backend:
@@ -277,7 +284,7 @@ WORKSPACE_MANAGERS: dict[str, Callable[..., Any] | None] = {"harness": None, "vl
 def with_workspace_manager(backend: Backend, kind: str) -> Backend:
     """The backend integrated with ``kind``'s shared arena manager (``EnginePolicy.workspace_manager`` and its
     ``manager_factory``)."""
-    if backend.policy.workspace_manager == kind:
+    if backend.policy.workspace_manager == kind and (backend.policy.manager_factory is not None or kind == "harness"):
         return backend
     if kind not in WORKSPACE_MANAGERS:
         raise BackendError(f"unknown workspace manager {kind!r} ({' or '.join(WORKSPACE_MANAGERS)})")

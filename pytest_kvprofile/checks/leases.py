@@ -11,10 +11,10 @@ from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
     alive_at,
     grouped,
-    lease_released_sites,
     live_device_bytes,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.memory.device import Allocation
 from pytest_kvprofile.units import bytes_text
 
 
@@ -35,12 +35,10 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
                     and lc.PHASE_INDEX[lc.CLOSING] < lc.PHASE_INDEX.get(a.phase, -1) <= lc.PHASE_INDEX[phase]
                     and (a.freed_phase is None or lc.PHASE_ORDER.index(a.freed_phase) > lc.PHASE_ORDER.index(phase))
                 ]
-                released = lease_released_sites(result, owner)
-                new = [a for a in late if (a.owner, a.tag, a.nbytes) not in released]
-                remade = [a for a in late if (a.owner, a.tag, a.nbytes) in released]
+                new, remade = _unmatched(result, owner, late)
                 made = grouped(result, new) or "nothing new: the memory is re-used from earlier phases"
-                context = (f". Context, re-created after the lease released them: {grouped(result, remade)}"
-                           if remade else "")
+                context = (f". Context, made again after KV sizing at the same bytes and source line as memory the "
+                           f"closing measurement saw: {grouped(result, remade)}" if remade else "")
                 out.append(
                     f"persistent_memory_visible_at_closing: case {result.case.id}: builder {owner!r}: "
                     f"{bytes_text(live - held)} invisible to KV sizing (held {bytes_text(held)} at the closing "
@@ -49,6 +47,26 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
                 )
                 break
     return out
+
+
+def _unmatched(result: LifecycleResult, owner: str,
+               late: list[Allocation]) -> tuple[list[Allocation], list[Allocation]]:
+    """``late`` split into what the closing measurement never saw the like of (what made the bytes invisible) and
+    what re-creates, at the same bytes and source line, memory it saw (a wrapper made again after the lease
+    release): the first lead the message, the second are context."""
+    def key(a: Allocation) -> tuple[int, str]:
+        return a.nbytes, (a.stack or a.tag).split(" (builder call site", 1)[0]
+
+    seen = Counter(key(a) for a in result.allocations
+                   if a.owner == owner and a.kind == "device" and alive_at(a, lc.CLOSING))
+    new, remade = [], []
+    for a in late:
+        if seen[key(a)] > 0:
+            seen[key(a)] -= 1
+            remade.append(a)
+        else:
+            new.append(a)
+    return new, remade
 
 
 def check_lease_outlives_closing_measurement(result: LifecycleResult, options: CheckOptions) -> list[str]:

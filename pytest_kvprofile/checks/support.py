@@ -23,6 +23,7 @@ def check_support_declaration(result: LifecycleResult, options: CheckOptions) ->
     out = []
     decls = [s for _, s in res.declarations]
     expect = all(s is not ProfilingSupport.UNSUPPORTED for s in decls) and ProfilingSupport.REQUIRED in decls
+    expect = expect and not res.engine_gate  # the engine's own gate (EnginePolicy.gate) keeps the case legacy
     if res.enabled != expect:
         out.append(f"resolver answered enabled={res.enabled} for {res.declarations}; the rule says {expect}")
     if result.path != (PROFILING if res.enabled else LEGACY):

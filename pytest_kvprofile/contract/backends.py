@@ -34,6 +34,8 @@ class EnginePolicy:
     ``WorkspaceManager``, ``engines/vllm_workspace.py``; set by ``--kvprofile-workspace-manager``), and
     ``manager_factory`` what makes it for a run (``(run, device, num_ubatches) -> manager``; None: the engine's
     own), set with the name by ``registry.with_workspace_manager`` so the engine imports no adapter.
+    ``gate(case)``: the engine's own reason to keep a case on the legacy path even when every builder opts in
+    (vLLM's runner: speculative decoding, elastic EP), or None; None (the default) gates nothing.
     """
 
     warmup_in_window: bool | None = None
@@ -42,6 +44,15 @@ class EnginePolicy:
     profile_max_split_mib: int | None = 20
     workspace_manager: str = "harness"
     manager_factory: Callable[..., WorkspaceManager] | None = None
+    gate: Callable[[Any], str | None] | None = None
+
+
+def engine_gate(policy: EnginePolicy, case: Any) -> str | None:
+    """The engine's reason to keep ``case`` off the profiling path (``EnginePolicy.gate``), or None."""
+    if policy.gate is None:
+        return None
+    reason = policy.gate(case)
+    return str(reason) if reason else None
 
 
 @dataclass(frozen=True)

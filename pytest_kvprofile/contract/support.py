@@ -58,14 +58,17 @@ class SupportResolution:
     enabled: bool
     reason: str
     declarations: tuple[tuple[str, ProfilingSupport], ...]
+    engine_gate: str | None = None  # the engine's own reason to keep an opted-in model off the path, if it did
 
     @property
     def required(self) -> tuple[str, ...]:
         return tuple(n for n, s in self.declarations if s is ProfilingSupport.REQUIRED)
 
 
-def resolve_support(builders: Iterable[Any]) -> SupportResolution:
-    """Enabled only if every builder is REQUIRED or NEUTRAL and at least one is REQUIRED."""
+def resolve_support(builders: Iterable[Any], engine_gate: str | None = None) -> SupportResolution:
+    """Enabled only if every builder is REQUIRED or NEUTRAL and at least one is REQUIRED, and the engine does not
+    keep the case off the path anyway (``engine_gate``: its reason, as ``EnginePolicy.gate`` gives it; vLLM's
+    runner takes the path without speculative decoding and elastic EP only)."""
     declarations = tuple((builder_name(b), declared_support(b)) for b in builders)
     if not declarations:
         return SupportResolution(False, "the model has no attention metadata builders", declarations)
@@ -79,4 +82,7 @@ def resolve_support(builders: Iterable[Any]) -> SupportResolution:
             False, "every builder is NEUTRAL; nothing requires a profiling-time reservation", declarations
         )
     names = ", ".join(n for n, s in declarations if s is ProfilingSupport.REQUIRED)
+    if engine_gate:
+        return SupportResolution(False, f"REQUIRED by {names}, but the engine keeps this case on the legacy path: "
+                                 f"{engine_gate}", declarations, engine_gate)
     return SupportResolution(True, f"REQUIRED by {names}", declarations)

@@ -27,17 +27,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sys
 import threading
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.support import ProfilingSupport
 
 __all__ = ["CONTRACT_DECLARATION", "CONTRACT_RESERVATION", "EngineAdapter", "EngineBuildError", "EngineUnavailable",
-           "Patches", "ReservationApi", "ReservingAdapter", "declared_support", "device_active", "engine_backend",
-           "import_engine", "map_support", "module_standin", "reservation_api"]
+           "Patches", "ReservationApi", "ReservingAdapter", "UnusableContract", "contract_methods", "declared_support",
+           "device_active", "engine_backend", "find_revision", "import_engine", "map_support", "module_standin",
+           "reservation_api"]
 
 CONTRACT_DECLARATION = "get_persistent_workspace_memory_profiling_support"
 CONTRACT_RESERVATION = "reserve_persistent_workspace"
@@ -80,12 +82,13 @@ def import_engine(load: Callable[[], Any], *, what: str, install_hint: str,
 
 def engine_backend(name: str, make_builders: Callable[[Any], Iterable[Any]], *, engine: str, install_hint: str,
                    description: str = "", refuses_layout: Callable[[Any], str | None] | None = None,
-                   origin: str = "", version: str = "") -> Backend:
+                   origin: str = "", version: str = "", policy: EnginePolicy | None = None) -> Backend:
     """A torch-mode ``Backend`` needing the top-level module ``engine``: without it the run is a usage error
-    naming ``install_hint`` before collection; the engine is imported by ``make_builders`` only, never here."""
+    naming ``install_hint`` before collection; the engine is imported by ``make_builders`` only, never here.
+    ``policy``: how the engine's runner integrates the builders (its arena manager, its gate)."""
     return Backend(name=name, make_builders=make_builders, origin=origin, version=version, torch_mode=True,
                    refuses_layout=refuses_layout, requires=(engine,), install_hint=install_hint,
-                   description=description)
+                   description=description, policy=policy or EnginePolicy())
 
 
 def device_active() -> bool:
@@ -158,12 +161,41 @@ def declared_support(builder_cls: type, names: Sequence[str], args: Callable[[],
 
 @dataclasses.dataclass(frozen=True)
 class ReservationApi:
-    """The names one engine builder class carries for profiling-time reservation."""
+    """The names one revision of an engine's reservation API gives a builder class, and how its runner calls them.
+
+    ``calls``: the reservation method's calls, in order, by their arguments; each call goes to every builder before
+    the next (vLLM's earlier revision: ``prepare_workspace_for_profiling(False)`` on all, then ``(True)``).
+    ``rebind``: called on every builder after all of them reserved. ``capture_reservation``: what the runner calls
+    again before CUDA-graph capture (vLLM's ``reserve_workspace_for_cudagraph_capture``). ``revision``: its name in
+    the verdict."""
 
     declaration: str
     reservation: str
     rebind: str | None  # re-attach after the reservation (vLLM's pull request: rebind_workspace_after_reservation)
-    calls: tuple[tuple[Any, ...], ...] = ((),)  # the reservation method's calls, in order, by their arguments
+    calls: tuple[tuple[Any, ...], ...] = ((),)
+    revision: str = ""
+    capture_reservation: str | None = None
+
+    def describe(self) -> str:
+        names = [f"{self.declaration}()", f"{self.reservation}()"]
+        names += [f"{n}()" for n in (self.rebind, self.capture_reservation) if n]
+        return f"{self.revision or 'reservation API'}: {', '.join(names)}"
+
+
+class UnusableContract(BackendError):
+    """A builder class carries reservation-contract methods the adapter cannot drive: a usage error naming them
+    (never the legacy path in silence)."""
+
+
+CONTRACT_LOOKING = re.compile(r"persistent_workspace|workspace_for_|_for_(memory_)?profiling|workspace_after_|"
+                              r"workspace_profiling|rebind_workspace")
+"""What a reservation-contract method's name looks like, in any revision seen (public names only)."""
+
+
+def contract_methods(builder_cls: type) -> list[str]:
+    """The public methods of ``builder_cls`` whose names look like a reservation contract's."""
+    return sorted(n for n in dir(builder_cls)
+                  if not n.startswith("_") and CONTRACT_LOOKING.search(n) and callable(getattr(builder_cls, n, None)))
 
 
 def reservation_api(builder_cls: type, declarations: Sequence[str] = (CONTRACT_DECLARATION,),
@@ -177,6 +209,41 @@ def reservation_api(builder_cls: type, declarations: Sequence[str] = (CONTRACT_D
         return None
     rebind = next((n for n in rebinds if callable(getattr(builder_cls, n, None))), None)
     return ReservationApi(declaration, reservation, rebind, (calls or {}).get(reservation, ((),)))
+
+
+def find_revision(builder_cls: type, revisions: Sequence[ReservationApi], label: str,
+                  declared: Callable[[str], Any]) -> ReservationApi | None:
+    """The revision of ``revisions`` ``builder_cls`` carries: its declaration and its reservation callable (a class
+    mixing two revisions' names is driven with its reservation's revision). None when it carries no contract
+    method at all (a released engine): the adapter declares nothing.
+
+    Raises :class:`UnusableContract` naming the methods found when the class looks taught but cannot be driven: a
+    reservation without a declaration, a contract-looking method of no known revision, or a declaration answering
+    REQUIRED (``declared(name)``, the declaration's answer on the case) with no reservation to call."""
+    def has(name: str | None) -> bool:
+        return name is not None and callable(getattr(builder_cls, name, None))
+
+    declaration = next((r.declaration for r in revisions if has(r.declaration)), None)
+    api = next((r for r in revisions if has(r.reservation)), None)
+    found = contract_methods(builder_cls)
+    known = ", ".join(r.describe() for r in revisions)
+    if declaration is not None and api is not None:
+        if declaration == api.declaration:
+            return api
+        return dataclasses.replace(api, declaration=declaration,
+                                   revision=f"{api.revision} (declared with {declaration}())")
+    if declaration is not None and map_support(declared(declaration)) is not ProfilingSupport.REQUIRED:
+        return None  # declares itself off the path, and has nothing to reserve
+    if declaration is None and not found:
+        return None
+    what = (f"declares REQUIRED with {declaration}() but has no reservation method to call"
+            if declaration is not None else
+            "carries reservation-contract methods but no declaration the adapter knows" if api is not None else
+            "carries methods that look like a reservation contract the adapter does not know")
+    raise UnusableContract(
+        f"{label} {builder_cls.__module__}.{builder_cls.__qualname__} {what}: found {', '.join(found) or 'none'}. "
+        f"The adapter drives these revisions: {known}. Implement one of them whole (declaration and reservation), "
+        "or none (the legacy path)")
 
 
 # -- the adapter ----------------------------------------------------------------------------------------------
@@ -320,12 +387,31 @@ class EngineAdapter:
 
 
 class ReservingAdapter(EngineAdapter):
-    """An engine builder class that declares profiling-time reservation (:func:`reservation_api`), mapped onto the
-    protocol: the declaration is the class's own on :meth:`declaration_args`; ``reserve_persistent_workspace``
-    makes the builders inside the window and runs their reservation (a failed one keeps none of them); the lease
-    keeps them alive; ``rebind`` runs their rebind method, when they have one."""
+    """An engine builder class that declares profiling-time reservation (:func:`find_revision`), driven in the order
+    vLLM's pull request's runner drives it (docs/vllm.md, "The pull request's runner order"):
+
+    - in the window (``reserve_persistent_workspace``): builders made for the profile; each reserves under its
+      micro-batch id, then every one rebinds; the lease keeps them and the runner drops its own references, so the
+      lease release frees what only they hold;
+    - CUDA-graph profiling (``dummy_run``): the arena has not grown since the window;
+    - after KV sizing (``rebind``): fresh builders, as KV-cache initialisation makes them, reserve and rebind again,
+      within the arena the window measured;
+    - after kernel warmup (the first ``warmup``): reserve and rebind again, then the reservation before CUDA-graph
+      capture where the revision has one; the engine locks the arena after capture.
+
+    A growth beyond the profiled arena raises the runner's ``AssertionError``, which the lifecycle records."""
 
     api: ReservationApi
+
+    def __init__(self, case: Any, builder_cls: type | None = None) -> None:
+        super().__init__(case, builder_cls)
+        self.profiled: tuple[int, ...] | None = None  # the arena's size per micro-batch at the end of the window
+        self.warmed = False
+
+    @property
+    def contract_api(self) -> str:
+        """The API revision driven, as the verdict reports it."""
+        return self.api.describe()
 
     def declaration_args(self) -> Sequence[Any]:
         """What the class's declaration is called with (vLLM's: the config and the KV-cache spec)."""
@@ -336,26 +422,77 @@ class ReservingAdapter(EngineAdapter):
             declare = getattr(self.builder_cls, self.api.declaration)
             return map_support(declare(*self.declaration_args()))
 
+    # -- the runner's steps ----------------------------------------------------------------------------
+    def _in_ubatch(self, ctx: BuilderContext, ubatch: int) -> ContextManager[Any]:
+        """The engine's workspace slot of ``ubatch`` current (vLLM's ``use_workspace_ubatch_id``), where the run's
+        arena manager has slots the engine's code reaches by itself."""
+        scope = getattr(ctx.workspace, "ubatch_scope", None)
+        return scope(ubatch) if callable(scope) else contextlib.nullcontext()
+
+    def _reserve_all(self, ctx: BuilderContext, method: str | None = None) -> None:
+        """Every builder's reservation under its micro-batch id (each call of the revision on all builders before
+        the next), then every builder's rebind under the same id."""
+        builders = sorted(self.builders.items())
+        calls = self.api.calls if method is None else ((),)
+        with self.engine_scope():
+            for args in calls:
+                for key, b in builders:
+                    with self._in_ubatch(ctx, self.ubatch_of(key)):
+                        getattr(b, method or self.api.reservation)(*args)
+            if self.api.rebind is not None:
+                for key, b in builders:
+                    with self._in_ubatch(ctx, self.ubatch_of(key)):
+                        getattr(b, self.api.rebind)()
+
+    def _arena(self, ctx: BuilderContext) -> tuple[int, ...]:
+        return tuple(ctx.workspace.size(u) for u in range(ctx.num_ubatches))
+
+    def _within_profile(self, ctx: BuilderContext, when: str) -> None:
+        """vLLM's runner: the arena never exceeds what the window measured (its ``AssertionError``)."""
+        if self.profiled is None:
+            return
+        now = self._arena(ctx)
+        if any(n > p for n, p in zip(now, self.profiled)):
+            raise AssertionError(f"Attention workspace arena grew {when}: {list(now)} bytes per micro-batch against "
+                                 f"the profiled {list(self.profiled)}")
+
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         """Exception-safe: the builders a failed reservation made are dropped before the error propagates."""
         before = set(self.builders)
         try:
             self.make_engine_builders(ctx.num_ubatches)
-            with self.engine_scope():
-                for b in self.builders.values():
-                    method = getattr(b, self.api.reservation)
-                    for args in self.api.calls:
-                        method(*args)
+            self._reserve_all(ctx)
         except BaseException:
             for key in [k for k in self.builders if k not in before]:
                 del self.builders[key]
             self.last_metadata = None
             raise
-        return ctx.lease(list(self.builders.values()))
+        leased = [b for _, b in sorted(self.builders.items())]
+        self.builders.clear()  # the runner tears down its profiling state: only the lease keeps the builders
+        self.last_metadata = None
+        self.profiled = self._arena(ctx)
+        return ctx.lease(leased)
+
+    def dummy_run(self, ctx: BuilderContext) -> None:
+        if ctx.phase == "graph_profiling":
+            self._within_profile(ctx, "during CUDA graph profiling after persistent workspace profiling")
 
     def rebind(self, ctx: BuilderContext) -> None:
+        """KV-cache initialisation makes fresh builders; they reserve and rebind within the profiled arena."""
+        self.builders.clear()
         self.make_engine_builders(ctx.num_ubatches)
-        if self.api.rebind is not None:
-            with self.engine_scope():
-                for b in self.builders.values():
-                    getattr(b, self.api.rebind)()
+        if self.profiled is None:  # the legacy path: the runner never reserved, and does not now
+            return
+        self._within_profile(ctx, "before persistent workspace finalization")
+        self._reserve_all(ctx)
+        self._within_profile(ctx, "during persistent workspace finalization")
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        """After kernel warmup, once: reserve and rebind again, then the reservation for CUDA-graph capture."""
+        if self.warmed or ctx.phase != "warmup" or self.profiled is None:
+            return
+        self._reserve_all(ctx)
+        self._within_profile(ctx, "after kernel warmup")
+        if self.api.capture_reservation is not None:
+            self._reserve_all(ctx, self.api.capture_reservation)
+        self.warmed = True  # only once it succeeded: a failed warmup is retried whole

@@ -27,7 +27,7 @@ import dataclasses
 import sys
 from typing import Any, Callable, Iterator
 
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.engines.adapter import (
@@ -39,9 +39,9 @@ from pytest_kvprofile.engines.adapter import (
     ReservingAdapter,
     device_active,
     engine_backend,
+    find_revision,
     map_support,
 )
-from pytest_kvprofile.engines.adapter import reservation_api as _reservation_api
 from pytest_kvprofile.engines.batches import pad_to_capture, pages_per_request, runner_batch
 from pytest_kvprofile.engines.vllm_config import (
     UnexpressibleCase,
@@ -60,22 +60,55 @@ from pytest_kvprofile.engines.vllm_standins import (
 )
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
-__all__ = ["DECLARATION_NAMES", "RESERVATION_NAMES", "VLLM_BACKENDS", "ReservationApi", "ReservingVllmBuilder",
+__all__ = ["DECLARATION_NAMES", "REVISIONS", "VLLM_BACKENDS", "VLLM_POLICY", "ReservationApi", "ReservingVllmBuilder",
            "VllmAdapter", "VllmBuildError", "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal",
-           "make_vllm_builders", "map_support", "reservation_api"]
+           "make_vllm_builders", "map_support", "reservation_api", "speculative_gate"]
 
-DECLARATION_NAMES = (CONTRACT_DECLARATION,  # the contract's
-                     "persistent_workspace_profiling_support")  # the pull request's earlier name
-RESERVATION_NAMES = (CONTRACT_RESERVATION, "prepare_workspace_for_profiling")
-REBIND_NAMES = ("rebind_workspace_after_reservation",)
-# the pull request's reservation: reserve the shared arena, then materialize wrappers and their int workspaces
-RESERVATION_CALLS = {"prepare_workspace_for_profiling": ((False,), (True,))}
+CURRENT = ReservationApi(
+    CONTRACT_DECLARATION, "reserve_workspace_for_memory_profiling", "rebind_workspace_after_reservation", ((),),
+    revision="vLLM pull request, current (PersistentWorkspaceProfilingSupport)",
+    capture_reservation="reserve_workspace_for_cudagraph_capture")
+EARLIER = ReservationApi(
+    "persistent_workspace_profiling_support", "prepare_workspace_for_profiling", None, ((False,), (True,)),
+    revision="vLLM pull request, earlier (True/False/None; reserve the arena, then materialize)")
+HARNESS_NAMES = ReservationApi(CONTRACT_DECLARATION, CONTRACT_RESERVATION, "rebind_workspace_after_reservation",
+                               ((),), revision="the contract's own names")
+REVISIONS = (CURRENT, EARLIER, HARNESS_NAMES)
+"""Every revision of the reservation API a vLLM builder class may carry, newest first (docs/vllm.md)."""
+DECLARATION_NAMES = tuple(dict.fromkeys(r.declaration for r in REVISIONS))
 
 
-def reservation_api(builder_cls: type) -> ReservationApi | None:
-    """What ``builder_cls`` declares (the contract's names or the pull request's), or None (every released
-    vLLM): then the adapter declares nothing."""
-    return _reservation_api(builder_cls, DECLARATION_NAMES, RESERVATION_NAMES, REBIND_NAMES, RESERVATION_CALLS)
+def reservation_api(builder_cls: type, case: Any = None) -> ReservationApi | None:
+    """The revision of the pull request's API ``builder_cls`` carries, or None (every released vLLM): then the
+    adapter declares nothing. A class that looks taught but cannot be driven raises ``UnusableContract``
+    (``engines/adapter.py``, :func:`find_revision`); its REQUIRED declaration is asked on ``case``."""
+    def declared(name: str) -> Any:
+        if case is None:
+            return None
+        with vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp):
+            return getattr(builder_cls, name)(make_vllm_config(case), kv_cache_spec(case))
+
+    return find_revision(builder_cls, REVISIONS, "vLLM builder class", declared)
+
+
+def speculative_gate(case: Any) -> str | None:
+    """vLLM's runner takes the profiling path only without speculative decoding and elastic EP
+    (``requires_persistent_attention_workspace_profiling``): an MTP case is a legacy-path case."""
+    if case.mtp:
+        return (f"speculative decoding (MTP, {case.mtp} speculative token(s)) keeps vLLM's runner on the legacy path "
+                "(requires_persistent_attention_workspace_profiling)")
+    return None
+
+
+def _vllm_manager(run: Any, device: Any, num_ubatches: int) -> Any:
+    from pytest_kvprofile.engines.vllm_workspace import RecordingVllmWorkspaceManager
+
+    return RecordingVllmWorkspaceManager(run, device, num_ubatches)
+
+
+VLLM_POLICY = EnginePolicy(workspace_manager="vllm", manager_factory=_vllm_manager, gate=speculative_gate)
+"""How vLLM's runner integrates its builders: vLLM's own WorkspaceManager as the arena (the pull request's builder
+reserves nothing without it), and its runner's gate."""
 
 
 class VllmBuildError(EngineBuildError):
@@ -320,7 +353,7 @@ def make_vllm_builders(case: Any, v2: bool = False, builder_cls: type | None = N
     V1 (or V2) integration that declares nothing. Imports vLLM (with the stand-in platform current)."""
     check_expressible(case)
     cls = builder_cls or import_vllm_flashinfer().FlashInferMetadataBuilder
-    api = reservation_api(cls)
+    api = reservation_api(cls, case)
     if api is not None:
         return [ReservingVllmBuilder(case, cls, api)]
     return [(VllmFlashInferV2Builder if v2 else VllmFlashInferBuilder)(case, builder_cls)]
@@ -357,11 +390,11 @@ def engine_refusal(case: Any) -> str | None:
 
 VLLM_BACKENDS: tuple[Backend, ...] = (
     engine_backend("vllm-flashinfer", _make_v1, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
-                   refuses_layout=engine_refusal,
+                   refuses_layout=engine_refusal, policy=VLLM_POLICY,
                    description="vLLM's own FlashInferMetadataBuilder (V1 runner: per-builder lazy float workspace), "
                                "unmodified, on the simulated GPU"),
     engine_backend("vllm-flashinfer-v2", _make_v2, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
-                   refuses_layout=engine_refusal,
+                   refuses_layout=engine_refusal, policy=VLLM_POLICY,
                    description="vLLM's own FlashInferMetadataBuilder (V2 runner: one eager float workspace shared "
                                "with set_workspace_buffer), unmodified, on the simulated GPU"),
 )

@@ -301,6 +301,21 @@ class VllmWorkspaceManager:
             return list(self.inner.get_simultaneous(*shapes_and_dtypes))
 
     @contextlib.contextmanager
+    def ubatch_scope(self, ubatch: int) -> Iterator[None]:
+        """vLLM code called for one micro-batch (a runner reserving a builder under its ubatch id) reaches that
+        micro-batch's slot: the pull request's ``use_workspace_ubatch_id`` where this vLLM has it, and vLLM's DBO
+        ubatch id for every other vLLM."""
+        self._check_ubatch(ubatch)
+        saved = self._ubatch
+        self._ubatch = ubatch
+        scope = getattr(self._workspace_module, "use_workspace_ubatch_id", None)
+        try:
+            with scope(ubatch) if callable(scope) else contextlib.nullcontext():
+                yield
+        finally:
+            self._ubatch = saved
+
+    @contextlib.contextmanager
     def lane(self, lane: int) -> Iterator[None]:
         """vLLM's ``use_workspace_lane``: calls inside use that lane's arena (one per ``(ubatch, lane)``)."""
         with self._workspace_module.use_workspace_lane(lane):
@@ -441,8 +456,10 @@ def _observed_class(workspace: Any) -> type:
     class ObservedWorkspaceManager(workspace.WorkspaceManager):  # type: ignore[misc,name-defined]
         adapter: VllmWorkspaceManager
 
-        def _ensure_workspace_size(self, required_bytes: int) -> Any:
-            return self.adapter._ensured(super()._ensure_workspace_size, required_bytes)
+        def _ensure_workspace_size(self, required_bytes: int, *args: Any, **kwargs: Any) -> Any:
+            # the pull request's manager also takes the ubatch id
+            return self.adapter._ensured(lambda n: super(ObservedWorkspaceManager, self)._ensure_workspace_size(
+                n, *args, **kwargs), required_bytes)
 
         def get_persistent_resource(self, key: Hashable, factory: Callable[[], Any]) -> Any:
             return self.adapter._resource(super().get_persistent_resource, key, factory)

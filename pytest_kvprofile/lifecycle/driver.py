@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
-from pytest_kvprofile.contract.backends import EnginePolicy
+from pytest_kvprofile.contract.backends import EnginePolicy, engine_gate
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -575,7 +575,7 @@ class LifecycleRun:
 
     def _resolve(self) -> None:
         try:
-            self.result.resolution = resolve_support(self.builders)
+            self.result.resolution = resolve_support(self.builders, engine_gate(self.policy, self.case))
         except Exception as exc:  # noqa: BLE001 - a declaration that raises is reported like a bad answer
             self.result.declaration_error = (
                 str(exc) if isinstance(exc, DeclarationError)

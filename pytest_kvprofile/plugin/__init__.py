@@ -109,8 +109,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "rank ('2000 tok') or a share of the case's KV pool ('1.5%%'); default: none (waste is "
                          "reported, not refused)")
     group.addoption("--kvprofile-workspace-manager", default=None, choices=("harness", "vllm"),
-                    help="the lifecycle's shared arena: the harness's WorkspaceManager (default) or vLLM's own "
-                         "vllm.v1.worker.workspace.WorkspaceManager on the simulated device (needs vLLM)")
+                    help="the lifecycle's shared arena for every backend: the harness's WorkspaceManager or vLLM's "
+                         "own vllm.v1.worker.workspace.WorkspaceManager on the simulated device (needs vLLM); "
+                         "default: each backend's own (vLLM's manager for vLLM's builders, the harness's for the "
+                         "rest)")
     parser.addini("kvprofile", "add the packaged conformance suite to the collection (like --kvprofile)",
                   type="bool", default=False)
     parser.addini("kvprofile_gpu", "run the GPU tier (like --kvprofile-gpu)", type="bool", default=False)
@@ -125,7 +127,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   "unset",
                   default="")
     parser.addini("kvprofile_workspace_manager", "the lifecycle's shared arena manager, harness or vllm (like "
-                  "--kvprofile-workspace-manager)", default="harness")
+                  "--kvprofile-workspace-manager); empty: each backend's own", default="")
 
 
 def _settings(config: pytest.Config) -> Settings:
@@ -148,13 +150,16 @@ def _settings(config: pytest.Config) -> Settings:
     )
 
 
-def _workspace_manager(config: pytest.Config, gpu: bool) -> str:
-    """``--kvprofile-workspace-manager``, else its ini twin: a usage error when unknown, when vLLM is not installed
-    (naming the install script) or on the GPU tier (vLLM's manager runs on the simulated device only)."""
+def _workspace_manager(config: pytest.Config, gpu: bool) -> str | None:
+    """``--kvprofile-workspace-manager``, else its ini twin, else None (each backend's own: vLLM's manager for vLLM's
+    builders, the harness's for the rest; the GPU tier always the harness's). A usage error when unknown, when vLLM
+    is not installed (naming the install script) or on the GPU tier (vLLM's manager runs on the simulated device
+    only)."""
     from pytest_kvprofile.engines.vllm_workspace import check_kind
 
-    kind = (config.option.kvprofile_workspace_manager or str(config.getini("kvprofile_workspace_manager"))
-            or "harness").strip()
+    kind = (config.option.kvprofile_workspace_manager or str(config.getini("kvprofile_workspace_manager"))).strip()
+    if not kind:
+        return "harness" if gpu else None
     problem = check_kind(kind)
     if problem is None and kind == "vllm" and gpu:
         problem = ("--kvprofile-workspace-manager vllm runs vLLM's manager on the CPU tier's simulated device; "

@@ -109,13 +109,13 @@ def kvprofile_workspace_manager(request: pytest.FixtureRequest, kvprofile_case: 
                                 kvprofile_device: Any) -> Iterator[Any]:
     """A WorkspaceManager on the case's device with one arena per micro-batch of the case.
 
-    Which one: the run's ``--kvprofile-workspace-manager`` (``harness`` by default), or per test by indirect
+    Which one: the run's ``--kvprofile-workspace-manager`` (else ``harness``), or per test by indirect
     parametrization, ``@pytest.mark.parametrize("kvprofile_workspace_manager", ["vllm"], indirect=True)``:
     ``"vllm"`` is vLLM's own manager behind the same interface (``engines/vllm_workspace.py``; the test is skipped
     with the install command when vLLM is not installed).
     """
     state = _state(request.config)
-    kind = getattr(request, "param", None) or state.settings.workspace_manager
+    kind = getattr(request, "param", None) or state.settings.workspace_manager or "harness"
     if kind == "vllm":
         from pytest_kvprofile.engines.vllm_workspace import VllmWorkspaceManager, check_kind
 
@@ -182,7 +182,8 @@ def kvprofile_flashinfer_builders(request: pytest.FixtureRequest, kvprofile_case
 @pytest.fixture
 def kvprofile_run(request: pytest.FixtureRequest, kvprofile_case: Case) -> Callable[..., KvprofileRun]:
     """``kvprofile_run(backend_or_builders, *, torch_mode=False, policy=None, workspace_manager=None)`` drives the
-    reference lifecycle (``workspace_manager``: ``"harness"`` or ``"vllm"``; default: the run's option).
+    reference lifecycle (``workspace_manager``: ``"harness"`` or ``"vllm"``; default: the run's option, else the
+    backend's own).
 
     Takes a Backend, a ``make_builders(case)`` callable or a list of unused builders (a builder with
     ``torch_mode = True`` turns torch mode on); runs on a fresh device of the tier (each call its own);
@@ -193,8 +194,9 @@ def kvprofile_run(request: pytest.FixtureRequest, kvprofile_case: Case) -> Calla
 
     def run(target: Any, *, torch_mode: bool = False, policy: EnginePolicy | None = None,
             workspace_manager: str | None = None) -> KvprofileRun:
-        backend = with_workspace_manager(_as_backend(target, kvprofile_case, torch_mode, policy),
-                                         workspace_manager or state.settings.workspace_manager)
+        backend = _as_backend(target, kvprofile_case, torch_mode, policy)
+        backend = with_workspace_manager(backend, workspace_manager or state.settings.workspace_manager
+                                         or backend.policy.workspace_manager)
         result = run_lifecycle(backend, kvprofile_case, factory)
         return KvprofileRun(backend, result, state.settings.check_options)
 

@@ -20,6 +20,7 @@ from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, WasteBu
 from pytest_kvprofile.contract.backends import (
     Backend,
     check_requirements,
+    engine_gate,
     layout_refusal,
 )
 from pytest_kvprofile.contract.support import DeclarationError, resolve_support
@@ -54,7 +55,8 @@ class Settings:
     backend_specs: tuple[str, ...] = ()
     timeout: float = 0.0
     max_waste: WasteBudget | None = None  # --kvprofile-max-waste; None: waste reported, not refused
-    workspace_manager: str = "harness"  # --kvprofile-workspace-manager: "harness" or "vllm"
+    # --kvprofile-workspace-manager: "harness" or "vllm" for every backend; None: each backend's own (EnginePolicy)
+    workspace_manager: str | None = None
 
     @property
     def check_options(self) -> CheckOptions:
@@ -67,6 +69,7 @@ class PairPlan:
 
     path: str
     checks: frozenset[str]
+    engine_gate: str | None = None  # why the engine keeps this opted-in pair on the legacy path, if it does
 
 
 class KvprofileSession:
@@ -108,9 +111,11 @@ class KvprofileSession:
         plan = self._plans.get(key)
         if plan is None:
             with parts_on_device(self.tier)(backend, case) as construct:
+                gate = None
                 try:
                     parts = construct()
-                    path = PROFILING if resolve_support(parts).enabled else LEGACY
+                    resolution = resolve_support(parts, engine_gate(backend.policy, case))
+                    path, gate = (PROFILING if resolution.enabled else LEGACY), resolution.engine_gate
                 except DeclarationError:
                     path, parts = LEGACY, []
                 except Exception:  # noqa: BLE001 - every check runs and reports the error
@@ -119,7 +124,7 @@ class KvprofileSession:
                     c.name for c in CHECKS
                     if path == FACTORY_ERROR or (c.applies(path) and c.relevant(case, parts))
                 )
-            plan = self._plans[key] = PairPlan(path, checks)
+            plan = self._plans[key] = PairPlan(path, checks, gate)
         return plan
 
     def refusal(self, backend: Backend, case: Case) -> str | None:
@@ -139,6 +144,12 @@ class KvprofileSession:
             self._refused = [(b, c, reason) for c in self.runnable_cases for b in self.backends
                              if (reason := self.refusal(b, c)) is not None]
         return self._refused
+
+    def gated(self, backend: Backend) -> list[dict[str, str]]:
+        """The cases of the backend's matrix its engine keeps on the legacy path although every builder opts in,
+        each with the engine's reason (``EnginePolicy.gate``)."""
+        return [{"case": c.id, "reason": gate} for c in self.accepted_cases(backend)
+                if (gate := self.classify(backend, c).engine_gate) is not None]
 
     def planned(self, backend: Backend) -> dict[str, list[str]]:
         """{case id: the checks that apply} over the backend's whole matrix: what a complete run records."""
@@ -199,7 +210,7 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
                 if res.kind not in RESOURCE_KINDS:
                     raise MatrixError(matrix.path, "resources", f"unknown resource kind {res.kind!r} "
                                       f"(known: {', '.join(RESOURCE_KINDS)})")
-    backends = [with_workspace_manager(b, settings.workspace_manager)
+    backends = [with_workspace_manager(b, settings.workspace_manager or b.policy.workspace_manager)
                 for b in resolve_backends(settings.backend_specs, hooked)]
     for backend in backends:
         check_requirements(backend)

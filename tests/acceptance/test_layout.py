@@ -95,6 +95,8 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.contract.workspace": "an arena is a torch tensor only on a device in torch mode",
     "pytest_kvprofile.engines.vllm_config": "vLLM is imported by make_builders only, never at plugin import",
     "pytest_kvprofile.engines.vllm_flashinfer": "vLLM is imported by make_builders only, never at plugin import",
+    "pytest_kvprofile.engines.vllm_pull_request": "vLLM's builder class is subclassed when a backend first makes "
+                                                  "builders; torch inside its methods",
     "pytest_kvprofile.engines.vllm_memory": "vLLM's memory_profiling runs around the window of a vLLM backend only",
     "pytest_kvprofile.engines.vllm_standins": "the CPU stand-ins patch vLLM and torch only for a vLLM backend's run",
     "pytest_kvprofile.engines.vllm_gdn": "vLLM's GDN builder is imported by the hybrid backend's make_builders only",

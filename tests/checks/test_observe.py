@@ -149,8 +149,8 @@ def _session(declared: dict[str, str]) -> Any:
     return SimpleNamespace(
         tier="cpu", hardware=None, settings=SimpleNamespace(max_waste=None), matrix_digest=lambda: "d",
         matrices=[], records=[record], backends=[backend],
-        profiles={"b": SimpleNamespace(declared_support=declared)},
-        planned=lambda backend: {"c": ["support_declaration"]}, refused_pairs=list,
+        profiles={"b": SimpleNamespace(declared_support=declared, contract_api={})},
+        planned=lambda backend: {"c": ["support_declaration"]}, refused_pairs=list, gated=lambda backend: [],
     )
 
 

@@ -187,7 +187,8 @@ def test_a_toy_engine_on_the_generic_adapter_passes_the_lifecycle(backend, path)
         assert owned and all(a.phase != "weights" for a in owned)
         if path == PROFILING:
             assert adapter.get_persistent_workspace_memory_profiling_support() is ProfilingSupport.REQUIRED
-            assert {a.phase for a in owned if a.size >= 4 * MiB} == {"reservation"}
+            # the runner's order: in the window, then fresh builders after KV sizing, then after kernel warmup
+            assert "reservation" in {a.phase for a in owned if a.size >= 4 * MiB} <= {"reservation", "rebind", "warmup"}
     finally:
         close_parts(result)
     assert ToyPlatform.gpu_name is None  # the stand-in was undone after every call
