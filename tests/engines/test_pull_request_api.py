@@ -17,6 +17,7 @@ from pytest_kvprofile.engines.vllm_flashinfer import (
     EARLIER,
     VLLM_POLICY,
     ReservingVllmBuilder,
+    engine_refusal,
     make_vllm_builders,
     reservation_api,
 )
@@ -199,3 +200,27 @@ def test_with_the_harness_manager_the_pull_requests_builder_reserves_nothing(vll
         assert "persistent_memory_visible_at_closing" in failing_checks(result)
     finally:
         close_parts(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cid", sorted(CASES))
+def test_on_every_ci_case_the_planned_builder_passes_and_its_twin_fails_only_for_plan_buffers(cid, vllm_flashinfer):
+    """The acceptance of issue 32 on the whole of ``matrices/ci.yaml``: ``vllm-pr-planned`` opts in (every check
+    passes on every case its engine accepts); ``vllm-pr-unplanned`` fails ``persistent_memory_visible_at_closing``
+    alone, and only where it takes the profiling path (no MTP, no DCP), for a few KB."""
+    case = CASES[cid]
+    if case.skip_reason is not None or engine_refusal(case) is not None:
+        pytest.skip(case.skip_reason or engine_refusal(case))
+    for name in ("vllm-pr-planned", "vllm-pr-unplanned"):
+        result = run_lifecycle(BACKENDS[name], case)
+        try:
+            failing = failing_checks(result)
+            profiling = case.mtp == 0 and case.dcp == 1
+            assert result.path == (PROFILING if profiling else LEGACY), (name, result.resolution)
+            if name == "vllm-pr-planned" or not profiling:
+                assert failing == {}, (name, failing)
+            else:
+                assert set(failing) == {"persistent_memory_visible_at_closing"}, failing
+                assert "bytes invisible to KV sizing" in failing["persistent_memory_visible_at_closing"][0]
+        finally:
+            close_parts(result)
