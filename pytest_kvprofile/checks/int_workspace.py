@@ -62,7 +62,8 @@ def check_int_workspace_per_wrapper(result: LifecycleResult, options: CheckOptio
         # (torch-mode code on a real GPU) there is nothing to count.
         if (decl.int_bytes > 0 or ints) and mine:
             out.extend(_per_wrapper(result, name, mine, ints))
-        out.extend(_after_capture(result, name, ints))
+        located = [a for a in located_int_workspaces(result, name, mine) if a.role is not Role.INT_WORKSPACE]
+        out.extend(_after_capture(result, name, ints + located))
     return out
 
 
@@ -98,8 +99,11 @@ def _wrappers(result: LifecycleResult, name: str, phase: str, own_floats: list[A
 
 
 def _per_wrapper(result: LifecycleResult, name: str, mine: list[Allocation], ints: list[Allocation]) -> list[str]:
-    """One int workspace per wrapper, alive while it plans: counted against the wrappers the builder reports,
-    and, where a wrapper reports its int workspace, located in the ledger (shared or freed)."""
+    """One int workspace per wrapper, alive while it plans, judged by the bytes each uses.
+
+    A wrapper's int workspace is the live allocation of the builder's that its reported ``int_ptr`` locates
+    (whatever its role), or else one of the builder's ``INT_WORKSPACE`` allocations no reporting wrapper claims.
+    Two wrappers whose reported ranges overlap share one (disjoint slices of one slab are each their own)."""
     found: dict[str, str] = {}
     own_floats = [a for a in mine if a.role is Role.FLOAT_WORKSPACE]
     by_ptr: dict[int, list[Allocation]] = {}
@@ -108,34 +112,64 @@ def _per_wrapper(result: LifecycleResult, name: str, mine: list[Allocation], int
     for phase in SERVING_STATE:
         wrappers = _wrappers(result, name, phase, own_floats)
         live = [a for a in ints if alive_at(result, a, phase)]
-        if len(wrappers) > len(live) and "count" not in found:
-            why = ("two wrappers or two micro-batches share one, and each plan overwrites the other's" if live else
-                   "its wrappers plan into int workspaces that are freed, or that were not allocated with their role")
-            found["count"] = (
-                f"builder {name!r} has {len(wrappers)} wrappers planning into its float workspace at the end of phase "
-                f"{phase!r} (bound_workspaces()) but holds {len(live)} int workspaces (role INT_WORKSPACE): "
-                f"{grouped(result, live) if live else 'none'}. So {why}; give every wrapper its own, alive to the "
-                "end, allocated with role=Role.INT_WORKSPACE")
-        owners: dict[int, list[BoundWorkspace]] = {}
+        located: list[tuple[BoundWorkspace, Allocation]] = []
+        unlocated: list[BoundWorkspace] = []
         for w in wrappers:
             behind = (_behind(w, phase, by_ptr.get(w.int_ptr, [])) or _behind(w, phase, mine)) if w.int_nbytes else None
             if behind is None:
-                continue
-            if alive_at(result, behind, phase):
-                owners.setdefault(behind.id, []).append(w)
+                unlocated.append(w)
+            elif alive_at(result, behind, phase):
+                located.append((w, behind))
             elif "freed" not in found:
                 found["freed"] = (
                     f"builder {name!r}'s wrapper {w.role!r} (ubatch {w.ubatch}) plans into an int workspace that is "
                     f"gone at the end of phase {phase!r}: {fmt_alloc(behind)}, freed in phase {behind.freed_phase!r}. "
                     "Keep each wrapper's int workspace alive as long as the wrapper plans")
-        shared = next(((aid, ws) for aid, ws in owners.items() if len(ws) > 1), None)
+        claimed = {a.id for _, a in located}
+        spare = [a for a in live if a.id not in claimed]
+        if len(unlocated) > len(spare) and "count" not in found:
+            found["count"] = (
+                f"builder {name!r} has {len(wrappers)} wrappers planning into its float workspace at the end of phase "
+                f"{phase!r} (bound_workspaces()), and {len(unlocated)} of them have no int workspace the harness can "
+                f"find: {len(located)} report an int_ptr locating a live allocation of the builder's, and it holds "
+                f"{len(spare)} other int workspace(s) with role INT_WORKSPACE: "
+                f"{grouped(result, spare) if spare else 'none'}. Give every wrapper its own int workspace, alive to "
+                "the end: allocate it with role=Role.INT_WORKSPACE, or report it in bound_workspaces() (int_ptr, "
+                "int_nbytes)")
+        shared = _overlapping(located)
         if shared is not None and "shared" not in found:
-            alloc = next(a for a in mine if a.id == shared[0])
-            users = ", ".join(f"{w.role!r} (ubatch {w.ubatch})" for w in shared[1])
+            alloc, users = shared
+            names = ", ".join(f"{w.role!r} (ubatch {w.ubatch})" for w in users)
             found["shared"] = (
-                f"builder {name!r}'s wrappers {users} share one int workspace at the end of phase {phase!r}: "
-                f"{fmt_alloc(alloc)}. Each plan overwrites the other's; give every wrapper its own")
+                f"builder {name!r}'s wrappers {names} plan into overlapping bytes of one int workspace at the end of "
+                f"phase {phase!r}: {fmt_alloc(alloc)}. Each plan overwrites the other's; give every wrapper its own "
+                "(or its own disjoint slice)")
     return list(found.values())
+
+
+def _overlapping(located: list[tuple[BoundWorkspace, Allocation]]) -> tuple[Allocation, list[BoundWorkspace]] | None:
+    """The first allocation two wrappers use overlapping byte ranges of, with those wrappers."""
+    by_alloc: dict[int, list[tuple[BoundWorkspace, Allocation]]] = {}
+    for w, a in located:
+        by_alloc.setdefault(a.id, []).append((w, a))
+    for pairs in by_alloc.values():
+        spans = sorted(pairs, key=lambda p: (p[0].int_ptr, p[0].int_ptr + p[0].int_nbytes))
+        for (w1, a), (w2, _) in zip(spans, spans[1:]):
+            if w2.int_ptr < w1.int_ptr + w1.int_nbytes:
+                return a, [w1, w2]
+    return None
+
+
+def located_int_workspaces(result: LifecycleResult, name: str, mine: list[Allocation]) -> list[Allocation]:
+    """The builder's allocations some wrapper's reported ``int_ptr`` locates at the end of a serving phase."""
+    own_floats = [a for a in mine if a.role is Role.FLOAT_WORKSPACE]
+    out: dict[int, Allocation] = {}
+    for phase in SERVING_STATE:
+        for w in _wrappers(result, name, phase, own_floats):
+            behind = _behind(w, phase, mine) if w.int_nbytes else None
+            if behind is not None:
+                out[behind.id] = behind
+    return list(out.values())
 
 
 def _behind(w: BoundWorkspace, phase: str, candidates: list[Allocation]) -> Allocation | None:

@@ -49,16 +49,16 @@ def _roles(result: Any) -> Counter:
 @pytest.mark.parametrize("mutant, words", [
     ("mutant-15a-int-workspace-too-small", ["'prefill int workspace [ubatch 0]' 0.03 MiB (32768 bytes)",
                                             "for_case(case).int_bytes", "declares 8.00 MiB (8388608 bytes)"]),
-    ("mutant-15b-int-workspace-shared-by-wrappers", ["4 wrappers", "phase 'rebind'", "holds 1 int workspaces",
-                                                     "'decode float workspace' (ubatch 1)"]),
-    ("mutant-15c-int-workspace-freed-early", ["holds 0 int workspaces", "plans into an int workspace that is gone",
+    ("mutant-15b-int-workspace-shared-by-wrappers", ["phase 'rebind'", "overlapping bytes of one int workspace",
+                                                     "'prefill float workspace' (ubatch 1)"]),
+    ("mutant-15c-int-workspace-freed-early", ["plans into an int workspace that is gone",
                                               "freed in phase 'rebind'"]),
     ("mutant-15d-int-workspace-remade-after-capture", ["freed in phase 'serving'", "from build() in phase 'serving'",
                                                        "'decode int workspace [ubatch 0]' 8.00 MiB"]),
     ("mutant-15e-torch-int-workspace-too-small", ["0.03 MiB (32768 bytes) x 4", "stubs.py:"]),
     ("mutant-15f-torch-int-workspace-shared-by-ubatches",
-     ["holds 2 int workspaces", "'prefill float workspace' (ubatch 0), 'prefill float workspace' (ubatch 1)"]),
-    ("mutant-15g-torch-int-workspace-freed-early", ["holds 0 int workspaces", "gone at the end of phase 'rebind'"]),
+     ["overlapping bytes", "'prefill float workspace' (ubatch 0), 'prefill float workspace' (ubatch 1)"]),
+    ("mutant-15g-torch-int-workspace-freed-early", ["gone at the end of phase 'rebind'"]),
     ("mutant-15h-torch-int-workspace-remade-after-capture", ["freed in phase 'serving'", "CUDA-graph capture on"]),
 ])
 def test_an_int_workspace_mutant_fails_naming_owner_bytes_phase_and_line(case, mutant, words):
@@ -137,8 +137,8 @@ class UnlabelledIntWorkspaceBuilder(FlashInferLikeBuilder):
 
 
 @pytest.mark.parametrize("cls, words", [
-    (SilentSharedIntWorkspaceBuilder, ["4 wrappers", "holds 1 int workspaces"]),
-    (UnlabelledIntWorkspaceBuilder, ["holds 0 int workspaces", "role=Role.INT_WORKSPACE"]),
+    (SilentSharedIntWorkspaceBuilder, ["4 wrappers", "1 other int workspace(s)"]),
+    (UnlabelledIntWorkspaceBuilder, ["4 of them have no int workspace", "role=Role.INT_WORKSPACE", "int_ptr"]),
 ])
 def test_wrappers_without_an_int_workspace_of_their_own_fail_whatever_they_report(case, cls, words):
     failed = failing_checks(run_lifecycle(_backend(cls.__name__, cls), case))
@@ -210,3 +210,61 @@ def test_the_example_backends_int_workspaces_carry_their_role(case, monkeypatch)
     result = run_lifecycle(correct(), case)
     assert failing_checks(result) == {}
     assert _roles(result)[("paged-attention", Role.INT_WORKSPACE, "device")] == 2 * case.envelope.num_ubatches
+
+
+# -- observed rather than reported (issue 37, point 2) ----------------------------------------------------------
+
+class ReportsPointersWithoutRoles(FlashInferLikeBuilder):
+    """Correct, written before roles: each wrapper's own int workspace, no role, reported as int_ptr/int_nbytes."""
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        view = self._float_view(ctx, ubatch)
+        int_ws = ctx.allocate(self.int_bytes(), f"{route} int [ubatch {ubatch}]")
+        mirror = ctx.allocate(self.int_bytes(), f"{route} host int [ubatch {ubatch}]", pinned_host=True)
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, int_ws, mirror, int_ws.ptr, int_ws.nbytes, view)
+
+
+class SlicesOneSlab(FlashInferLikeBuilder):
+    """Correct: one slab of int workspace, a disjoint slice per wrapper, each reported by its pointer."""
+
+    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+        keys = [(route, ub) for route in self.routes() for ub in range(ctx.num_ubatches)]
+        self.slab = ctx.allocate(self.int_bytes() * len(keys), "int slab", role=Role.INT_WORKSPACE)
+        made = []
+        for i, (route, ub) in enumerate(keys):
+            view = self._float_view(ctx, ub)
+            w = Wrapper(route, ub, view.ptr, view.nbytes, self.slab, None,
+                        self.slab.ptr + i * self.int_bytes(), self.int_bytes(), view)
+            self.wrappers[(route, ub)] = made.append(w) or w
+        return made
+
+    def rebind(self, ctx: BuilderContext) -> None:
+        if not self.wrappers:
+            self._materialize(ctx)
+
+    def _drop(self, ctx: BuilderContext, wrappers: list[Any]) -> None:
+        for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:
+            del self.wrappers[key]
+        if not self.wrappers:
+            ctx.free(self.slab)
+
+
+class OverlappingSlices(SlicesOneSlab):
+    """Bug: slices of one slab that overlap (each a slice of half its width further): plans overwrite each other."""
+
+    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+        made = super()._materialize(ctx)
+        for i, w in enumerate(made):
+            w.int_ptr = self.slab.ptr + i * (self.int_bytes() // 2)
+        return made
+
+
+def test_a_reported_int_ptr_counts_whatever_its_role(case):
+    assert CHECK not in failing_checks(run_lifecycle(_backend("pointers", ReportsPointersWithoutRoles), case))
+
+
+def test_disjoint_slices_of_one_slab_are_legal_and_overlapping_ones_are_not(case):
+    legal = run_lifecycle(_backend("slices", SlicesOneSlab), case)
+    assert CHECK not in failing_checks(legal), failing_checks(legal).get(CHECK)
+    failed = failing_checks(run_lifecycle(_backend("overlaps", OverlappingSlices), case))
+    assert CHECK in failed and "overlapping bytes of one int workspace" in failed[CHECK][0], failed
