@@ -97,6 +97,8 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
                 continue
             start, end = arenas[ub]
             if not (start <= ptr and ptr + nbytes <= end):
+                if _held_stale_view(result, ub, ptr, nbytes, rec.name, (start, end)):
+                    continue  # a view kept from before a growth: holding is not using (no_use_after_free judges use)
                 other = [u for u, (s, e) in arenas.items() if u != ub and s <= ptr < e]
                 own = None if other else _private_float_buffer(result, bound.owner, ptr, nbytes, rec.name)
                 if own is not None:  # float workspace of its own (a cost the sizing check counts), not aliasing
@@ -114,6 +116,17 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
         if out:
             break
     return out + _observed_ubatch_violations(result)
+
+
+def _held_stale_view(result: LifecycleResult, ubatch: int, ptr: int, nbytes: int, phase: str,
+                     current: tuple[int, int]) -> bool:
+    """``[ptr, ptr + nbytes)`` lies in an earlier arena of ``ubatch`` (one a growth replaced by the end of ``phase``):
+    a builder still holding a view it took before the growth, which it may ask for again before it plans."""
+    k = lc.PHASE_INDEX.get(phase, len(lc.PHASE_ORDER))
+    prefix = f"float-arena[ubatch {ubatch}]"
+    return any(a.role is Role.FLOAT_ARENA and a.tag.startswith(prefix) and (a.ptr, a.ptr + a.nbytes) != current
+               and a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes and lc.PHASE_INDEX.get(a.phase, k + 1) <= k
+               for a in result.allocations)
 
 
 def _private_float_buffer(result: LifecycleResult, owner: str, ptr: int, nbytes: int, phase: str) -> Any:

@@ -12,7 +12,7 @@ import pytest
 
 from pytest_kvprofile import Backend, WorkspaceManager, run_lifecycle
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, TorchStaleArenaViewBuilder
-from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS, FlashInferLikeBuilder
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS, FlashInferLikeBuilder, GDNLikeBuilder
 from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, failing_checks
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.lifecycle import probes
@@ -266,3 +266,50 @@ def test_reading_a_stale_views_metadata_is_not_a_use_and_reading_its_bytes_is(ca
     assert violations(legal, USE_AFTER_FREE) == []
     found = violations(run(ReadsStaleViewBytes, case), USE_AFTER_FREE)
     assert found and any("via Tensor.sum" in v for v in found), found
+
+
+class KeepsWrappersAcrossTheRelease(FlashInferLikeBuilder):
+    """Legal (issue 37, point 3): its lease keeps the wrappers it made (the release frees nothing), it holds their
+    views while another builder grows the arena in the window, never plans with them, and asks again in rebind."""
+
+    name = "keeps-views"
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        return ctx.lease(self._materialize(ctx))
+
+    def rebind(self, ctx: BuilderContext) -> None:
+        for w in self.wrappers.values():
+            w.view = ctx.get_workspace(self.float_bytes(), w.ubatch)
+            w.float_ptr, w.float_bytes = w.view.ptr, w.view.nbytes
+
+
+class UsesItsHeldView(KeepsWrappersAcrossTheRelease):
+    """Its twin: plans with the view it held across the growth, in the window's replay (a use after free)."""
+
+    name = "uses-held-view"
+
+    def dummy_run(self, ctx: BuilderContext) -> None:
+        if ctx.phase == "profile_replay":
+            for w in self.wrappers.values():
+                ctx.plan_into(w.view)
+
+
+class GrowsInTheWindow(GDNLikeBuilder):
+    """NEUTRAL; its warmup inside the window asks for a larger view of every micro-batch's arena (a growth)."""
+
+    name = "grows"
+    warmup_materializes_persistent = True
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if ctx.profiling:
+            for ub in range(ctx.num_ubatches):
+                self.views[ub] = ctx.get_workspace(ctx.workspace.size(ub) + 4 * MiB, ub)
+
+
+def test_a_view_held_across_a_growth_and_never_used_is_not_aliasing(case):
+    for cls, bad in ((KeepsWrappersAcrossTheRelease, False), (UsesItsHeldView, True)):
+        result = run_lifecycle(Backend(name=cls.name, make_builders=lambda c, cls=cls: [cls(c), GrowsInTheWindow(c)]),
+                               case)
+        assert any(v.generation == 2 for p in result.phases for v in p.arena)
+        assert violations(result, UBATCH) == [], violations(result, UBATCH)
+        assert bool(violations(result, USE_AFTER_FREE)) is bad
