@@ -620,10 +620,17 @@ class ReservationKeepsPartialBuilder(FlashInferLikeBuilder):
 
 
 class TorchReservationKeepsPartialBuilder(TorchFlashInferLikeBuilder):
-    """Bug 17b (torch mode): 17a with plain torch tensors: the wrappers made before the failure stay referenced
-    (and allocated) until a second reservation replaces them."""
+    """Bug 17b (torch mode): 17a with plain torch tensors: a failed reservation's wrappers are kept in a list of
+    failed attempts that nothing clears, so they stay referenced beside the ones the second reservation makes: each
+    failed attempt leaks. (Keeping them only until the retry replaces them is legal:
+    that memory was made inside the window, and the retry frees it.)"""
 
-    _materialize = ReservationKeepsPartialBuilder._materialize
+    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+        try:
+            return ReservationKeepsPartialBuilder._materialize(self, ctx)
+        except BaseException:
+            self.__dict__.setdefault("failed_attempts", []).extend(self.wrappers.values())
+            raise
 
 
 class CleanupMasksErrorBuilder(FlashInferLikeBuilder):

@@ -84,16 +84,17 @@ JsonObject = dict[str, Any]
 class CheckDetails:
     """What a check's record carries for the report beside its outcome, each a JSON object or None: the run's
     budget (``budget``, the summary's fewest KV tokens), the case's workspace waste (``waste``) and the legacy
-    path's post-KV cost (``legacy_cost``)."""
+    path's post-KV cost (``legacy_cost``) and what a failed reservation left held (``retry_cost``)."""
 
     budget: JsonObject | None = None
     waste: JsonObject | None = None
     legacy_cost: JsonObject | None = None
+    retry_cost: JsonObject | None = None  # what failed reservations left held, which their retries reused or freed
 
 
 NO_DETAILS = CheckDetails()
 
-_DETAIL_KEYS = ("budget", "waste", "legacy_cost")
+_DETAIL_KEYS = ("budget", "waste", "legacy_cost", "retry_cost")
 
 
 @dataclass(frozen=True)

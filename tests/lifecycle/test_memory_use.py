@@ -12,7 +12,13 @@ import pytest
 
 from pytest_kvprofile import Backend, WorkspaceManager, run_lifecycle
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, TorchStaleArenaViewBuilder
-from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS, FlashInferLikeBuilder, GDNLikeBuilder
+from pytest_kvprofile.builtin.stubs import (
+    STUB_BACKENDS,
+    TORCH_STUB_BACKENDS,
+    FlashInferLikeBuilder,
+    GDNLikeBuilder,
+    TorchFlashInferLikeBuilder,
+)
 from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, failing_checks
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.lifecycle import probes
@@ -165,13 +171,64 @@ def test_a_build_that_plans_into_another_micro_batch_fails_though_it_asked_for_b
 
 def test_a_reservation_that_keeps_what_it_made_leaks_and_holds_more_on_retry(case):
     found = violations(run("mutant-17a-reservation-keeps-partial", case), RESERVATION)
-    assert any("stays allocated" in v and "int workspace" in v for v in found), found
-    assert any("a second reservation holds" in v and "against" in v and "extra" in v for v in found), found
+    assert any("a second reservation holds" in v and "against" in v and "extra" in v and "int workspace" in v
+               for v in found), found
 
 
-def test_a_torch_reservation_that_keeps_partial_wrappers_is_caught(case):
+def test_a_torch_reservation_that_keeps_failed_attempts_is_caught(case):
     found = violations(run("mutant-17b-torch-reservation-keeps-partial", case), RESERVATION)
-    assert any("stays allocated" in v and "stubs.py" in v for v in found), found
+    assert any("each failed attempt leaks" in v and "stubs.py" in v for v in found), found
+
+
+class KeepsPartialUntilTheRetry(TorchFlashInferLikeBuilder):
+    """Legal (issue 37, point 1): a failed reservation keeps on ``self`` the wrappers it made (the most common real
+    pattern); the retry replaces them, which frees them. What the failed attempt left held was made inside the
+    window, so KV sizing sees it: reported as the check's ``retry_cost``, not refused."""
+
+    name = "keeps-partial-until-retry"
+    torch_mode = True
+
+    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+        made = []
+        for route in self.routes():
+            for ub in range(ctx.num_ubatches):
+                self.wrappers[(route, ub)] = self._new_wrapper(ctx, route, ub)
+                made.append(self.wrappers[(route, ub)])
+        return made
+
+
+def test_what_a_failed_reservation_leaves_for_its_retry_to_replace_is_reported_not_refused(case):
+    result = run(KeepsPartialUntilTheRetry, case)
+    assert violations(result, RESERVATION) == []
+    cost = CHECKS_BY_NAME[RESERVATION].details(result).retry_cost
+    assert cost and any("left" in c and "held" in c and "stubs.py" in c for c in cost["left_held"]), cost
+
+
+class RemakesBesideKeptRepeats(FlashInferLikeBuilder):
+    """Bug: keeps what a failed attempt made on a list of its own, and the retry makes every wrapper again beside
+    it; with one wrapper per site made before the failure (the 2nd of a repeated site), only a fault past the first
+    occurrence shows it."""
+
+    name = "remakes-beside-kept"
+
+    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+        made: list[Any] = []
+        try:
+            for route in self.routes():
+                for ub in range(ctx.num_ubatches):
+                    w = self._new_wrapper(ctx, route, ub)
+                    self.wrappers[(route, ub)] = w
+                    made.append(w)
+        except BaseException:
+            self.__dict__.setdefault("kept", []).extend(made)
+            self.wrappers.clear()
+            raise
+        return made
+
+
+def test_a_retry_that_makes_repeated_wrappers_again_beside_the_kept_ones_is_refused(case):
+    found = violations(run(RemakesBesideKeptRepeats, case), RESERVATION)
+    assert any("each failed attempt leaks" in v for v in found), found
 
 
 def test_the_first_error_wins(case):
@@ -208,9 +265,9 @@ def test_fault_points_are_bounded_by_distinct_sites():
             self.stack, self.nbytes, self.tag = stack, nbytes, tag
 
     ctx_mode = [A(None, 8 * MiB, f"int [{i}]") for i in range(6)] + [A(None, MiB)]
-    assert probes._fault_points(ctx_mode) == [0, 6]  # tags differ, the site (role, bytes) does not
-    torch_mode = [A("x.py:1", 8 * MiB), A("x.py:2", 4), A("x.py:1", 8 * MiB), A("x.py:2", 4)]
-    assert probes._fault_points(torch_mode) == [0, 1, 3]  # each source line once, and the last
+    assert probes._fault_points(ctx_mode) == [0, 1, 6]  # tags differ, the site (role, bytes) does not
+    torch_mode = [A("x.py:1", 8 * MiB), A("x.py:2", 4), A("x.py:1", 8 * MiB), A("x.py:2", 4), A("x.py:1", 8 * MiB)]
+    assert probes._fault_points(torch_mode) == [0, 1, 2, 3, 4]  # each source line twice, and the last
     many = [A(f"x.py:{i}", 4) for i in range(30)]
     points = probes._fault_points(many)
     assert len(points) == probes.MAX_FAULT_POINTS and points[0] == 0 and points[-1] == 29  # bounded, spread out
@@ -313,3 +370,31 @@ def test_a_view_held_across_a_growth_and_never_used_is_not_aliasing(case):
         assert any(v.generation == 2 for p in result.phases for v in p.arena)
         assert violations(result, UBATCH) == [], violations(result, UBATCH)
         assert bool(violations(result, USE_AFTER_FREE)) is bad
+
+
+class RetryLeavesItDegraded(FlashInferLikeBuilder):
+    """Bug: after a failed reservation it falls back to a lazy scratch buffer made in serving, even once the retry
+    succeeded: the main run never shows it; the rest of the lifecycle after the retry does."""
+
+    name = "retry-degrades"
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        try:
+            return super().reserve_persistent_workspace(ctx)
+        except DeviceOutOfMemory:
+            self.degraded = True
+            raise
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        if getattr(self, "degraded", False) and ctx.phase == "serving" and not hasattr(self, "late"):
+            self.late = ctx.allocate(4 * MiB, "fallback scratch")
+
+
+def test_the_rest_of_the_lifecycle_after_a_retried_reservation_is_judged(case):
+    result = run(RetryLeavesItDegraded, case)
+    assert CHECKS_BY_NAME["persistent_memory_visible_at_closing"].run(result) == []  # the main run shows nothing
+    found = violations(result, RESERVATION)
+    assert any("and the engine retried it, the rest of the lifecycle fails persistent_memory_visible_at_closing"
+               in v and "fallback scratch" in v for v in found), found
+    assert violations(run("stub-flashinfer", case), RESERVATION) == []
