@@ -14,12 +14,12 @@ import pytest
 
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, Wrapper
-from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, failing_checks
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import BuilderContext
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
-from pytest_kvprofile.matrix.schema import load_matrix
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 LEASE = "lease_released_before_graph_profiling"
@@ -89,3 +89,35 @@ def test_the_mutants_that_keep_and_remake_are_refused_in_ctx_and_torch_mode(name
     backend = next(b for b in MUTANT_BACKENDS if b.name == name)
     failed = failing_checks(run_lifecycle(backend, _cases()[0]))
     assert "counted twice" in failed[LEASE][0]
+
+
+class ReplacesLeasedIntWorkspaces(FlashInferLikeBuilder):
+    """Legal (issue 37, point 4): before the closing measurement it swaps each leased 8 MiB int workspace for a
+    16 MiB one and hands the new one to the lease; the bytes alive at the closing measurement cover the lease."""
+
+    name = "replaces-leased"
+    warmup_materializes_persistent = True
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        self.lease = super().reserve_persistent_workspace(ctx)
+        return self.lease
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if ctx.profiling and not getattr(self, "swapped", False):
+            self.swapped = True
+            for w in self.wrappers.values():
+                new = ctx.allocate(2 * self.int_bytes(), f"{w.route} int x2 [ubatch {w.ubatch}]",
+                                   role=Role.INT_WORKSPACE)
+                ctx.free(w.int_workspace)
+                w.int_workspace, w.int_ptr, w.int_nbytes = new, new.ptr, new.nbytes
+                self.lease.hold(new)
+        super().warmup(ctx)
+
+
+def test_leased_memory_replaced_inside_the_window_by_more_is_judged_by_bytes():
+    case = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.id == "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90")
+    result = run_lifecycle(Backend(name="replaces-leased", make_builders=lambda c: [ReplacesLeasedIntWorkspaces(c)]),
+                           case)
+    assert CHECKS_BY_NAME["lease_outlives_closing_measurement"].run(result) == []
+    early = run_lifecycle(next(b for b in MUTANT_BACKENDS if b.name == "mutant-02-early-release"), case)
+    assert CHECKS_BY_NAME["lease_outlives_closing_measurement"].run(early)

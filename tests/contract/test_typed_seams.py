@@ -40,7 +40,8 @@ def test_the_packaged_suite_names_no_check():
 
 def test_the_checks_with_report_details_are_the_ones_the_report_reads():
     with_details = {c.name for c in CHECKS if c.details is not CHECKS[0].details}
-    assert with_details == {"no_post_kv_overrun", "workspace_covers_planner", "legacy_path_unchanged"}
+    assert with_details == {"no_post_kv_overrun", "workspace_covers_planner", "legacy_path_unchanged",
+                            "reservation_exception_safe"}
 
 
 def test_the_contract_does_not_reach_into_the_lifecycle():
