@@ -226,6 +226,7 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
                             > (best.nbytes, -lc.PHASE_INDEX.get(best.phase, 0))):
             by_route[g.route] = g
     out.extend(_short_plans(result, name))
+    out.extend(_short_for_what_is_planned(result, name))
     planned = any(p.builder == name for p in result.plans)
     for route, g in sorted(by_route.items(), key=lambda kv: kv[0] or ""):
         if route is None and planned:
@@ -241,6 +242,31 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
             f"carves {size_text(route_need)} for {', '.join(subs)}: "
             f"short by {size_text((route_need - g.nbytes))} "
             "(Buffer overflow ... Increase the workspace buffer size)")
+    return out
+
+
+def _short_for_what_is_planned(result: LifecycleResult, name: str) -> list[str]:
+    """Ctx mode: a view named for one route that a build plans a batch of the other route into (the prefill part of
+    a mixed batch sent into a view named ``route="decode"``), sized by what is planned, not by the name."""
+    case_routes = routes(result.case)
+    worst: dict[tuple[str, str], Any] = {}
+    for vp in result.view_plans:
+        planned = "decode" if vp.batch_kind == "decode" else "prefill"
+        if vp.builder != name or vp.route is None or vp.route == planned or planned not in case_routes:
+            continue
+        key = (vp.route, planned)
+        if key not in worst or vp.nbytes < worst[key].nbytes:
+            worst[key] = vp
+    out = []
+    for (named, planned), vp in sorted(worst.items()):
+        need, subs = need_for_routes(result.case, (planned,))
+        if vp.nbytes < need:
+            out.append(
+                f"builder {name!r} plans {vp.batch_kind} batches ({planned}) into an arena view named "
+                f"route={named!r} of {bytes_text(vp.nbytes)} (phase {vp.phase!r}, ubatch {vp.ubatch}), but "
+                f"FlashInfer's planner carves {bytes_text(need)} for {', '.join(subs)}: short by "
+                f"{bytes_text(need - vp.nbytes)} (Buffer overflow ... Increase the workspace buffer size). A view is "
+                "sized for what is planned into it; ask for one per route")
     return out
 
 

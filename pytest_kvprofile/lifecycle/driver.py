@@ -76,6 +76,7 @@ from pytest_kvprofile.lifecycle.record import (
     ProbeTarget,
     Refusal,
     ViewGrant,
+    ViewPlan,
 )
 from pytest_kvprofile.lifecycle.window import WindowObserver
 from pytest_kvprofile.matrix.cases import Case, DecodeCapture
@@ -178,6 +179,7 @@ class LifecycleRun:
         self._peak_used = 0
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
+        self._current_batch: Batch | None = None
         self._torch: SimulatedCuda | None = None
         # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
         self._sim: SimulatedCuda | None = None
@@ -247,6 +249,7 @@ class LifecycleRun:
         self._current_call = method
         batch = args[1] if method == "build" and len(args) > 1 else None
         self._current_ubatch = batch.ubatch if isinstance(batch, Batch) else None
+        self._current_batch = batch if isinstance(batch, Batch) else None
         try:
             if self._torch is None:
                 return call_optional(builder, method, *args)
@@ -257,6 +260,7 @@ class LifecycleRun:
         finally:
             self._current_call = None
             self._current_ubatch = None
+            self._current_batch = None
 
     def _fail(self, who: str, exc: BaseException) -> None:
         self.result.errors.append(
@@ -277,6 +281,13 @@ class LifecycleRun:
     def note_plan(self, owner: str, target: object) -> None:
         """``ctx.plan_into(target)``: judge the use from the manager's generations and the ledger."""
         if isinstance(target, ArenaView):
+            batch = self._current_batch
+            if batch is not None:
+                grant = next((g for g in reversed(self.result.grants)
+                              if g.requester == owner and g.ubatch == target.ubatch and g.ptr == target.ptr
+                              and g.nbytes == target.nbytes), None)
+                self.result.view_plans.append(ViewPlan(self.device.phase, owner, target.ubatch, target.nbytes,
+                                                       grant.route if grant is not None else None, batch.kind))
             freed = None if self.manager.is_current(target) else self.manager.retired.get(
                 (target.ubatch, target.generation), "?")
             self._note_use(owner, self._current_call, target.ubatch, target.nbytes, freed, "ctx.plan_into",

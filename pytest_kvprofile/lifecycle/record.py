@@ -113,6 +113,20 @@ class ViewGrant:
 
 
 @dataclass(frozen=True)
+class ViewPlan:
+    """``ctx.plan_into(view)`` while a batch is built: the view's bytes and the route it was asked for (None: every
+    route), and the kind of batch planned into it, which decides the planner's need (a mixed batch plans its prefill
+    part)."""
+
+    phase: str
+    builder: str
+    ubatch: int
+    nbytes: int
+    route: str | None
+    batch_kind: str
+
+
+@dataclass(frozen=True)
 class PlanRecord:
     """One FlashInfer ``plan()`` seen in torch mode: the wrapper's route and the float workspace it planned into.
 
@@ -197,6 +211,7 @@ class LifecycleResult:
     refusals: list[Refusal] = field(default_factory=list)
     grants: list[ViewGrant] = field(default_factory=list)
     plans: list[PlanRecord] = field(default_factory=list)  # torch mode: every FlashInfer plan() and where it planned
+    view_plans: list[ViewPlan] = field(default_factory=list)  # ctx mode: plan_into(view) in a build, by batch kind
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     uses: list[MemoryUse] = field(default_factory=list)  # freed memory used, other micro-batches' arenas used

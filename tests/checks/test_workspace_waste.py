@@ -183,3 +183,29 @@ def test_kvprofile_size_refuses_a_route_the_case_does_not_have(capsys):
 
     assert main(["size", "--model", "qwen3-8b", "--gpu", "L40S", "--routes", "xqa"]) == 2
     assert "--routes: xqa is not a route of the case" in capsys.readouterr().err
+
+
+def test_a_view_is_sized_for_the_batch_planned_into_it_not_for_its_name():
+    """Issue 37, point 5: the prefill part of mixed batches sent into a view named route="decode" (sized for decode
+    alone) is short for prefill; the correct builder that keeps decode-only views for decode passes."""
+    from pytest_kvprofile import Backend
+    from pytest_kvprofile.builtin.stubs import NativeDecodeBuilder
+
+    class MixedIntoDecodeView(NativeDecodeBuilder):
+        name = "mixed-into-decode-view"
+
+        def build(self, ctx, batch):
+            if batch.kind == "mixed":
+                self._plan(ctx, self.wrappers[("decode", batch.ubatch)])
+            else:
+                super().build(ctx, batch)
+
+    case = next(c for c in load_matrix(packaged_matrix("ci")).cases
+                if c.id == "glm-4-9b-32q2kv-tp1-dcp1-mtp0-b200-gmu0.90")
+    decode_need = need_for_routes(case, ("decode",))[0]
+    assert need_for_routes(case, ("prefill",))[0] > decode_need  # the layout where the name matters
+    bad = run_lifecycle(Backend(name="bad", make_builders=lambda c: [MixedIntoDecodeView(c)]), case)
+    found = check_workspace_covers_planner(bad, CheckOptions())
+    assert any("plans mixed batches (prefill) into an arena view named route='decode'" in v for v in found), found
+    good = run_lifecycle(Backend(name="good", make_builders=lambda c: [NativeDecodeBuilder(c)]), case)
+    assert check_workspace_covers_planner(good, CheckOptions()) == []
