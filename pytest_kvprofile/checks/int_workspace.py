@@ -64,6 +64,7 @@ def check_int_workspace_per_wrapper(result: LifecycleResult, options: CheckOptio
             out.extend(_per_wrapper(result, name, mine, ints))
         located = [a for a in located_int_workspaces(result, name, mine) if a.role is not Role.INT_WORKSPACE]
         out.extend(_after_capture(result, name, ints + located))
+        out.extend(_across_ubatches(result, name, ints))
     return out
 
 
@@ -179,6 +180,37 @@ def _behind(w: BoundWorkspace, phase: str, candidates: list[Allocation]) -> Allo
     k = lc.PHASE_INDEX[phase]
     return max((a for a in candidates if lc.PHASE_INDEX.get(a.phase, LAST + 1) <= k
                 and _within(w.int_ptr, w.int_nbytes, a.ptr, a.nbytes)), key=lambda a: a.id, default=None)
+
+
+def _across_ubatches(result: LifecycleResult, name: str, ints: list[Allocation]) -> list[str]:
+    """An int workspace the builds of two micro-batches plan into (observed: ``ctx.plan_into`` and torch writes),
+    unless the wrappers report disjoint slices of it, one per micro-batch."""
+    sliced = _sliced_per_ubatch(result, name)
+    shared = [(a, sorted(result.int_ubatches[a.id])) for a in ints
+              if len(result.int_ubatches.get(a.id, ())) > 1 and a.id not in sliced]
+    if not shared:
+        return []
+    a, ubs = shared[0]
+    return [f"builder {name!r}: the builds of micro-batches {ubs} plan into one int workspace, {fmt_alloc(a)}"
+            f"{f' (and {len(shared) - 1} more)' if len(shared) > 1 else ''}: micro-batches run concurrently, so "
+            "each plan overwrites the other's. Give each micro-batch's wrappers their own"]
+
+
+def _sliced_per_ubatch(result: LifecycleResult, name: str) -> set[int]:
+    """Int workspaces whose reporting wrappers hold disjoint slices of them (a slab, legal)."""
+    mine = [a for a in result.allocations if a.owner == name and a.kind == "device"]
+    out: set[int] = set()
+    for phase in SERVING_STATE:
+        own_floats = [a for a in mine if a.role is Role.FLOAT_WORKSPACE]
+        located = [(w, b) for w in _wrappers(result, name, phase, own_floats)
+                   if w.int_nbytes and (b := _behind(w, phase, mine)) is not None]
+        by_alloc: dict[int, list[tuple[BoundWorkspace, Allocation]]] = {}
+        for w, b in located:
+            by_alloc.setdefault(b.id, []).append((w, b))
+        for aid, pairs in by_alloc.items():
+            if len(pairs) > 1 and _overlapping(pairs) is None:
+                out.add(aid)
+    return out
 
 
 def _after_capture(result: LifecycleResult, name: str, ints: list[Allocation]) -> list[str]:

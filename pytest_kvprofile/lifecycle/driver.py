@@ -294,6 +294,7 @@ class LifecycleRun:
                            lambda: f"its view of micro-batch {target.ubatch}'s float arena (generation "
                                    f"{target.generation})", _caller_site)
         elif isinstance(target, Allocation):
+            self._note_int_use(target)
             freed = None if target.alive else (target.freed_phase or "?")
             ubatch = self.manager.ubatch_of(target) if target.role is Role.FLOAT_ARENA else None
             self._note_use(owner, self._current_call, ubatch, target.nbytes, freed, "ctx.plan_into",
@@ -301,9 +302,18 @@ class LifecycleRun:
         else:
             raise TypeError(f"ctx.plan_into() takes an ArenaView or an Allocation, not {type(target).__name__}")
 
+    def _note_int_use(self, alloc: Allocation) -> None:
+        """A build of one micro-batch planning into an int workspace: micro-batches run concurrently, so one int
+        workspace built into by two is shared between them (``int_workspace_per_wrapper``)."""
+        if alloc.role is Role.INT_WORKSPACE and self._current_ubatch is not None and alloc.alive:
+            self.result.int_ubatches.setdefault(alloc.id, set()).add(self._current_ubatch)
+
     def _on_torch_use(self, alloc: Allocation, api: str) -> None:
-        """A torch call read or wrote a freed storage or an arena (``SimulatedCuda.on_use``)."""
+        """A torch call read or wrote a freed storage, an arena or an int workspace (``SimulatedCuda.on_use``)."""
         if self._in_manager:
+            return
+        if alloc.role is Role.INT_WORKSPACE and alloc.alive:
+            self._note_int_use(alloc)
             return
         ubatch = self.manager.ubatch_of(alloc)
         stale = getattr(self.manager, "stale_since", None)  # vLLM's manager: an old arena a kept view keeps alive

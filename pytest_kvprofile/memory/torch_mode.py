@@ -337,7 +337,8 @@ class SimulatedCuda:
         self.foreign: dict[int, ForeignUse] = {}  # id(allocation) -> its first use here
         self._direct: dict[int, Allocation] = {}  # caching_allocator_alloc's pointers: kept across re-entries
         # Called with (allocation, torch API) when a torch call reads or writes a storage the ledger already freed
-        # (an arena a growth gave back) or a float arena; the lifecycle judges the use (no_use_after_free).
+        # (an arena a growth gave back), a float arena or an int workspace; the lifecycle judges the use
+        # (no_use_after_free, and which micro-batch planned into which arena or int workspace).
         self.on_use: Callable[[Allocation, str], None] | None = None
 
     # -- public ----------------------------------------------------------------------------------------
@@ -688,7 +689,8 @@ class _Mode(TorchFunctionMode):
             alloc = registry.get(ptr)
             if alloc is not None:
                 any_sim = True
-                if on_use is not None and (not alloc.alive or alloc.role is Role.FLOAT_ARENA):
+                if on_use is not None and (not alloc.alive or alloc.role is Role.FLOAT_ARENA
+                                           or alloc.role is Role.INT_WORKSPACE):
                     on_use(alloc, _api_name(func))
             else:
                 host_inputs.add(ptr)

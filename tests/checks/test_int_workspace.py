@@ -268,3 +268,18 @@ def test_disjoint_slices_of_one_slab_are_legal_and_overlapping_ones_are_not(case
     assert CHECK not in failing_checks(legal), failing_checks(legal).get(CHECK)
     failed = failing_checks(run_lifecycle(_backend("overlaps", OverlappingSlices), case))
     assert CHECK in failed and "overlapping bytes of one int workspace" in failed[CHECK][0], failed
+
+
+class Ubatch1PlansIntoUbatch0Int(FlashInferLikeBuilder):
+    """Bug (issue 37, point 2): each wrapper reports its own int workspace, but micro-batch 1's builds plan into
+    micro-batch 0's (ctx.plan_into tells the harness)."""
+
+    def _plan(self, ctx: BuilderContext, w: Wrapper) -> None:
+        ctx.plan_into(w.view)
+        ctx.plan_into(self.wrappers[(w.route, 0)].int_workspace)
+
+
+def test_an_int_workspace_planned_into_by_two_micro_batches_is_shared(case):
+    failed = failing_checks(run_lifecycle(_backend("u1-into-u0", Ubatch1PlansIntoUbatch0Int), case))
+    assert CHECK in failed and any("micro-batches [0, 1] plan into one int workspace" in m for m in failed[CHECK])
+    assert CHECK not in failing_checks(run_lifecycle(_backend("own", FlashInferLikeBuilder), case))
