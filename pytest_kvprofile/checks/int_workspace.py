@@ -65,6 +65,7 @@ def check_int_workspace_per_wrapper(result: LifecycleResult, options: CheckOptio
         located = [a for a in located_int_workspaces(result, name, mine) if a.role is not Role.INT_WORKSPACE]
         out.extend(_after_capture(result, name, ints + located))
         out.extend(_across_ubatches(result, name, ints))
+        out.extend(_held_by_two_wrappers(result, name, mine))
     return out
 
 
@@ -180,6 +181,20 @@ def _behind(w: BoundWorkspace, phase: str, candidates: list[Allocation]) -> Allo
     k = lc.PHASE_INDEX[phase]
     return max((a for a in candidates if lc.PHASE_INDEX.get(a.phase, LAST + 1) <= k
                 and _within(w.int_ptr, w.int_nbytes, a.ptr, a.nbytes)), key=lambda a: a.id, default=None)
+
+
+def _held_by_two_wrappers(result: LifecycleResult, name: str, mine: list[Allocation]) -> list[str]:
+    """Torch mode: FlashInfer wrapper objects that take one int workspace while another live wrapper plans into it
+    (found from the wrappers themselves, so a builder that reports no wrapper is judged too)."""
+    by_id = {a.id: a for a in mine}
+    shared = [s for s in result.shared_ints if s.alloc_id in by_id]
+    if not shared:
+        return []
+    first = shared[0]
+    return [f"builder {name!r}: a FlashInfer {first.wrappers[1]} took as its int workspace the one a live "
+            f"{first.wrappers[0]} plans into, {fmt_alloc(by_id[first.alloc_id])}, in phase {first.phase!r} "
+            f"({len(shared)} such handover(s) in the run; seen from the wrappers, whatever bound_workspaces() says): "
+            "each plan overwrites the other's. Give every wrapper its own"]
 
 
 def _across_ubatches(result: LifecycleResult, name: str, ints: list[Allocation]) -> list[str]:

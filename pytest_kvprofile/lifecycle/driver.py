@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import sys
 import traceback
+import weakref
 from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
@@ -75,6 +76,7 @@ from pytest_kvprofile.lifecycle.record import (
     PlanRecord,
     ProbeTarget,
     Refusal,
+    SharedInt,
     ViewGrant,
     ViewPlan,
 )
@@ -180,6 +182,7 @@ class LifecycleRun:
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
         self._current_batch: Batch | None = None
+        self._int_holders: dict[int, list[Any]] = {}  # int workspace id -> weak references to the wrappers on it
         self._torch: SimulatedCuda | None = None
         # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
         self._sim: SimulatedCuda | None = None
@@ -302,6 +305,24 @@ class LifecycleRun:
         else:
             raise TypeError(f"ctx.plan_into() takes an ArenaView or an Allocation, not {type(target).__name__}")
 
+    def _on_int_holder(self, alloc: Allocation, wrapper: Any, attr: str) -> None:
+        """A FlashInfer wrapper took ``alloc`` as its int workspace: another live wrapper still planning into it
+        shares it (``int_workspace_per_wrapper``), whatever ``bound_workspaces()`` says."""
+        holders = self._int_holders.setdefault(alloc.id, [])
+        for ref in holders:
+            other = ref()
+            if other is None or other is wrapper:
+                continue
+            held = getattr(other, attr, None)
+            if held is not None and self._memory_of(held) is alloc:
+                self.result.shared_ints.append(SharedInt(self.device.phase, alloc.id,
+                                                         (type(other).__name__, type(wrapper).__name__)))
+                break
+        try:
+            holders.append(weakref.ref(wrapper))
+        except TypeError:  # a wrapper without weak references: nothing to compare it with later
+            pass
+
     def _note_int_use(self, alloc: Allocation) -> None:
         """A build of one micro-batch planning into an int workspace: micro-batches run concurrently, so one int
         workspace built into by two is shared between them (``int_workspace_per_wrapper``)."""
@@ -419,12 +440,14 @@ class LifecycleRun:
         with simulated_gpu_on(self.device, self.case.gpu), sim:
             self._torch = sim
             sim.on_use = self._on_torch_use
+            sim.on_int_holder = self._on_int_holder
             stop = observe_plans(self._on_plan)
             try:
                 yield
             finally:
                 stop()
                 sim.on_use = None  # the simulation outlives the run (it knows every simulation's tensors): let go
+                sim.on_int_holder = None
                 self.result.foreign_uses.extend(list(sim.foreign.values())[noted:])
                 self._torch = None
 

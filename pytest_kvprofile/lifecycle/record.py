@@ -113,6 +113,15 @@ class ViewGrant:
 
 
 @dataclass(frozen=True)
+class SharedInt:
+    """Torch mode: a FlashInfer wrapper took as its int workspace an allocation another live wrapper plans into."""
+
+    phase: str
+    alloc_id: int
+    wrappers: tuple[str, str]  # the class names of the wrapper holding it and of the one taking it
+
+
+@dataclass(frozen=True)
 class ViewPlan:
     """``ctx.plan_into(view)`` while a batch is built: the view's bytes and the route it was asked for (None: every
     route), and the kind of batch planned into it, which decides the planner's need (a mixed batch plans its prefill
@@ -213,6 +222,7 @@ class LifecycleResult:
     plans: list[PlanRecord] = field(default_factory=list)  # torch mode: every FlashInfer plan() and where it planned
     view_plans: list[ViewPlan] = field(default_factory=list)  # ctx mode: plan_into(view) in a build, by batch kind
     int_ubatches: dict[int, set[int]] = field(default_factory=dict)  # int workspace id -> micro-batches built into it
+    shared_ints: list[SharedInt] = field(default_factory=list)  # torch mode: live wrappers on one int workspace
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     uses: list[MemoryUse] = field(default_factory=list)  # freed memory used, other micro-batches' arenas used

@@ -207,10 +207,24 @@ def _assigning_roles(method: Callable[..., Any], holder: Callable[[Any], Any]) -
         for attr, role in _WRAPPER_BUFFERS:
             if role is Role.FLOAT_WORKSPACE and getattr(buffers, "_backend", None) == "trtllm-gen":
                 role = Role.TRTLLM_WORKSPACE  # a trtllm-gen wrapper's float buffer is the trtllm-gen workspace
-            assign_role(getattr(buffers, attr, None), role, keep=(Role.FLOAT_ARENA,))
+            alloc = assign_role(getattr(buffers, attr, None), role, keep=(Role.FLOAT_ARENA,))
+            if alloc is not None and role is Role.INT_WORKSPACE:
+                note_int_holder(alloc, buffers, attr)
         return out
 
     return wrapper
+
+
+def note_int_holder(alloc: Any, wrapper: Any, attr: str) -> None:
+    """A FlashInfer wrapper took ``alloc`` as its int workspace: the run's simulation is told (``on_int_holder``),
+    which judges whether another live wrapper plans into it too (found from the wrapper objects, whatever the
+    builder reports in ``bound_workspaces()``)."""
+    from pytest_kvprofile.memory.torch_mode import active_simulation
+
+    sim = active_simulation()
+    callback = getattr(sim, "on_int_holder", None)
+    if callback is not None:
+        callback(alloc, wrapper, attr)
 
 
 def _flashinfer_mla_loader() -> Callable[..., Any] | None:

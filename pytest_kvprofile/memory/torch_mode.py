@@ -340,6 +340,8 @@ class SimulatedCuda:
         # (an arena a growth gave back), a float arena or an int workspace; the lifecycle judges the use
         # (no_use_after_free, and which micro-batch planned into which arena or int workspace).
         self.on_use: Callable[[Allocation, str], None] | None = None
+        # Called with (allocation, wrapper, attribute) when a FlashInfer wrapper takes an int workspace.
+        self.on_int_holder: Callable[[Allocation, Any, str], None] | None = None
 
     # -- public ----------------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ are exactly what FlashInfer's planner needs for the worst batch (16 fewer overfl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,3 +166,23 @@ def test_full_default_matrix() -> None:
             missed.append(case.id)
     assert not bad, f"{len(bad)} cases fail, e.g. {next(iter(bad.items()))}"
     assert not missed, f"the lazy twin passes on {missed[:5]}"
+
+
+def test_a_shared_int_workspace_is_found_from_flashinfers_wrappers_without_bound_workspaces() -> None:
+    """Issue 37, point 2: the wrappers are found from FlashInfer's own objects in torch mode, so a builder that
+    reports nothing in ``bound_workspaces()`` is judged too."""
+    from pytest_kvprofile.builtin.flashinfer_real import SharedIntWorkspaceRealBuilder
+
+    class Silent(SharedIntWorkspaceRealBuilder):
+        name = "flashinfer-shared-int-silent"
+
+        def bound_workspaces(self) -> list[Any]:
+            return []
+
+    backend = dataclasses.replace(REAL_FLASHINFER_MUTANTS[1], name=Silent.name, make_builders=lambda c: [Silent(c)])
+    result = driver.run_lifecycle(backend, _cases()[LAYOUTS[0]])
+    failures = failing_checks(result)
+    assert "int_workspace_per_wrapper" in failures, failures
+    assert any("took as its int workspace the one a live" in m for m in failures["int_workspace_per_wrapper"])
+    correct = driver.run_lifecycle(REAL_FLASHINFER_BACKENDS[0], _cases()[LAYOUTS[0]])
+    assert correct.shared_ints == [] and "int_workspace_per_wrapper" not in failing_checks(correct)
