@@ -619,6 +619,35 @@ class ReservationKeepsPartialBuilder(FlashInferLikeBuilder):
         return made
 
 
+class RemakesCapturedIndexBuffersBuilder(FlashInferLikeBuilder):
+    """Bug 4 (a captured pointer moves): each CUDA-graph decode wrapper's fixed index buffer, made in the window and
+    planned into at capture, is made again at the same size on the first serving step; the captured graph still
+    reads the old one."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+        wrappers = self._materialize(ctx)
+        self.index: dict[int, Any] = {}
+        try:
+            for ub in range(ctx.num_ubatches):
+                self.index[ub] = ctx.allocate(1 << 20, f"graph decode index buffer [ubatch {ub}]")
+        except BaseException:  # all or nothing, as the stub: its one bug is the re-make after capture
+            for made in self.index.values():
+                ctx.free(made)
+            self._drop(ctx, wrappers)
+            raise
+        return ctx.lease([*wrappers, *self.index.values()])
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        if batch.cuda_graph and batch.kind == "decode":
+            if ctx.phase == "serving" and not getattr(self, "remade", False):
+                self.remade = True
+                for ub, old in self.index.items():
+                    ctx.free(old)
+                    self.index[ub] = ctx.allocate(1 << 20, f"graph decode index buffer [ubatch {ub}]")
+            ctx.plan_into(self.index[batch.ubatch])
+
+
 class TorchReservationKeepsPartialBuilder(TorchFlashInferLikeBuilder):
     """Bug 17b (torch mode): 17a with plain torch tensors: a failed reservation's wrappers are kept in a list of
     failed attempts that nothing clears, so they stay referenced beside the ones the second reservation makes: each
@@ -675,6 +704,7 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-04a-grow-after-lock", 4, GrowAfterLockBuilder),
     _mutant("mutant-04b-realloc-on-rebind", 4, ReallocOnRebindBuilder),
     _mutant("mutant-04c-swallowed-grow-after-lock", 4, SwallowedGrowAfterLockBuilder),
+    _mutant("mutant-04d-remakes-captured-index-buffers", 4, RemakesCapturedIndexBuffersBuilder),
     _mutant("mutant-05-ubatch-alias", 5, UbatchAliasBuilder),
     _mutant("mutant-05b-silent-ubatch-alias", 5, SilentUbatchAliasBuilder),
     _mutant("mutant-06a-truthy-declaration", 6, TruthyDeclarationBuilder),

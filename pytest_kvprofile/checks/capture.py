@@ -75,7 +75,28 @@ def _flashinfer_plan(a: Any) -> bool:
     return os.path.realpath(path).startswith(root)
 
 
+def check_captured_memory_stays(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """What a captured graph reads stays where it is: every builder allocation a capture read or wrote (torch mode:
+    every storage its calls touched; ctx mode: ``ctx.plan_into``) and that was alive when capture ended is alive to
+    the end. A re-make after capture, at the same size or not, moves it under the graph's raw pointer."""
+    names = builder_names(result)
+    capture_end = lc.PHASE_INDEX[lc.CAPTURE]
+    moved = [a for a in result.allocations
+             if a.id in result.captured_reads and a.owner in names and a.kind == "device"
+             and lc.PHASE_INDEX.get(a.phase, capture_end + 1) <= capture_end and a.freed_phase != lc.CAPTURE
+             and a.freed_phase in (lc.LOCK, lc.SERVING, lc.WARMUP_REPEAT)]
+    if not moved:
+        return []
+    phases = ", ".join(sorted({repr(a.freed_phase) for a in moved}))
+    return [f"captured_memory_stays: memory the CUDA-graph capture read or wrote is freed after capture (in phase "
+            f"{phases}): {grouped(result, moved)}. A captured graph keeps its raw pointers; keep what a captured "
+            "wrapper plans into (its fixed index buffers, its int workspace) alive to the end, and refill it in "
+            "place instead of making it again"]
+
+
 CHECKS: tuple[Check, ...] = (
     Check("no_synthetic_workspace_in_capture", "nothing allocates synthetic profiling workspace (or resource "
           "memory) during graph capture", PROFILING, lc.CAPTURE, (9, 13), check_no_synthetic_workspace_in_capture),
+    Check("captured_memory_stays", "memory a CUDA-graph capture reads or writes stays alive, where it is, to the end",
+          PROFILING, lc.CAPTURE, (4,), check_captured_memory_stays),
 )

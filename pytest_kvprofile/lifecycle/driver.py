@@ -298,6 +298,8 @@ class LifecycleRun:
                                    f"{target.generation})", _caller_site)
         elif isinstance(target, Allocation):
             self._note_int_use(target)
+            if target.alive and self.device.capturing:
+                self.result.captured_reads.add(target.id)
             freed = None if target.alive else (target.freed_phase or "?")
             ubatch = self.manager.ubatch_of(target) if target.role is Role.FLOAT_ARENA else None
             self._note_use(owner, self._current_call, ubatch, target.nbytes, freed, "ctx.plan_into",
@@ -333,6 +335,8 @@ class LifecycleRun:
         """A torch call read or wrote a freed storage, an arena or an int workspace (``SimulatedCuda.on_use``)."""
         if self._in_manager:
             return
+        if alloc.alive and self.device.capturing:
+            self.result.captured_reads.add(alloc.id)
         if alloc.role is Role.INT_WORKSPACE and alloc.alive:
             self._note_int_use(alloc)
             return
@@ -852,9 +856,17 @@ class LifecycleRun:
             self.result.kv_allocation = self._alloc_engine(available, "kv-cache", "kv cache")
 
     def _capture(self, pool: Any) -> None:
-        for capture in self._captures():
-            with self.device.graph_capture(pool) as pool:
-                self._graph_forward(capture, plan=True)
+        """The real capture; in torch mode every storage its calls touch is noted (what the graphs read)."""
+        sim = self._torch
+        if sim is not None:
+            sim.watch_all = True
+        try:
+            for capture in self._captures():
+                with self.device.graph_capture(pool) as pool:
+                    self._graph_forward(capture, plan=True)
+        finally:
+            if sim is not None:
+                sim.watch_all = False
 
     def _serving_batches(self) -> list[Batch]:
         """A deterministic sweep of the envelope, so that a lazily created wrapper meets its shape.

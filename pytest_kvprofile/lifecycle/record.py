@@ -223,6 +223,7 @@ class LifecycleResult:
     view_plans: list[ViewPlan] = field(default_factory=list)  # ctx mode: plan_into(view) in a build, by batch kind
     int_ubatches: dict[int, set[int]] = field(default_factory=dict)  # int workspace id -> micro-batches built into it
     shared_ints: list[SharedInt] = field(default_factory=list)  # torch mode: live wrappers on one int workspace
+    captured_reads: set[int] = field(default_factory=set)  # ids of live memory read or written while capturing
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     uses: list[MemoryUse] = field(default_factory=list)  # freed memory used, other micro-batches' arenas used

@@ -342,6 +342,7 @@ class SimulatedCuda:
         self.on_use: Callable[[Allocation, str], None] | None = None
         # Called with (allocation, wrapper, attribute) when a FlashInfer wrapper takes an int workspace.
         self.on_int_holder: Callable[[Allocation, Any, str], None] | None = None
+        self.watch_all = False  # on_use for every simulated storage a call touches (while a graph is captured)
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -692,7 +693,7 @@ class _Mode(TorchFunctionMode):
             if alloc is not None:
                 any_sim = True
                 if on_use is not None and (not alloc.alive or alloc.role is Role.FLOAT_ARENA
-                                           or alloc.role is Role.INT_WORKSPACE):
+                                           or alloc.role is Role.INT_WORKSPACE or self.sim.watch_all):
                     on_use(alloc, _api_name(func))
             else:
                 host_inputs.add(ptr)

@@ -30,7 +30,9 @@ CHECK = "int_workspace_per_wrapper"
 MUTANTS = {b.name: b for b in MUTANT_BACKENDS}
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvprofile-example-backend"
 # Other checks that legitimately catch an int workspace mutant too (its ctx.plan_into() of the freed workspace).
-COLLATERAL = {"mutant-15c-int-workspace-freed-early": {"no_use_after_free"}}
+COLLATERAL = {"mutant-15c-int-workspace-freed-early": {"no_use_after_free"},
+              "mutant-15d-int-workspace-remade-after-capture": {"captured_memory_stays"},
+              "mutant-15h-torch-int-workspace-remade-after-capture": {"captured_memory_stays"}}
 
 
 @pytest.fixture(scope="module")
