@@ -72,7 +72,7 @@ def _flashinfer_plan(a: Any) -> bool:
     if not root or not a.stack:
         return False
     path = a.stack.split(" (builder call site", 1)[0].rsplit(":", 1)[0]  # "file:line in function"
-    return os.path.realpath(path).startswith(root)
+    return bool(os.path.realpath(path).startswith(root))
 
 
 def check_captured_memory_stays(result: LifecycleResult, options: CheckOptions) -> list[str]:

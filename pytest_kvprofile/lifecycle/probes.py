@@ -83,7 +83,7 @@ class _RetriedRun(_SecondEngineRun):
             del self.result.errors[errors:]  # the injected failure; the probe judges how it was raised
             self.result.aborted_in = None
         finally:
-            self.device._fail_countdown = None
+            self.device.fail_after(None)
         return super()._call(builder, method, *args)
 
 

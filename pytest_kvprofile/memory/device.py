@@ -251,9 +251,12 @@ class EventSource:
             if kinds is None or kind in kinds:
                 callback(event)
 
-    def fail_after(self, n: int) -> None:
+    def fail_after(self, n: int | None) -> None:
         """Fault injection: the next ``n`` calls to ``allocate`` succeed, the one after raises
-        ``DeviceOutOfMemory`` (once). Counts device and pinned-host allocations alike."""
+        ``DeviceOutOfMemory`` (once). Counts device and pinned-host allocations alike. None disarms it."""
+        if n is None:
+            self._fail_countdown = None
+            return
         if n < 0:
             raise ValueError(f"fail_after needs n >= 0, got {n}")
         self._fail_countdown = n
