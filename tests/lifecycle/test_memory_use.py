@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pytest_kvprofile import Backend, WorkspaceManager, run_lifecycle
-from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, TorchStaleArenaViewBuilder
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, ReservationKeepsPartialBuilder, TorchStaleArenaViewBuilder
 from pytest_kvprofile.builtin.stubs import (
     STUB_BACKENDS,
     TORCH_STUB_BACKENDS,
@@ -187,14 +187,7 @@ class KeepsPartialUntilTheRetry(TorchFlashInferLikeBuilder):
 
     name = "keeps-partial-until-retry"
     torch_mode = True
-
-    def _materialize(self, ctx: BuilderContext) -> list[Any]:
-        made = []
-        for route in self.routes():
-            for ub in range(ctx.num_ubatches):
-                self.wrappers[(route, ub)] = self._new_wrapper(ctx, route, ub)
-                made.append(self.wrappers[(route, ub)])
-        return made
+    _materialize = ReservationKeepsPartialBuilder._materialize  # mutant 17a's, legal with torch tensors
 
 
 def test_what_a_failed_reservation_leaves_for_its_retry_to_replace_is_reported_not_refused(case):
@@ -212,18 +205,12 @@ class RemakesBesideKeptRepeats(FlashInferLikeBuilder):
     name = "remakes-beside-kept"
 
     def _materialize(self, ctx: BuilderContext) -> list[Any]:
-        made: list[Any] = []
         try:
-            for route in self.routes():
-                for ub in range(ctx.num_ubatches):
-                    w = self._new_wrapper(ctx, route, ub)
-                    self.wrappers[(route, ub)] = w
-                    made.append(w)
+            return ReservationKeepsPartialBuilder._materialize(self, ctx)
         except BaseException:
-            self.__dict__.setdefault("kept", []).extend(made)
+            self.__dict__.setdefault("kept", []).extend(self.wrappers.values())
             self.wrappers.clear()
             raise
-        return made
 
 
 def test_a_retry_that_makes_repeated_wrappers_again_beside_the_kept_ones_is_refused(case):
