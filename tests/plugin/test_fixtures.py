@@ -64,7 +64,7 @@ def test_kvprofile_alone_collects_the_default_matrix(pytester):
     result = pytester.runpytest("--kvprofile", "--collect-only", "-q", "-p", "no:cacheprovider")
     assert result.ret == 0
     # deselected: test_engine_accepts_layout (no stub's engine refuses a layout) and teardown_clean (no stub closes)
-    result.stdout.fnmatch_lines(["*64884/64886 tests collected (2 deselected)*"])
+    result.stdout.fnmatch_lines(["*67860/67862 tests collected (2 deselected)*"])
 
 
 def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_doubled(pytester):
@@ -72,9 +72,9 @@ def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_double
     args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--kvprofile-matrix", CI]
     with_suite = pytester.runpytest("--kvprofile", "test_own.py", *args)
     assert "test_own.py::test_own" in with_suite.stdout.lines
-    with_suite.stdout.fnmatch_lines(["2417/2420 tests collected (3 deselected)*"])
+    with_suite.stdout.fnmatch_lines(["2529/2532 tests collected (3 deselected)*"])
     named = pytester.runpytest("--kvprofile", "--pyargs", "pytest_kvprofile.suite", *args)
-    named.stdout.fnmatch_lines(["2416/2419 tests collected (3 deselected)*"])
+    named.stdout.fnmatch_lines(["2528/2531 tests collected (3 deselected)*"])
     without = pytester.runpytest("test_own.py", *args)
     without.stdout.fnmatch_lines(["*1 test collected*"])
 
