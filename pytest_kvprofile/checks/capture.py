@@ -16,6 +16,7 @@ from pytest_kvprofile.checks.evidence import (
     site,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.memory.device import own_frame
 
 
 def check_no_synthetic_workspace_in_capture(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -71,7 +72,7 @@ def _flashinfer_plan(a: Any) -> bool:
     root = flashinfer_dir()
     if not root or not a.stack:
         return False
-    path = a.stack.split(" (builder call site", 1)[0].rsplit(":", 1)[0]  # "file:line in function"
+    path = own_frame(a.stack).rsplit(":", 1)[0]  # "file:line in function"
     return bool(os.path.realpath(path).startswith(root))
 
 

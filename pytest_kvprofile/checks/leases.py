@@ -14,7 +14,7 @@ from pytest_kvprofile.checks.evidence import (
     live_device_bytes,
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
-from pytest_kvprofile.memory.device import Allocation
+from pytest_kvprofile.memory.device import Allocation, own_frame
 from pytest_kvprofile.units import bytes_text
 
 
@@ -55,7 +55,7 @@ def _unmatched(result: LifecycleResult, owner: str,
     what re-creates, at the same bytes and source line, memory it saw (a wrapper made again after the lease
     release): the first lead the message, the second are context."""
     def key(a: Allocation) -> tuple[int, str]:
-        return a.nbytes, (a.stack or a.tag).split(" (builder call site", 1)[0]
+        return a.nbytes, own_frame(a.stack or a.tag)
 
     seen = Counter(key(a) for a in result.allocations
                    if a.owner == owner and a.kind == "device" and alive_at(a, lc.CLOSING))

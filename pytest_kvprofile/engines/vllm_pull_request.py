@@ -127,9 +127,7 @@ def pull_request_builder(plan: bool) -> type:
         def _trtllm_bytes(self) -> int:
             if not self._uses_trtllm_gen():
                 return 0
-            import sys
-
-            return int(sys.modules[type(self).__mro__[1].__module__]._get_trtllm_workspace_buffer().nbytes)
+            return int(import_vllm_flashinfer()._get_trtllm_workspace_buffer().nbytes)
 
         def _reserved_bytes(self, trtllm: int) -> int:
             ints = sum(getattr(w, "_int_workspace_buffer", None) is not None and w._int_workspace_buffer.nbytes

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from pytest_kvprofile.matrix.gpus import GpuSpec
 
 __all__ = [
+    "own_frame",
     "Allocation",
     "Device",
     "DeviceEvent",
@@ -170,6 +171,11 @@ def with_builder_call_site(stack: str) -> str:
     if site is None or site == stack or stack.startswith(site + " "):
         return stack
     return f"{stack} (builder call site {site})"
+
+
+def own_frame(stack: str) -> str:
+    """The allocating line of a stack ``with_builder_call_site`` wrote, without the builder call site."""
+    return stack.split(" (builder call site", 1)[0]
 
 
 def host_block_size(nbytes: int) -> int:
