@@ -18,6 +18,7 @@ machine and the date; ``--json`` also writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -504,10 +505,11 @@ DERIVED = "## Derived"  # results.md's hand-written section (figures from severa
 
 
 def write_markdown(path: Path, mode: str, rows: list[Row], info: dict[str, str], elapsed: float,
-                   baseline: str | None = None) -> None:
+                   baseline: str | None = None, extra: str = "") -> None:
     command = f"python benchmarks/run.py{'' if mode == 'full' else ' --' + mode}"
     if baseline:
         command += f" --baseline {baseline}"
+    command += extra
     lines = [
         "# pytest-kvprofile benchmarks", "",
         (f"`{command}` ({mode} mode, {elapsed:.0f} s). "
@@ -638,6 +640,169 @@ def before_after(b: Bench, ref: str, subset: Path, lifecycle_size: int, collect_
         _drop_baseline_tree(tree)
 
 
+# -- issue 33: the real-engine path (vLLM's builders, real FlashInfer), before and after ------------------------------
+
+EXAMPLES = HERE.parent / "examples"
+ENGINE_BACKENDS = ("vllm-flashinfer", "vllm-flashinfer-reserving", "flashinfer")
+"""The backends measured per case: vLLM's released builder on the legacy path, the reserving example, and FlashInfer's
+own wrappers. The example comes from ``examples/`` on ``PYTHONPATH`` (no install needed)."""
+
+
+def _engine_backend(name: str) -> object:
+    from pytest_kvprofile.registry import builtin_backends, load_factory
+
+    catalog = builtin_backends()
+    if name in catalog:
+        return catalog[name]
+    return next(b for b in load_factory("vllm_flashinfer_reserving:backends") if b.name == name)
+
+
+def engine_per_case(name: str, count: int) -> dict[str, float]:
+    """Lifecycle and checks (probes included) per case over the first ``count`` + 1 runnable cases of ci.yaml, the
+    first untimed (imports, the oracle, first-call caches); then the torch calls of one more case, counted apart so
+    the count does not slow the timed ones; and the process's peak RSS."""
+    import resource
+
+    from pytest_kvprofile.checks.catalog import failing_checks
+    from pytest_kvprofile.lifecycle.driver import run_lifecycle
+    from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+    from pytest_kvprofile.memory import torch_mode
+
+    backend = _engine_backend(name)
+    cases = [c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None][:count + 2]
+    failing_checks(run_lifecycle(backend, cases[0]))
+    life = checks = 0.0
+    for case in cases[1:-1]:
+        t0 = time.process_time()
+        result = run_lifecycle(backend, case)
+        t1 = time.process_time()
+        failing_checks(result)
+        life, checks = life + t1 - t0, checks + time.process_time() - t1
+    calls = 0
+    original = torch_mode._Mode.__torch_function__
+
+    def counted(self: object, *args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    torch_mode._Mode.__torch_function__ = counted  # type: ignore[method-assign]
+    try:
+        failing_checks(run_lifecycle(backend, cases[-1]))
+    finally:
+        torch_mode._Mode.__torch_function__ = original  # type: ignore[method-assign]
+    n = len(cases) - 2
+    return {"life": life / n, "checks": checks / n, "cases": n, "torch_calls": calls,
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _engine_env(tree: Path | None) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([str(tree if tree is not None else HERE.parent),
+                                           str(EXAMPLES / "vllm-flashinfer-reserving")])}
+
+
+def engine_cost(b: Bench, trees: dict[str, Path | None], count: int) -> None:
+    """Per case CPU, peak RSS and torch calls of each of ``ENGINE_BACKENDS``, before and after, each in a fresh
+    process importing that tree's package (vLLM installed by ``scripts/install_vllm_cpu.sh``)."""
+    targets = {"vllm-flashinfer": 0.3, "vllm-flashinfer-reserving": 0.5, "flashinfer": 0.04}
+    for name in ENGINE_BACKENDS:
+        per: dict[str, float] = {}
+        for label, where in trees.items():
+            proc = run_proc([PY, str(Path(__file__).resolve()), "--engine-probe", name, "--cases", str(count)],
+                            b.work, env=_engine_env(where), timeout=3600)
+            if proc.rc != 0:
+                b.add("engines", f"{name} per case, {label}", None, "s", note="did not run: " + proc.out[-200:])
+                continue
+            data = json.loads([ln for ln in proc.out.splitlines() if ln.startswith("{")][-1])
+            per[label] = data["life"] + data["checks"]
+            after = label == "after"
+            b.add("engines", f"{name} lifecycle+checks CPU per case, {label}", per[label], "s",
+                  f"<= {targets[name]}", per[label] <= targets[name] if after else None,
+                  f"{data['cases']} ci cases; lifecycle {data['life']:.3f} s, checks {data['checks']:.3f} s")
+            b.add("engines", f"{name} peak RSS, {label}", data["rss_mib"], "MiB", "<= 2048" if name != "flashinfer"
+                  else "", data["rss_mib"] <= 2048 if after and name != "flashinfer" else None, "one process")
+            b.add("engines", f"{name} torch calls per case, {label}", data["torch_calls"], "calls",
+                  note="through torch mode, lifecycle and checks of one case")
+        if len(per) == 2:
+            before, after = per.values()
+            b.add("engines", f"{name} per case, before / after", before / after, "x", note="speed-up")
+
+
+TORCH_MIX = 8  # torch calls per round of torch_mode_rounds
+
+
+def torch_mode_rounds(n: int) -> None:
+    """The calls vLLM's builder makes most (a slice, a copy, metadata, a no-op contiguous, an in-place op, an element
+    read, an op making a tensor) on plain CPU tensors, callgrind dump, then on simulated ones, dump: the difference
+    per call is the interception."""
+    import torch
+
+    from pytest_kvprofile.memory.device import SimDevice
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
+    def rounds(dev: str, k: int) -> None:
+        x = torch.zeros(128, dtype=torch.int32, device=dev)
+        y = torch.zeros(16, dtype=torch.int64, device=dev)
+        z = torch.ones_like(y)
+        for _ in range(k):
+            x[3:11], y.copy_(z), x.numel(), x.contiguous(), z.add_(0), y[3].item(), x - 1
+
+    def dump(label: str) -> None:
+        subprocess.run(["callgrind_control", f"--dump={label}", str(os.getpid())], check=True, capture_output=True)
+
+    for sim in (False, True):  # warm both paths (first-call caches), uncounted
+        with SimulatedCuda(SimDevice(name="x", total_memory=GiB)) if sim else contextlib.nullcontext():
+            rounds("cuda" if sim else "cpu", 50)
+    dump("warm")
+    rounds("cpu", n)
+    dump("plain")
+    with SimulatedCuda(SimDevice(name="x", total_memory=GiB)):
+        rounds("cuda", n)
+    dump("simulated")
+
+
+def torch_mode_instructions(b: Bench, trees: dict[str, Path | None], n: int) -> None:
+    """Instructions per intercepted torch call, before and after: one callgrind process per tree, dumped around the
+    plain and the simulated rounds (start-up and imports fall in their own dump)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        b.add("torch mode", "instructions per intercepted call", None, "", note="valgrind not installed")
+        return
+    per: dict[str, float] = {}
+    for label, where in trees.items():
+        out = b.work / f"torchmode.{'before' if where is not None else 'after'}"
+        proc = run_proc(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", PY,
+                         str(Path(__file__).resolve()), "--torch-mode-probe", str(n)], b.work,
+                        env={"PYTHONPATH": str(where if where is not None else HERE.parent)}, timeout=3600)
+        _require(proc, f"torch mode rounds under callgrind ({label})")
+        counts: dict[str, int] = {}
+        for dump_file in out.parent.glob(out.name + ".*"):
+            text = dump_file.read_text(errors="replace")
+            trigger = re.search(r"^desc: Trigger: dump (\w+)", text, re.M)
+            total = re.search(r"^summary: (\d+)", text, re.M)
+            if trigger and total:
+                counts[trigger.group(1)] = int(total.group(1))
+            dump_file.unlink()
+        out.unlink(missing_ok=True)
+        calls = n * TORCH_MIX
+        per[label] = (counts["simulated"] - counts["plain"]) / calls
+        b.add("torch mode", f"instructions per intercepted call, {label}", per[label], "instr",
+              note=f"{calls} calls: simulated {counts['simulated'] / calls:.0f}, plain {counts['plain'] / calls:.0f}")
+    if len(per) == 2:
+        before, after = per.values()
+        b.add("torch mode", "interception, before / after", before / after, "x", ">= 5", before / after >= 5)
+
+
+def engines_before_after(b: Bench, ref: str, count: int, rounds: int) -> None:
+    """Issue 33's figures on ``ref`` (before) and this checkout (after) in one run."""
+    tree = _baseline_tree(b.work, ref)
+    try:
+        trees: dict[str, Path | None] = {f"before ({ref})": tree, "after": None}
+        torch_mode_instructions(b, trees, rounds)
+        engine_cost(b, trees, count)
+    finally:
+        _drop_baseline_tree(tree)
+
+
 def sections(b: Bench, cfg: dict, backend: str) -> None:
     """Sections 1 to 6: overhead, -n 2, memory, scaling, the oracle, the simulated device."""
     serial: dict[str, tuple[Proc, Proc, int] | None] = {}
@@ -685,8 +850,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default=None, metavar="REF",
                     help="also measure git REF (before) beside this checkout (after), alternated, in one run")
     ap.add_argument("--only-baseline", action="store_true", help="with --baseline: only the before/after section")
+    ap.add_argument("--engines", action="store_true",
+                    help="with --baseline: only the real-engine section (vLLM, real FlashInfer, torch mode)")
+    ap.add_argument("--cases", type=int, default=6, help="ci cases per backend in the real-engine section")
     ap.add_argument("--lifecycle-probe", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--torch-mode-probe", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.engine_probe is not None:  # a child of engine_cost
+        print(json.dumps(engine_per_case(args.engine_probe, args.cases)))
+        return 0
+    if args.torch_mode_probe is not None:  # a child of torch_mode_instructions, under callgrind
+        torch_mode_rounds(args.torch_mode_probe)
+        return 0
     if args.lifecycle_probe is not None:  # a child of before_after: measure the importable package, print JSON
         with tempfile.TemporaryDirectory(prefix="kvprofile-bench-") as tmp:
             life, checks, n = lifecycle_per_case(Path(tmp), args.lifecycle_probe, args.backend)
@@ -694,18 +870,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mode = args.mode or "full"
     cfg = MODES[mode]
-    out = args.out or HERE / "results.md"
+    out = args.out or HERE / ("engines.md" if args.engines else "results.md")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvprofile-bench-") as tmp:
         b = Bench(mode, Path(tmp), log=lambda s: print(s, flush=True))
         (b.work / "test_bare.py").write_text(BARE_TEST, encoding="utf-8")
         print(f"pytest-kvprofile benchmarks ({mode}); work dir {tmp}", flush=True)
-        if args.baseline:
+        if args.baseline and args.engines:
+            print(f"[engines] before ({args.baseline}) and after, side by side", flush=True)
+            engines_before_after(b, args.baseline, args.cases, 2000 if mode != "smoke" else 100)
+        elif args.baseline:
             print(f"[0/6] before ({args.baseline}) and after, side by side", flush=True)
             before_after(b, args.baseline, matrixgen.subset_matrix(b.work, 1), cfg["lifecycle"][-1],
                          cfg["collect"][-1], args.backend, 2 if mode != "smoke" else 1, cfg["timeout"],
                          cfg["instructions"])
-        if not args.only_baseline:
+        if not (args.only_baseline or args.engines):
             sections(b, cfg, args.backend)
     elapsed = time.perf_counter() - start
     info = machine()
@@ -713,7 +892,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(lines))
     print(f"\n{mode} run took {elapsed:.0f} s; " + ", ".join(f"{k} {v}" for k, v in info.items()))
-    write_markdown(out, mode, b.rows, info, elapsed, args.baseline)
+    write_markdown(out, mode, b.rows, info, elapsed, args.baseline,
+                   f" --engines --cases {args.cases}" if args.engines else "")
     if args.json:
         args.json.write_text(json.dumps({"mode": mode, "elapsed_s": elapsed, "machine": info,
                                          "rows": [asdict(r) for r in b.rows]}, indent=1), encoding="utf-8")

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import gc
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.contract.protocol import (
@@ -25,12 +25,16 @@ from pytest_kvprofile.contract.protocol import (
     Hook,
     call_optional,
 )
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import builder_name
 from pytest_kvprofile.lifecycle.driver import LifecycleRun, _Abort, _SecondEngineRun, close_parts, make_device
+from pytest_kvprofile.lifecycle.forked import ChildFailed, can_fork, in_child
 from pytest_kvprofile.lifecycle.record import LifecycleResult, ProbeTarget
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.device import DeviceOutOfMemory
 from pytest_kvprofile.units import bytes_text, size_text
+
+T = TypeVar("T")
 
 
 class _Stop(Exception):
@@ -115,6 +119,37 @@ def _fresh(target: ProbeTarget, state: str, reserving: str | None = None) -> Ite
         run._teardown()
 
 
+_UNREACHED = object()  # a step of a prefix the engine never reaches
+Step = Callable[[Callable[[_ProbeRun], T]], "T | object"]
+
+
+@contextlib.contextmanager
+def _prefix(target: ProbeTarget, state: str, reserving: str | None = None) -> Iterator[Step[Any]]:
+    """Steps that each start from the state :func:`_fresh` reaches: ``step(fn)`` is ``fn(run)`` on that state, or
+    ``_UNREACHED``. On the simulated device the state is built once and each step runs in a child forked from it
+    (``lifecycle/forked.py``): every fault point starts where a fresh run would, for the price of a fork. Elsewhere
+    (the GPU tier, no ``fork``) each step drives its own fresh builders, as a forked child failing does."""
+
+    def fresh_step(fn: Callable[[_ProbeRun], T]) -> T | object:
+        with _fresh(target, state, reserving) as run:
+            return _UNREACHED if run is None else fn(run)
+
+    if not (target.device_factory is make_device and can_fork()):
+        yield fresh_step
+        return
+    with _fresh(target, state, reserving) as shared:
+
+        def forked_step(fn: Callable[[_ProbeRun], T]) -> T | object:
+            if shared is None:
+                return _UNREACHED
+            try:
+                return in_child(functools.partial(fn, shared))
+            except ChildFailed:
+                return fresh_step(fn)
+
+        yield forked_step
+
+
 def _warmup(run: _ProbeRun, builder: Any) -> None:
     """Call warmup as the engine does: attributed to the builder (in torch mode too), never recorded."""
     with run._as_part(builder_name(builder), "warmup"):
@@ -148,26 +183,38 @@ def _probe_simulated(backend: Any, case: Case, plan: tuple[tuple[str, int, str],
     return tuple(_probe(ProbeTarget(backend, case, make_device), plan))
 
 
+def _clean_warmup(index: int, name: str, run: _ProbeRun) -> tuple[int, Counter[tuple[str, int]]]:
+    """How many allocations a warmup that never fails makes, and the persistent memory it leaves."""
+    count = len(_allocations_of(run.device, functools.partial(_warmup, run, run.builders[index])))
+    return count, _persistent(run.device, name)
+
+
 def _probe(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[str]:
     out: list[str] = []
     for state, index, name in plan:
-        try:
-            with _fresh(target, state) as clean:
-                if clean is None:
-                    continue
-                count = len(_allocations_of(clean.device, functools.partial(_warmup, clean, clean.builders[index])))
-                expected = _persistent(clean.device, name)
-        except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
-            cause = exc.__cause__ or exc  # a builder error the run recorded and aborted on
-            return [f"the warmup retry probe could not run: {name} failed before or during its warmup in phase "
-                    f"{state!r}: {type(cause).__name__}: {cause}"]
-        for k in range(count):
-            with _fresh(target, state) as run:
-                assert run is not None
-                out.extend(_fail_and_retry(run, index, name, k, expected, state))
+        with _prefix(target, state) as step:
+            try:
+                clean = step(functools.partial(_clean_warmup, index, name))
+            except Exception as exc:  # noqa: BLE001 - the builder cannot even be warmed up once
+                cause = exc.__cause__ or exc  # a builder error the run recorded and aborted on
+                return [f"the warmup retry probe could not run: {name} failed before or during its warmup in phase "
+                        f"{state!r}: {type(cause).__name__}: {cause}"]
+            if clean is _UNREACHED:
+                continue
+            count, expected = clean  # type: ignore[misc]
+            for k in range(count):
+                found = step(functools.partial(_warmup_fault, index, name, k, expected, state))
+                assert found is not _UNREACHED
+                out.extend(found)  # type: ignore[arg-type]
         if out:
             return out
     return out
+
+
+def _warmup_fault(index: int, name: str, k: int, expected: Counter[tuple[str, int]], state: str,
+                  run: _ProbeRun) -> list[str]:
+    """:func:`_fail_and_retry` as a probe step."""
+    return _fail_and_retry(run, index, name, k, expected, state)
 
 
 def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Counter[tuple[str, int]],
@@ -331,29 +378,57 @@ def _probe_reservations(target: ProbeTarget, plan: tuple[tuple[int, str], ...],
     notes = [] if notes is None else notes
     last = [] if last is None else last
     for index, name in plan:
-        try:
-            with _fresh(target, lc.RESERVATION, reserving=name) as clean:
-                if clean is None:
-                    continue
-                before = {a.id for a in clean.device.live_allocations()}
-                allocs = _allocations_of(clean.device, functools.partial(_reserve, clean, clean.builders[index]))
-                clean_wide = _process_wide(clean)
-                expected = _held(clean.device, name, before, frozenset(clean_wide))
-        except Exception as exc:  # noqa: BLE001 - the builder cannot even reserve once
-            cause = exc.__cause__ or exc
-            return [f"the reservation probe could not run: {name} failed before or during its reservation: "
-                    f"{type(cause).__name__}: {cause}"]
-        points = _fault_points(allocs)
-        if points:
-            last.append((name, points[-1]))
-        for k in points:
-            with _fresh(target, lc.RESERVATION, reserving=name) as run:
-                assert run is not None
-                out.extend(_fail_reservation(run, index, name, k, allocs[k], expected, retry=True,
-                                             look_wide=bool(clean_wide), notes=notes))
+        with _prefix(target, lc.RESERVATION, reserving=name) as step:
+            try:
+                clean = step(functools.partial(_clean_reservation, index, name))
+            except Exception as exc:  # noqa: BLE001 - the builder cannot even reserve once
+                cause = exc.__cause__ or exc
+                return [f"the reservation probe could not run: {name} failed before or during its reservation: "
+                        f"{type(cause).__name__}: {cause}"]
+            if clean is _UNREACHED:
+                continue
+            allocs, expected, clean_wide = clean  # type: ignore[misc]
+            points = _fault_points(allocs)
+            if points:
+                last.append((name, points[-1]))
+            for k in points:
+                found = step(functools.partial(_failed_reservation, index, name, k, allocs[k], expected, clean_wide))
+                assert found is not _UNREACHED
+                violations, noted = found  # type: ignore[misc]
+                out.extend(violations)
+                notes.extend(noted)
         if out:
             return out
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """What the probe reads of an allocation a clean reservation made (a ledger entry does not cross a fork)."""
+
+    owner: str
+    kind: str
+    role: Role
+    stack: str | None
+    nbytes: int
+    tag: str
+
+
+def _clean_reservation(index: int, name: str, run: _ProbeRun) -> tuple[list[_Site], Held, bool]:
+    """A reservation that never fails: the allocations it makes, in order, what it leaves held, and whether it left
+    anything in process-wide state."""
+    before = {a.id for a in run.device.live_allocations()}
+    allocs = _allocations_of(run.device, functools.partial(_reserve, run, run.builders[index]))
+    wide = _process_wide(run)
+    sites = [_Site(a.owner, a.kind, a.role, a.stack, a.nbytes, a.tag) for a in allocs]
+    return sites, _held(run.device, name, before, frozenset(wide)), bool(wide)
+
+
+def _failed_reservation(index: int, name: str, k: int, site: _Site, expected: Held, look_wide: bool,
+                        run: _ProbeRun) -> tuple[list[str], list[str]]:
+    """:func:`_fail_reservation` with a retry, as a probe step: what it refuses and what it reports."""
+    notes: list[str] = []
+    return _fail_reservation(run, index, name, k, site, expected, retry=True, look_wide=look_wide, notes=notes), notes
 
 
 def _allocations_of(device: Any, fn: Callable[[], object]) -> list[Any]:

@@ -9,6 +9,7 @@ answers from that ledger. Limits are listed in ``docs/simulated-device.md``.
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import sys
 import threading
@@ -640,11 +641,27 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         registry = self.sim._registry
+        try:
+            kind = _KINDS[func]
+        except (KeyError, TypeError):
+            kind = _kind(func)
+        if kind == _METADATA_CALL:  # reads what a tensor is, not its bytes: never a use, even of freed memory
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kind == _PLAIN_CALL and not kwargs and not self.sim.watch_all:
+            quiet = _quiet_inputs(registry, args)
+            if quiet is not None:  # live simulated storages nothing watches: only what the call creates counts
+                out = func(*args)
+                if quiet and isinstance(out, torch.Tensor):
+                    try:
+                        made = out.untyped_storage().data_ptr() not in registry
+                    except (RuntimeError, NotImplementedError):
+                        return out
+                    if made:
+                        self.sim._record(out, _api_name(func), False)
+                    return out
+                return self._record_outputs(out, _api_name(func), False, set()) if quiet else out
         if kwargs is None:
             kwargs = {}
-        kind = _kind(func)
-        if kind == _METADATA_CALL:  # reads what a tensor is, not its bytes: never a use, even of freed memory
-            return func(*args, **kwargs)
         if kind == _SPECIAL_CALL:  # one of _SPECIAL, a property getter or an unhashable callable: most calls are not
             if func == _DEVICE_GET:
                 alloc = registry.get(_storage_ptr(args[0]))
@@ -700,8 +717,12 @@ class _Mode(TorchFunctionMode):
         for ptr in host_inputs:
             if ptr in _live_storages:
                 self.sim._note_foreign(ptr, _api_name(func))
-        out = func(*args, **kwargs)
         record_device = to_cuda if to_cuda is not None else any_sim
+        out = None
+        if (record_device or pinned) and kind == _PLAIN_CALL and func in _ZERO_FACTORIES:
+            out = _untouched_zeros(func, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         if not (record_device or pinned):
             return out
         api = _api_name(func)
@@ -772,6 +793,55 @@ class _Mode(TorchFunctionMode):
         if src_alloc is not None and src_alloc.kind == "device" and _storage_ptr(out) != _storage_ptr(src):
             self.sim._record(out, "Tensor.to", pinned=False)
         return out
+
+
+_ZERO_FACTORIES = frozenset((torch.zeros, torch.zeros_like, torch.Tensor.new_zeros))
+UNTOUCHED_MIN_BYTES = 1 << 20
+"""Zero-filled device allocations from this size up are anonymous mappings, which the kernel gives as untouched zero
+pages: a workspace costs host memory only where a kernel or a copy writes it (below it, an ``mmap`` costs more than the
+fill it saves)."""
+
+
+def _untouched_zeros(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """What ``func(*args, **kwargs)`` returns, as a tensor over untouched zero pages; None where that is not the same
+    tensor (an ``out=``, a sparse or non-default layout, a small size): the caller makes it the usual way."""
+    if "out" in kwargs or kwargs.get("layout", torch.strided) is not torch.strided:
+        return None
+    try:
+        meta = func(*args, **{**kwargs, "device": "meta"})
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    if not isinstance(meta, torch.Tensor) or meta.layout is not torch.strided:
+        return None
+    nbytes = meta.untyped_storage().nbytes()
+    if nbytes < UNTOUCHED_MIN_BYTES:
+        return None
+    storage = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).untyped_storage()
+    out = torch.empty(0, dtype=meta.dtype).set_(storage, 0, meta.size(), meta.stride())
+    return out.requires_grad_() if meta.requires_grad else out
+
+
+_WATCHED = (Role.FLOAT_ARENA, Role.INT_WORKSPACE)
+
+
+def _quiet_inputs(registry: dict[int, Allocation], args: tuple) -> bool | None:
+    """Whether a call's positional arguments include a simulated tensor (True) or no tensor (False), when every tensor
+    among them is a live simulated storage no check watches (not a float arena, not an int workspace, not freed by the
+    ledger); None when the call needs the full path (a host tensor, which may be another case's; a list of tensors; a
+    tensor without storage; a watched storage)."""
+    quiet = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            try:
+                alloc = registry.get(a.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                return None
+            if alloc is None or not alloc.alive or alloc.role in _WATCHED:
+                return None
+            quiet = True
+        elif isinstance(a, (list, tuple)):
+            return None
+    return quiet
 
 
 def _tensor_inputs(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:

@@ -207,3 +207,49 @@ def test_modules_views_and_nesting(dev: SimDevice) -> None:
             assert torch.cuda.get_device_name() == "other"
         assert torch.cuda.get_device_name() == dev.name
     assert len(other.live_allocations()) == 1
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_a_zeroed_workspace_costs_host_memory_only_where_it_is_written(dev: SimDevice) -> None:
+    with SimulatedCuda(dev):
+        before = _rss()
+        ws = torch.zeros(256 * MiB, dtype=torch.uint8, device="cuda")
+        assert _rss() - before < 32 * MiB  # untouched zero pages, no fill
+        assert dev.memory_allocated() >= 256 * MiB and ws.is_cuda
+        ws[:MiB].fill_(7)
+        assert int(ws[:MiB].sum()) == 7 * MiB and int(ws[MiB:2 * MiB].sum()) == 0
+        like = torch.zeros_like(ws.view(torch.int32))
+        assert like.dtype is torch.int32 and like.shape == (64 * MiB,) and like.is_cuda
+        assert ws.new_zeros((2, MiB)).is_cuda
+        del ws, like
+        gc.collect()
+        assert dev.memory_allocated() < MiB
+
+
+def test_calls_on_live_storages_record_only_what_they_create(dev: SimDevice) -> None:
+    with SimulatedCuda(dev) as sim:
+        x = torch.zeros(64, dtype=torch.int32, device="cuda")
+        uses: list[str] = []
+        sim.on_use = lambda alloc, api: uses.append(api)
+        count = len(dev.live_allocations())
+        x[3:9].add_(1)
+        x.copy_(x.flip(0))  # flip makes one tensor, freed at once
+        assert len(dev.live_allocations()) == count and not uses
+        y = x - 1
+        assert sim.allocation_of(y) is not None and len(dev.live_allocations()) == count + 1
+        from pytest_kvprofile.contract.roles import Role
+        from pytest_kvprofile.memory.torch_mode import assign_role
+
+        assign_role(x, Role.INT_WORKSPACE)
+        x[0:4].zero_()
+        assert uses == ["Tensor.__getitem__", "Tensor.zero_"]
+        alloc = sim.allocation_of(y)
+        dev.free(alloc)  # the ledger gave it back while the tensor lives: every touch is a use of freed memory
+        uses.clear()
+        y.add_(1)
+        assert uses == ["Tensor.add_"]

@@ -2,12 +2,14 @@
 
 Per (backend, case): once at collection to classify the pair and once for the lifecycle; once at
 configure, on the first runnable case, to inspect the backend; and, per distinct layout, once for the
-warmup-retry probe's clean warmup and once per allocation of that warmup (its fault points), in each
-state where the main run saw the warmup allocate (the probe ignores gmu, so it runs on the case with its
-id and gmu blanked).
+warmup-retry probe's shared prefix, in each state where the main run saw the warmup allocate: its clean
+warmup and each of its allocations (its fault points) run in children forked from it; where probes do not fork,
+once for each of them (the probe ignores gmu, so it runs on the case with its id and gmu blanked).
 """
 
 import json
+
+import pytest
 
 COUNTING_BACKEND = """
 import collections
@@ -55,7 +57,9 @@ def pytest_sessionfinish(session):
 """
 
 
-def test_builders_are_made_once_per_pair_for_the_lifecycle(pytester, suite_args):
+@pytest.mark.parametrize("no_fork", ["", "1"], ids=["forked-probes", "fresh-probes"])
+def test_builders_are_made_once_per_pair_for_the_lifecycle(pytester, suite_args, monkeypatch, no_fork):
+    monkeypatch.setenv("KVPROFILE_NO_FORK", no_fork)
     pytester.makepyfile(countedbk=COUNTING_BACKEND)
     pytester.makeconftest(CONFTEST)
     pytester.syspathinsert()
@@ -66,5 +70,6 @@ def test_builders_are_made_once_per_pair_for_the_lifecycle(pytester, suite_args)
     first, *rest = made
     assert made[first] == 3, made  # inspect + classify + lifecycle
     assert rest and all(made[c] == 2 for c in rest), made  # classify + lifecycle
-    # per layout (each case here has its own): the clean warmup inside the window and its one fault point
-    assert probe == 2 * len(made), made
+    # per layout (each case here has its own): the clean warmup inside the window and its one fault point, each
+    # in a child forked from one shared prefix, or each on its own fresh builders where probes do not fork
+    assert probe == (2 if no_fork else 1) * len(made), made

@@ -1,0 +1,113 @@
+"""Run a probe step in a child process forked from the current state, so probes share the run up to a fault point.
+
+A probe that fails a builder at its allocation ``k`` needs the state just before the builder is asked (fresh builders
+driven up to their reservation or warmup). Building that state once and forking one child per fault point gives every
+fault the same starting state a fresh run would, at the cost of a fork instead of a lifecycle prefix. The child returns
+a picklable value through a pipe and leaves with ``os._exit``: it never touches pytest's or xdist's channels, stdio
+buffers or the parent's files. Only the simulated device forks: a process that has initialized CUDA cannot use it in a
+child, so the GPU tier (and a platform without ``fork``) re-runs the prefix instead (``can_fork``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import warnings
+from typing import Callable, TypeVar
+
+__all__ = ["ChildFailed", "can_fork", "in_child"]
+
+T = TypeVar("T")
+
+_ENV = "KVPROFILE_NO_FORK"  # set (to anything but "" or "0") to re-run every prefix instead, as before forking
+
+
+class ChildFailed(RuntimeError):
+    """The forked child died before it sent its answer (a crash, a signal): the probe step is re-run in-process."""
+
+
+def can_fork() -> bool:
+    """Whether probe steps may run in forked children here: ``os.fork`` exists, it is not switched off, and this
+    process has not initialized CUDA (the simulated device's probes only)."""
+    if not hasattr(os, "fork") or os.environ.get(_ENV, "") not in ("", "0"):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
+
+
+class _Raised:
+    """An exception the child raised, carried as text when it does not pickle: the parent raises one of the same type
+    name and message (and explicit cause), which is what the probes report."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.chain: list[tuple[str, str]] = []
+        seen: BaseException | None = exc
+        while seen is not None and len(self.chain) < 8:
+            self.chain.append((type(seen).__name__, str(seen)))
+            seen = seen.__cause__
+
+    def rebuild(self) -> Exception:
+        out: Exception | None = None
+        for name, text in reversed(self.chain):
+            exc = type(name, (Exception,), {})(text)
+            exc.__cause__ = out
+            out = exc
+        assert out is not None
+        return out
+
+
+def in_child(fn: Callable[[], T]) -> T:
+    """``fn()`` evaluated in a child forked from here; its value, or the exception it raised, comes back. Raises
+    :class:`ChildFailed` when the child dies without answering."""
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: "use of fork() may lead to deadlocks"
+        pid = os.fork()
+    if pid == 0:  # the child: answer, then leave without running the parent's exit handlers
+        os.close(read_fd)
+        _serve(fn, write_fd)
+    os.close(write_fd)
+    try:
+        chunks = []
+        while True:
+            chunk = os.read(read_fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        os.close(read_fd)
+        _, status = os.waitpid(pid, 0)
+    if not chunks:
+        raise ChildFailed(f"the probe's forked child ended with status {status} and no answer")
+    ok, value = pickle.loads(b"".join(chunks))
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value.rebuild() if isinstance(value, _Raised) else value
+
+
+def _serve(fn: Callable[[], object], write_fd: int) -> None:
+    code = 0
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not exist here
+        try:
+            payload = pickle.dumps((True, fn()))
+        except Exception as exc:  # noqa: BLE001 - carried to the parent, which raises it where fn was called
+            try:
+                payload = pickle.dumps((False, exc))
+                pickle.loads(payload)
+            except Exception:  # noqa: BLE001 - an exception that does not survive pickling
+                payload = pickle.dumps((False, _Raised(exc)))
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(write_fd, view):]
+    except BaseException:  # noqa: BLE001 - no answer: the parent re-runs the step
+        code = 1
+    finally:
+        os._exit(code)
