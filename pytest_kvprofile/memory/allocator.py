@@ -19,8 +19,12 @@ MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: requests >= this get a segment of 
 ROUND_LARGE = 2 << 20  # kRoundLarge: those segments are rounded up to a multiple of 2 MiB
 MIN_MAX_SPLIT_SIZE = LARGE_BUFFER  # max_split_size_mb below 20 is refused by PyTorch's allocator config
 
-# Simulated addresses: monotonic, never reused, so a reallocated buffer always changes pointer.
-DEVICE_ADDRESS_BASE = 0x7F00_0000_0000
+# Simulated addresses: monotonic segments, so a reallocated segment always changes pointer. They start above every
+# user-space host address (x86-64 and AArch64 hand processes addresses below 2**47): in torch mode a device tensor's
+# data_ptr() is a host address, and one that maps to no live simulated storage (a dangling pointer a builder kept)
+# must never read as a ledger address.
+USER_SPACE_END = 1 << 47
+DEVICE_ADDRESS_BASE = USER_SPACE_END
 SEGMENT_ALIGNMENT = 2 << 20
 
 _ALL, _SMALL, _LARGE = 0, 1, 2

@@ -26,6 +26,7 @@ from typing import (
 from pytest_kvprofile.contract.device import Allocation, Device, DeviceEvent
 from pytest_kvprofile.contract.roles import Role, as_role
 from pytest_kvprofile.memory.allocator import (
+    DEVICE_ADDRESS_BASE,
     CachingAllocator,
     GraphPool,
     MemPool,
@@ -50,7 +51,7 @@ __all__ = [
     "format_size",
 ]
 
-HOST_ADDRESS_BASE = 0x7E00_0000_0000
+HOST_ADDRESS_BASE = DEVICE_ADDRESS_BASE + (1 << 44)  # pinned host: its own range, 16 TiB above the device's
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package root
 _PROTOCOL_FILE = os.path.join(_PACKAGE_DIR, "contract", "protocol.py")  # where the harness calls builder methods
 

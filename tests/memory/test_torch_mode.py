@@ -253,3 +253,24 @@ def test_calls_on_live_storages_record_only_what_they_create(dev: SimDevice) -> 
         uses.clear()
         y.add_(1)
         assert uses == ["Tensor.add_"]
+
+
+def test_no_host_address_reads_as_a_simulated_one(dev: SimDevice) -> None:
+    """A data_ptr() that maps to no live simulated storage (a pointer a builder kept past its tensor) stays outside
+    the ledger's addresses: every mapping of this process lies below the simulated device and pinned-host ranges."""
+    from pytest_kvprofile.memory.allocator import DEVICE_ADDRESS_BASE
+    from pytest_kvprofile.memory.device import HOST_ADDRESS_BASE
+
+    with SimulatedCuda(dev) as sim:
+        kept = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda")
+        dangling = kept.data_ptr()
+        del kept
+        gc.collect()
+        assert sim.simulated_ptr(dangling) is None
+        fresh = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        assert all(not (a.ptr <= dangling < a.ptr + a.nbytes) for a in dev.live_allocations())
+        assert sim.allocation_of(fresh) is not None
+    with open("/proc/self/maps") as maps:
+        ends = [int(line.split("-", 1)[1].split()[0], 16) for line in maps if "[vsyscall]" not in line]
+    highest = max(ends)  # the kernel's vsyscall page (x86-64) is mapped into every process above user space
+    assert highest <= min(DEVICE_ADDRESS_BASE, HOST_ADDRESS_BASE)
