@@ -23,7 +23,8 @@ __all__ = ["STANDIN_ARCHITECTURE", "UnexpressibleCase", "hf_config", "hf_config_
            "layer_names", "make_vllm_config", "resolve_kv_cache_layout", "standin_layers", "standin_model_registered"]
 
 STANDIN_ARCHITECTURE = "KvprofileStandinForCausalLM"
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "auto": "bfloat16"}  # the model's dtype, a KV cache of it
+_QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2")  # a bf16 model over a quantized cache (--kv-cache-dtype)
 
 
 class UnexpressibleCase(ValueError):
@@ -36,9 +37,13 @@ def check_expressible(case: Case) -> None:
     if model.attention == "mla":
         raise UnexpressibleCase(f"case {case.id}: MLA layouts are served by vLLM's FlashInfer MLA backend "
                                 "(FlashInferMLAMetadataBuilder), not FlashInferMetadataBuilder")
-    if model.kv_dtype not in _DTYPES:
+    if model.kv_dtype == "nvfp4":
+        raise UnexpressibleCase(f"case {case.id}: an NVFP4 KV cache runs vLLM's FlashInfer backend on trtllm-gen "
+                                "attention only (Blackwell), which the simulated GPU has no host module for (run it "
+                                "on the GPU tier)")
+    if model.kv_dtype not in _DTYPES and model.kv_dtype not in _QUANTIZED:
         raise UnexpressibleCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
-                                f"(it maps the model dtype onto the KV cache: {', '.join(_DTYPES)})")
+                                f"(model dtypes {', '.join(_DTYPES)}; quantized caches {', '.join(_QUANTIZED)})")
     if model.dim_vo != model.head_dim:
         raise UnexpressibleCase(f"case {case.id}: head_dim_vo {model.dim_vo} != head_dim {model.head_dim}; "
                                 "vLLM's FlashInfer builder plans one head size")
@@ -67,7 +72,7 @@ def hf_config(case: Case) -> dict[str, Any]:
         "max_position_embeddings": max(case.envelope.max_model_len, 4096),
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
-        "torch_dtype": _DTYPES[model.kv_dtype],
+        "torch_dtype": model_dtype(case),
         "tie_word_embeddings": False,
         **_hybrid_keys(model),
     }
@@ -148,10 +153,25 @@ def standin_model_registered() -> Iterator[None]:
             models.pop(STANDIN_ARCHITECTURE, None)
 
 
+def model_dtype(case: Case) -> str:
+    """The model's dtype: the KV dtype where the cache is unquantized, bf16 under a quantized cache."""
+    return _DTYPES.get(case.model.kv_dtype, "bfloat16")
+
+
+def cache_dtype(case: Case) -> str:
+    """vLLM's ``--kv-cache-dtype`` for the case ("auto": the model's dtype)."""
+    return case.model.kv.vllm
+
+
 def _torch_dtype(case: Case) -> Any:
+    """The KV cache's storage dtype as vLLM's runner allocates it (quantized caches are uint8 storage)."""
     import torch
 
-    return getattr(torch, _DTYPES[case.model.kv_dtype])
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    if case.model.kv.quantized:
+        return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype(case)]
+    return getattr(torch, model_dtype(case))
 
 
 def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
@@ -173,7 +193,7 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
     folder = hf_dir or hf_config_dir(case)
     with standin_model_registered():
         model_config = ModelConfig(model=str(folder), tokenizer=str(folder), skip_tokenizer_init=True,
-                                   dtype=_DTYPES[case.model.kv_dtype], max_model_len=env.max_model_len)
+                                   dtype=model_dtype(case), max_model_len=env.max_model_len)
     parallel = ParallelConfig(tensor_parallel_size=case.tp, decode_context_parallel_size=case.dcp)
     scheduler = SchedulerConfig(max_num_seqs=env.max_num_seqs, max_num_batched_tokens=env.max_num_batched_tokens,
                                 max_model_len=env.max_model_len, is_encoder_decoder=False)
@@ -190,7 +210,7 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
                                                          prompt_lookup_max=2, prompt_lookup_min=1)
     try:
         return VllmConfig(model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
-                          compilation_config=compilation, cache_config=CacheConfig(block_size=env.page_size), **kwargs)
+                          compilation_config=compilation, cache_config=CacheConfig(block_size=env.page_size, cache_dtype=cache_dtype(case)), **kwargs)
     except ValueError as exc:  # pydantic's ValidationError: vLLM's own refusal of the layout
         errors = exc.errors() if callable(getattr(exc, "errors", None)) else [{"msg": str(exc)}]
         reason = " ".join(str(errors[0].get("msg", exc)).split())

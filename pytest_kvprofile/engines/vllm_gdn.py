@@ -30,7 +30,7 @@ from typing import Any
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.adapter import declared_support, module_standin
-from pytest_kvprofile.engines.vllm_config import UnexpressibleCase
+from pytest_kvprofile.engines.vllm_config import UnexpressibleCase, model_dtype
 from pytest_kvprofile.engines.vllm_flashinfer import DECLARATION_NAMES, VllmAdapter
 
 __all__ = ["GDN_LAYER_MODULE", "VllmGdnBuilder", "gdn_groups", "gdn_resolver_standin", "mamba_spec"]
@@ -64,7 +64,7 @@ def mamba_spec(case: Any) -> Any:
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
         case.tp, model.linear_heads_k, model.linear_heads_v, model.linear_head_dim, model.linear_head_dim,
         model.linear_conv_kernel, case.mtp)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[model.kv_dtype]
+    dtype = getattr(torch, model_dtype(case))  # the state follows the model's dtype, not a quantized KV cache
     dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(dtype, "auto", "auto")
     return MambaSpec(block_size=case.envelope.max_model_len, shapes=shapes, dtypes=dtypes,
                      mamba_type="gdn_attention", num_speculative_blocks=case.mtp)

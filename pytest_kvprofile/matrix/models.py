@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "auto": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp32": 4}
+from pytest_kvprofile.matrix.kv_dtypes import KvDtype, kv_dtype
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,14 @@ class ModelSpec:
         return self.head_dim_vo if self.head_dim_vo is not None else self.head_dim
 
     @property
+    def kv(self) -> KvDtype:
+        """The KV-cache element type (``kv_dtype``)."""
+        return kv_dtype(self.kv_dtype)
+
+    @property
     def kv_dtype_bytes(self) -> int:
-        return KV_DTYPE_BYTES[self.kv_dtype]
+        """``sizeof(DTypeKV)`` as FlashInfer's FA2 planners see it (0: FA2 has no kernel for this dtype)."""
+        return self.kv.planner_bytes
 
     @property
     def hidden(self) -> int:
@@ -134,9 +140,9 @@ def kv_bytes_per_token(model: ModelSpec, tp: int, dcp: int) -> int:
     """
     heads = rank_heads(model, tp, dcp)
     if model.attention == "mla":
-        per_layer = heads.kv_cache_heads * (model.kv_cache_head_dim or model.head_dim) * model.kv_dtype_bytes
+        per_layer = heads.kv_cache_heads * model.kv.row_bytes(model.kv_cache_head_dim or model.head_dim)
     else:
         dim = model.kv_cache_head_dim or model.head_dim
-        per_layer = 2 * heads.kv_cache_heads * dim * model.kv_dtype_bytes
+        per_layer = 2 * heads.kv_cache_heads * model.kv.row_bytes(dim)
     total = per_layer * len(model.attention_layers)
     return -(-total // dcp)

@@ -1,7 +1,8 @@
 """Matrix files: YAML that names models, GPUs and parallel layouts, expanded into cases.
 
 Expansion is deterministic (file order, then models x gpus x tp x dcp x mtp x gmu, x micro-batch counts when
-``envelope.num_ubatches`` lists several: those ids end in ``-ub<N>``, others are unchanged), derives the
+``envelope.num_ubatches`` lists several: those ids end in ``-ub<N>``, x KV dtypes when ``kv_dtype`` is a list, per
+model or for the whole file: those ids end in ``-kv<dtype>``; single values keep the ids unchanged), derives the
 per-rank heads as docs/contract.md ("Parallel layouts") says, and keeps impossible combinations as cases that carry
 a skip reason, so they show up in the id list instead of vanishing. Validation happens once, at
 load; a bad file raises MatrixError naming the file and the key.
@@ -19,7 +20,8 @@ import yaml
 
 from pytest_kvprofile.matrix.cases import Case, Envelope, Matrix, Resource, case_id
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu, slugify
-from pytest_kvprofile.matrix.models import KV_DTYPE_BYTES, ModelSpec, impossible_layout
+from pytest_kvprofile.matrix.kv_dtypes import KV_DTYPES
+from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout
 from pytest_kvprofile.units import GB, GiB
 
 MAX_NUMBER = 2**53
@@ -33,14 +35,15 @@ class MatrixError(ValueError):
         super().__init__(f"{path}: {key}: {message}")
 
 
-_TOP_KEYS = {"name", "description", "envelope", "models", "gpus", "tp", "dcp", "mtp", "gmu", "exclude", "resources"}
+_TOP_KEYS = {"name", "description", "envelope", "models", "gpus", "tp", "dcp", "mtp", "gmu", "kv_dtype", "exclude",
+             "resources"}
 _MODEL_KEYS = {
     "heads_q": int,
     "heads_kv": int,
     "head_dim": int,
     "head_dim_vo": int,
     "num_layers": int,
-    "kv_dtype": str,
+    "kv_dtype": (str, list),  # a list is an axis: the model's cases expand over it, their ids gain "-kv<dtype>"
     "attention": str,
     "kv_cache_heads": int,
     "kv_cache_head_dim": int,
@@ -64,7 +67,7 @@ _ENVELOPE_KEYS = {
     "num_ubatches": (int, list),  # a list is an axis: cases expand over it, their ids gain "-ub<N>"
     "nontorch_mib": int,
 }
-_EXCLUDE_KEYS = {"model", "gpu", "tp", "dcp", "mtp", "gmu"}
+_EXCLUDE_KEYS = {"model", "gpu", "tp", "dcp", "mtp", "gmu", "kv_dtype"}
 _RESOURCE_KEYS = {"kind", "when", "params"}
 
 
@@ -133,9 +136,8 @@ def _parse_model(path: str, name: str, raw: Any) -> ModelSpec:
             _positive(path, f"{where}.{key}", value)
     if raw.get("weights_gib", 0) < 0 or not math.isfinite(raw.get("weights_gib", 0)):
         raise MatrixError(path, f"{where}.weights_gib", f"must be a finite number >= 0, got {raw['weights_gib']!r}")
-    if raw.get("kv_dtype", "bf16") not in KV_DTYPE_BYTES:
-        raise MatrixError(path, f"{where}.kv_dtype",
-                          f"unknown KV dtype {raw['kv_dtype']!r} (known: {', '.join(KV_DTYPE_BYTES)})")
+    if "kv_dtype" in raw:
+        raw = {**raw, "kv_dtype": kv_dtype_values(path, f"{where}.kv_dtype", raw["kv_dtype"])[0]}
     if raw.get("attention", "mha") not in ("mha", "mla"):
         raise MatrixError(path, f"{where}.attention", f"expected 'mha' or 'mla', got {raw['attention']!r}")
     if raw["heads_q"] % raw["heads_kv"]:
@@ -252,7 +254,7 @@ def _parse_excludes(path: str, raw: Any) -> list[dict[str, Any]]:
 
 
 _RULE_TYPES = {"model": str, "gpu": (str, int), "tp": int, "dcp": int, "mtp": int, "gmu": (int, float),
-               "interconnect": str, "min_tp": int}
+               "kv_dtype": str, "interconnect": str, "min_tp": int}
 
 
 def _rule_values(path: str, where: str, rule: dict[str, Any]) -> None:
@@ -286,9 +288,40 @@ def _parse_resources(path: str, raw: Any) -> list[tuple[dict[str, Any], Resource
     return out
 
 
-def _matches(rule: dict[str, Any], model: str, gpu: GpuSpec, tp: int, dcp: int, mtp: int, gmu: float) -> bool:
+def kv_dtype_values(path: str, key: str, value: Any) -> list[str]:
+    """A ``kv_dtype`` value (one name, or a non-empty list of distinct names), checked against the dtype table."""
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise MatrixError(path, key, "expected a KV dtype or a non-empty list of them")
+    for i, item in enumerate(values):
+        where = f"{key}[{i}]" if isinstance(value, list) else key
+        if not isinstance(item, str) or item not in KV_DTYPES:
+            raise MatrixError(path, where, f"unknown KV dtype {item!r} (known: {', '.join(KV_DTYPES)})")
+    if len(set(values)) != len(values):
+        raise MatrixError(path, key, f"duplicate values in {value!r}")
+    return list(values)
+
+
+def kv_dtype_axis(path: str, raw_model: Any, top: Any) -> list[str | None]:
+    """The KV dtypes one model's cases expand over: the model's own ``kv_dtype`` list, else the file's; ``[None]``
+    when neither lists several (a single value is the model's ``kv_dtype``, and the ids carry no suffix)."""
+    if isinstance(raw_model, dict) and "kv_dtype" in raw_model:
+        own = raw_model["kv_dtype"]
+        return list(own) if isinstance(own, list) else [None]
+    return list(top) if isinstance(top, list) else [None]
+
+
+def kv_case_id(base: str, dtype: str | None) -> str:
+    """A case id with the KV dtype suffix when KV dtypes are an axis for its model."""
+    return base if dtype is None else f"{base}-kv{dtype}"
+
+
+def _matches(rule: dict[str, Any], model: str, gpu: GpuSpec, tp: int, dcp: int, mtp: int, gmu: float,
+             kv: str = "bf16") -> bool:
     for key, want in rule.items():
         wants = want if isinstance(want, list) else [want]
+        if key == "kv_dtype" and kv not in wants:
+            return False
         if key == "model" and model not in wants:
             return False
         if key == "gpu" and gpu.slug not in [slugify(str(w)) for w in wants]:
@@ -309,6 +342,17 @@ def _matches(rule: dict[str, Any], model: str, gpu: GpuSpec, tp: int, dcp: int, 
 
 
 FIT_MARGIN_GIB = 2
+
+
+def kv_dtype_refusal(model: ModelSpec, gpu: GpuSpec) -> str | None:
+    """Why ``model``'s KV dtype cannot be cached on ``gpu`` (NVFP4 needs Blackwell's tensor cores), or None."""
+    need = model.kv.min_cc_major
+    major = gpu.compute_capability[0]
+    if need and major < need:
+        have = f"sm_{major}{gpu.compute_capability[1]}" if major else "an unknown compute capability"
+        return (f"KV dtype {model.kv_dtype} needs compute capability {need}.x or newer (Blackwell); {gpu.name} has "
+                f"{have}")
+    return None
 
 
 def _weights_do_not_fit(model: ModelSpec, gpu: GpuSpec, tp: int, gmu: float, envelope: Envelope) -> bool:
@@ -333,7 +377,11 @@ def parse_matrix(data: Any, path: str) -> Matrix:
     models_raw = _mapping(path, "models", data["models"])
     if not models_raw:
         raise MatrixError(path, "models", "no models")
+    top_kv = kv_dtype_values(path, "kv_dtype", data["kv_dtype"]) if "kv_dtype" in data else None
     models = {mname: _parse_model(path, mname, mraw) for mname, mraw in models_raw.items()}
+    if top_kv is not None:  # the file's dtype for models that name none
+        models = {m: spec if "kv_dtype" in models_raw[m] else dataclasses.replace(spec, kv_dtype=top_kv[0])
+                  for m, spec in models.items()}
     if not isinstance(data["gpus"], list) or not data["gpus"]:
         raise MatrixError(path, "gpus", f"expected a non-empty list, got {data['gpus']!r}")
     gpus = [_parse_gpu(path, i, g) for i, g in enumerate(data["gpus"])]
@@ -354,20 +402,22 @@ def parse_matrix(data: Any, path: str) -> Matrix:
 
     matrix = Matrix(path=path, name=name, models=models)
     seen: set[str] = set()
-    for mname, model in models.items():
+    for mname, base_model in models.items():
+        kvs = kv_dtype_axis(path, models_raw[mname], data.get("kv_dtype"))
         for gpu in gpus:
             for tp in tps:
                 for dcp in dcps:
                     for mtp in mtps:
-                        for gmu, ub in itertools.product(gmus, ubatches):
-                            if any(_matches(rule, mname, gpu, tp, dcp, mtp, gmu) for rule in excludes):
+                        for gmu, ub, kv in itertools.product(gmus, ubatches, kvs):
+                            model = base_model if kv is None else dataclasses.replace(base_model, kv_dtype=kv)
+                            if any(_matches(rule, mname, gpu, tp, dcp, mtp, gmu, model.kv_dtype) for rule in excludes):
                                 continue
-                            cid = ubatch_case_id(case_id(mname, tp, dcp, mtp, gpu, gmu), ub)
+                            cid = kv_case_id(ubatch_case_id(case_id(mname, tp, dcp, mtp, gpu, gmu), ub), kv)
                             if cid in seen:
                                 raise MatrixError(path, f"models.{mname}", f"case id {cid!r} is generated twice")
                             seen.add(cid)
                             env = envelope if ub is None else dataclasses.replace(envelope, num_ubatches=ub)
-                            reason = impossible_layout(model, tp, dcp, mtp)
+                            reason = impossible_layout(model, tp, dcp, mtp) or kv_dtype_refusal(model, gpu)
                             if reason is None and _weights_do_not_fit(model, gpu, tp, gmu, env):
                                 reason = (
                                     f"{model.name} weights ({model.weights_gib:g} GiB / tp={tp}) plus "
@@ -375,7 +425,8 @@ def parse_matrix(data: Any, path: str) -> Matrix:
                                     f"{gpu.name} memory at gmu {gmu:.2f}"
                                 )
                             carried = tuple(
-                                res for when, res in resources if _matches(when, mname, gpu, tp, dcp, mtp, gmu)
+                                res for when, res in resources
+                                if _matches(when, mname, gpu, tp, dcp, mtp, gmu, model.kv_dtype)
                             )
                             matrix.cases.append(
                                 Case(

@@ -107,6 +107,7 @@ class Layout:
     cc_major: int = 9
     cc_minor: int = 0
     smem_optin: int = 101376
+    kv_bytes: int = 2  # sizeof(DTypeKV): the prefill planner's CTA tile and the decode kernel's occupancy
 
     @property
     def device(self) -> PlannerDevice:
@@ -139,7 +140,7 @@ def _plan(family: str, lay: Layout, batch: PlanBatch, page_size: int) -> PlanSiz
                         head_dim_qk=lay.head_dim_qk, head_dim_vo=lay.head_dim_vo,
                         page_size=page_size, dev=lay.device, cuda_graph=batch.cuda_graph,
                         uniform_q_len=batch.uniform_q_len,
-                        fixed_uniform_q_len=batch.fixed_uniform_q_len)
+                        fixed_uniform_q_len=batch.fixed_uniform_q_len, kv_dtype_bytes=lay.kv_bytes)
 
 
 def _split_witness(target: int, tiles_per_req: int, q_len: int, env: PlanEnvelope,
@@ -195,7 +196,7 @@ def _q_for_tile(lay: Layout, target_cta: int, uniform: int = 0) -> int:
     if uniform:
         return uniform
     for q in range(1, 4097):
-        if cta_tile_q(q * lay.group, lay.head_dim_vo, lay.head_dim_qk, lay.device) == target_cta:
+        if cta_tile_q(q * lay.group, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes) == target_cta:
             return q
     return 1
 
@@ -251,7 +252,7 @@ def prefill_graph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
             if b <= n < n_max:
                 ns.add(n)
         for n in ns:
-            cta = cta_tile_q((n - b + 1) * g, dvo, dqk, dev)
+            cta = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes)
             padded = max(max_bs, ceil_div(n * g, cta) + b - 1)
             rows = prefill_split_rows(family, hq, hkv, padded, cta)
             if rows > best_rows:
@@ -267,7 +268,7 @@ def decode_tc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> 
     u = env.q_decode
     g = lay.group
     max_bs = max_batch_size_if_split(lay.num_sm, lay.heads_kv)
-    cta = cta_tile_q(u * g, lay.head_dim_vo, lay.head_dim_qk, lay.device)
+    cta = cta_tile_q(u * g, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes)
     tiles = ceil_div(u * g, cta)
     if cuda_graph:
         cap = env.graph_tokens // u if env.cuda_graph_sizes else env.max_num_seqs
@@ -281,7 +282,7 @@ def decode_tc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> 
         dev, hq, hkv, dvo, dqk = lay.device, lay.heads_q, lay.heads_kv, lay.head_dim_vo, lay.head_dim_qk
         for b in range(1, b_max + 1):
             n = b * u
-            c = cta_tile_q((n - b + 1) * g, dvo, dqk, dev)
+            c = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes)
             padded = max(max_bs, ceil_div(n * g, c) + b - 1)
             rows = prefill_split_rows(family, hq, hkv, padded, c)
             if rows > best_rows:
@@ -310,7 +311,7 @@ def decode_cc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool,
     """CUDA-core decode: the split batch is bounded by ``blocks_per_sm * num_sm / H_kv``."""
     notes: tuple[str, ...] = ()
     if blocks_per_sm is None:
-        blocks_per_sm = decode_blocks_per_sm_bound(lay.head_dim_vo, lay.group, lay.cc_major)
+        blocks_per_sm = decode_blocks_per_sm_bound(lay.head_dim_vo, lay.group, lay.cc_major, lay.kv_bytes)
         notes = (f"decode occupancy unknown: bounded at {blocks_per_sm} blocks/SM "
                  "(threads and shared memory only)",)
     max_grid = blocks_per_sm * lay.num_sm

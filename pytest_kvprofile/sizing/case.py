@@ -51,21 +51,39 @@ def plan_envelope(case: Case) -> PlanEnvelope:
     )
 
 
+class UnsizableCase(ValueError):
+    """The case's FlashInfer routes cannot be sized here: its KV dtype has no FA2 kernel (NVFP4 runs on trtllm-gen
+    only). Never sized as another dtype: the engine refuses the FA2 route, and so does the suite."""
+
+
+def sizable_refusal(case: Case) -> str | None:
+    """Why the case's FA2 routes cannot be planned (its KV dtype has no FA2 kernel), or None."""
+    kv = case.model.kv
+    if kv.fa2:
+        return None
+    return (f"case {case.id}: KV dtype {kv.name} has no FlashInfer FA2 kernel (it runs on trtllm-gen only, which "
+            "plans into its own workspace): its FA2 prefill/decode routes are not sized, never as another dtype")
+
+
 def for_case(case: Case, *, use_oracle: bool | None = None) -> SizingResult:
     """The float/int workspace this case's rank must reserve, the worst batch and how it was found.
 
     ``use_oracle``: None (what the check uses) confirms with FlashInfer's host-compiled planner when it
     can be built, True requires it, False sizes from the analytic model alone. The answer is kept on
-    the case (builders and checks ask many times per lifecycle).
+    the case (builders and checks ask many times per lifecycle). The routes are planned for the case's KV
+    dtype (``sizeof(DTypeKV)``); :class:`UnsizableCase` where FA2 has no kernel for it.
     """
     memo = case.__dict__.setdefault(_MEMO, {})
     result = memo.get(use_oracle)
     if result is None:
+        refusal = sizable_refusal(case)
+        if refusal is not None:
+            raise UnsizableCase(refusal)
         heads = case.heads
         result = memo[use_oracle] = _for_layout(
             heads.heads_q, heads.heads_kv, heads.heads_q_decode, case.model.head_dim, case.model.dim_vo,
             case.gpu.num_sm, plan_envelope(case), routes(case), decode_tensor_cores(case),
-            compute_capability(case), use_oracle,
+            compute_capability(case), use_oracle, case.model.kv_dtype_bytes,
         )
     return result
 
@@ -73,11 +91,11 @@ def for_case(case: Case, *, use_oracle: bool | None = None) -> SizingResult:
 @functools.lru_cache(maxsize=4096)
 def _for_layout(heads_q: int, heads_kv: int, heads_q_decode: int, head_dim: int, head_dim_vo: int, num_sm: int,
                 envelope: PlanEnvelope, route_names: tuple[str, ...], tc: bool,
-                capability: tuple[int, int], use_oracle: bool | None) -> SizingResult:
+                capability: tuple[int, int], use_oracle: bool | None, kv_bytes: int = 2) -> SizingResult:
     return required_workspace(
         heads_q=heads_q, heads_kv=heads_kv, heads_q_decode=heads_q_decode, head_dim=head_dim,
         head_dim_vo=head_dim_vo, num_sm=num_sm, envelope=envelope, routes=route_names, decode_tensor_cores=tc,
-        compute_capability=capability, use_oracle=use_oracle,
+        compute_capability=capability, use_oracle=use_oracle, kv_dtype_bytes=kv_bytes,
     )
 
 

@@ -73,7 +73,7 @@ class HostPlanner:
         lib.kvp_last_error.restype = ctypes.c_char_p
         lib.kvp_host_prefill_plan.argtypes = [
             _vp, _u64, _vp, _vp, _u64, _vp, _vp, _i64, _i64, _i64, _i64, _i64, _int, _i64, _i64, _i64,
-            _i64, _int, _i64, _i64, _int, _int, _int, _int, _int, _vp, _int, _vp]
+            _i64, _int, _i64, _i64, _int, _int, _int, _int, _int, _vp, _int, _vp, _int]
         lib.kvp_host_prefill_plan.restype = _int
         lib.kvp_host_decode_plan.argtypes = [
             _vp, _u64, _vp, _vp, _u64, _vp, _i64, _i64, _i64, _i64, _int, _i64, _int, _int, _int, _int, _int,
@@ -98,13 +98,14 @@ class HostPlanner:
                 qo_indptr_ptr: int, kv_indptr_ptr: int, total_num_rows: int, batch_size: int, heads_q: int,
                 heads_kv: int, page_size: int, cuda_graph: bool, head_dim_qk: int, head_dim_vo: int,
                 window_left: int, fixed_split_size: int, disable_split_kv: bool, num_colocated_ctas: int,
-                uniform_q_len: int, fixed_uniform_q_len: bool, device: tuple[int, int, int, int]) -> list[int]:
+                uniform_q_len: int, fixed_uniform_q_len: bool, device: tuple[int, int, int, int],
+                kv_dtype_bytes: int = 2) -> list[int]:
         """``PrefillPlan`` on host buffers; returns ``PrefillPlanInfo::ToVector()``."""
         rc = self._lib.kvp_host_prefill_plan(
             float_ptr, float_size, int_ptr, pinned_ptr, int_size, qo_indptr_ptr, kv_indptr_ptr, total_num_rows,
             batch_size, heads_q, heads_kv, page_size, int(cuda_graph), head_dim_qk, head_dim_vo, window_left,
             fixed_split_size, int(disable_split_kv), num_colocated_ctas, uniform_q_len, int(fixed_uniform_q_len),
-            *device, ctypes.addressof(self._info), _INFO_CAP, ctypes.addressof(self._len))
+            *device, ctypes.addressof(self._info), _INFO_CAP, ctypes.addressof(self._len), kv_dtype_bytes)
         return self._result(rc)
 
     def decode(self, float_ptr: int, float_size: int, int_ptr: int, pinned_ptr: int, int_size: int,
@@ -272,6 +273,7 @@ def _mla_module(device: PlanDevice, backend: str) -> Any:
 
 def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNamespace:
     pos_encoding = int(module_args[6]) if len(module_args) > 6 else 0
+    kv_bytes = _kv_dtype_bytes(module_args)
     dev = _device_tuple(device)
 
     def plan(float_ws: Any, int_ws: Any, pinned_ws: Any, qo_indptr: Any, kv_indptr: Any, kv_lens: Any,
@@ -288,7 +290,7 @@ def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNam
                 qo.data_ptr(), kv.data_ptr(), int(total_num_rows), int(batch_size), int(heads_q), int(heads_kv),
                 int(page_size), bool(cuda_graph), int(head_dim_qk), int(head_dim_vo), int(window_left),
                 int(fixed_split_size), bool(disable_split_kv), int(num_colocated_ctas), int(uniform_q_len),
-                bool(fixed_uniform_q_len), dev)
+                bool(fixed_uniform_q_len), dev, kv_bytes)
         except HostPlanError as exc:
             raise RuntimeError(str(exc)) from None
 
@@ -317,6 +319,13 @@ def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNam
 
     return SimpleNamespace(plan=plan, workspace_size=workspace_size, ragged_run=ragged_run, paged_run=paged_run,
                            prewarm_paged_kv_stride_variant=prewarm)
+
+
+def _kv_dtype_bytes(module_args: Sequence[Any]) -> int:
+    """``sizeof(DTypeKV)`` of the module FlashInfer asked for: its arguments are (q, kv, o dtypes, ...), as
+    ``get_batch_prefill_module`` receives them; the JIT module passes it to the planner."""
+    kv = module_args[1] if len(module_args) > 1 else None
+    return int(getattr(kv, "itemsize", 2)) or 2
 
 
 def _decode_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNamespace:

@@ -82,7 +82,7 @@ class Oracle:
         c_int, c_i64 = ctypes.c_int, ctypes.c_int64
         lib.kvp_prefill_plan_size.argtypes = [
             _vp, _vp, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_i64,
-            c_int, c_int, _vp, _u64, _vp, _u64, _vp, _vp, _vp]
+            c_int, c_int, _vp, _u64, _vp, _u64, _vp, _vp, _vp, c_int]
         lib.kvp_prefill_plan_size.restype = c_int
         lib.kvp_decode_plan_size.argtypes = [
             _vp, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int, _vp, _u64, _vp,
@@ -120,9 +120,10 @@ class Oracle:
                     head_dim_qk: int, head_dim_vo: int, page_size: int, cuda_graph: bool,
                     uniform_q_len: int = 0, fixed_uniform_q_len: bool = False,
                     materialize: bool = False, float_capacity: int = 1 << 40,
-                    int_capacity: int = 1 << 24) -> tuple[int, int]:
+                    int_capacity: int = 1 << 24, kv_dtype_bytes: int = 2) -> tuple[int, int]:
         """One ``PrefillPlan`` sizing. ``qo_indptr`` (tokens) and ``kv_indptr`` (pages) are
-        ``array('i')`` buffers passed by address, so a hot loop allocates nothing per call."""
+        ``array('i')`` buffers passed by address, so a hot loop allocates nothing per call.
+        ``kv_dtype_bytes``: ``sizeof(DTypeKV)``, which FlashInfer's JIT module passes to the planner."""
         n = len(qo_indptr) - 1
         fptr = iptr = None
         fcap = icap = 0
@@ -133,7 +134,7 @@ class Oracle:
             qo_indptr.buffer_info()[0], kv_indptr.buffer_info()[0], n, heads_q, heads_kv,
             head_dim_qk, head_dim_vo, page_size, int(cuda_graph), -1, 0, 0, uniform_q_len,
             int(fixed_uniform_q_len), int(materialize), fptr, fcap, iptr, icap, self._fp,
-            self._ip, ctypes.addressof(self._info))
+            self._ip, ctypes.addressof(self._info), kv_dtype_bytes)
         if rc:
             raise self._error()
         return self._f.value, self._i.value
@@ -141,14 +142,14 @@ class Oracle:
     def prefill(self, qo_lens: Sequence[int], kv_lens: Sequence[int], *, heads_q: int,
                 heads_kv: int, head_dim: int, head_dim_vo: int | None = None, page_size: int,
                 cuda_graph: bool, uniform_q_len: int = 0, fixed_uniform_q_len: bool = False,
-                materialize: bool | None = None) -> tuple[int, int]:
+                materialize: bool | None = None, kv_dtype_bytes: int = 2) -> tuple[int, int]:
         """Float and int bytes the installed planner carves for a batch (kv_lens in tokens)."""
         qo, kv = indptrs(qo_lens, kv_lens, page_size)
         if materialize is None:
             materialize = self.family == FAMILY_06_MATERIALIZE
         return self.prefill_raw(qo, kv, heads_q, heads_kv, head_dim, head_dim_vo or head_dim,
                                 page_size, cuda_graph, uniform_q_len, fixed_uniform_q_len,
-                                materialize)
+                                materialize, kv_dtype_bytes=kv_dtype_bytes)
 
     def decode(self, kv_lens: Sequence[int], *, heads_q: int, heads_kv: int, head_dim: int,
                page_size: int, cuda_graph: bool, blocks_per_sm: int, num_sm: int,

@@ -158,8 +158,20 @@ def cache_root() -> Path:
 def _abi_flags(install: FlashInferInstall) -> list[str]:
     fam = install.family
     count_only = 0 if fam == FAMILY_06_MATERIALIZE else 1
-    uniform = 1 if fam == FAMILY_07 else 0
-    return [f"-DKVP_HAS_COUNT_ONLY={count_only}", f"-DKVP_HAS_UNIFORM_Q={uniform}"]
+    uniform = int(uniform_q(install))
+    return [f"-DKVP_HAS_COUNT_ONLY={count_only}", f"-DKVP_HAS_UNIFORM_Q={uniform}",
+            f"-DKVP_HAS_KV_DTYPE_BYTES={int(plans_by_kv_dtype(install))}"]
+
+
+def plans_by_kv_dtype(install: FlashInferInstall) -> bool:
+    """Whether the installed ``PrefillPlan`` takes ``kv_dtype_bytes`` (its CTA tile then depends on the KV dtype);
+    an older one plans every dtype as 2 bytes, and so does the oracle built from it."""
+    header = install.include_dir / KEY_HEADERS[0]
+    return uniform_q(install) and "uint32_t kv_dtype_bytes" in header.read_text(errors="replace")
+
+
+def uniform_q(install: FlashInferInstall) -> bool:
+    return install.family == FAMILY_07
 
 
 def build_key(install: FlashInferInstall, nvcc: Path) -> str:

@@ -65,6 +65,7 @@ class SizingResult:
     notes: tuple[str, ...]
     worst_route: str = ""
     gap_bytes: int = 0
+    kv_dtype_bytes: int = 2  # sizeof(DTypeKV) the routes were planned with
 
 
 def installed_flashinfer_version() -> str:
@@ -78,12 +79,12 @@ def route_results(*, heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: in
                   num_sm: int, envelope: PlanEnvelope, routes: tuple[str, ...],
                   decode_tensor_cores: bool, family: str, heads_q_decode: int | None,
                   decode_blocks_per_sm: int | None,
-                  compute_capability: tuple[int, int]) -> list[RouteResult]:
+                  compute_capability: tuple[int, int], kv_dtype_bytes: int = 2) -> list[RouteResult]:
     """The analytic worst case of every sub-route that ``routes`` enables."""
     dvo = head_dim_vo or head_dim
     cc = compute_capability
-    lay = Layout(heads_q, heads_kv, head_dim, dvo, num_sm, cc[0], cc[1])
-    dec = Layout(heads_q_decode or heads_q, heads_kv, head_dim, dvo, num_sm, cc[0], cc[1])
+    lay = Layout(heads_q, heads_kv, head_dim, dvo, num_sm, cc[0], cc[1], kv_bytes=kv_dtype_bytes)
+    dec = Layout(heads_q_decode or heads_q, heads_kv, head_dim, dvo, num_sm, cc[0], cc[1], kv_bytes=kv_dtype_bytes)
     out: list[RouteResult] = []
     for route in routes:
         if route == "prefill":
@@ -126,7 +127,7 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
               envelope: PlanEnvelope, routes: tuple[str, ...], decode_tensor_cores: bool,
               flashinfer_version: str | None, use_oracle: bool | None,
               heads_q_decode: int | None, decode_blocks_per_sm: int | None,
-              compute_capability: tuple[int, int]) -> SizingResult:
+              compute_capability: tuple[int, int], kv_dtype_bytes: int) -> SizingResult:
     _validate(heads_q, heads_kv, head_dim, num_sm, heads_q_decode)
     installed: str | None
     try:
@@ -158,7 +159,7 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
                             routes=routes, decode_tensor_cores=decode_tensor_cores, family=family,
                             heads_q_decode=heads_q_decode,
                             decode_blocks_per_sm=decode_blocks_per_sm,
-                            compute_capability=compute_capability)
+                            compute_capability=compute_capability, kv_dtype_bytes=kv_dtype_bytes)
     sized: dict[str, RouteSizing] = {}
     for res in results:
         fbytes, exact, confirmed = res.float_bytes, res.exact, False
@@ -198,6 +199,7 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
         notes=tuple(notes),
         worst_route=worst.route if worst else "",
         gap_bytes=worst.gap_bytes if worst else 0,
+        kv_dtype_bytes=kv_dtype_bytes,
     )
 
 
@@ -207,14 +209,14 @@ def required_workspace(*, heads_q: int, heads_kv: int, head_dim: int,
                        decode_tensor_cores: bool = True, flashinfer_version: str | None = None,
                        use_oracle: bool | None = None, heads_q_decode: int | None = None,
                        decode_blocks_per_sm: int | None = None,
-                       compute_capability: tuple[int, int] = (9, 0)) -> SizingResult:
+                       compute_capability: tuple[int, int] = (9, 0), kv_dtype_bytes: int = 2) -> SizingResult:
     """Worst-case float/int workspace over ``envelope`` for one rank's wrappers.
 
     ``heads_q``/``heads_kv`` are per rank; ``heads_q_decode`` is the decode wrapper's query heads
     when it differs (DCP: ``heads_q * dcp``). ``use_oracle``: None uses the oracle when it can be
-    built for the installed FlashInfer, True requires it, False never builds it. Results are
-    cached per argument tuple.
+    built for the installed FlashInfer, True requires it, False never builds it. ``kv_dtype_bytes`` is
+    ``sizeof(DTypeKV)`` of the KV cache the wrappers plan for (fp8: 1). Results are cached per argument tuple.
     """
     return _required(heads_q, heads_kv, head_dim, head_dim_vo, num_sm, envelope, tuple(routes),
                      decode_tensor_cores, flashinfer_version, use_oracle, heads_q_decode,
-                     decode_blocks_per_sm, tuple(compute_capability))
+                     decode_blocks_per_sm, tuple(compute_capability), kv_dtype_bytes)

@@ -107,7 +107,7 @@ def port_evaluator(family: str, result: RouteResult, env: PlanEnvelope) -> Evalu
                               head_dim_vo=lay.head_dim_vo, page_size=env.page_size,
                               dev=lay.device, cuda_graph=batch.cuda_graph,
                               uniform_q_len=batch.uniform_q_len,
-                              fixed_uniform_q_len=batch.fixed_uniform_q_len)
+                              fixed_uniform_q_len=batch.fixed_uniform_q_len, kv_dtype_bytes=lay.kv_bytes)
         return ps.float_bytes, ps.int_bytes
 
     return run
@@ -128,7 +128,7 @@ def oracle_evaluator(oracle, result: RouteResult, env: PlanEnvelope) -> Evaluato
                               heads_kv=lay.heads_kv, head_dim=lay.head_dim_qk,
                               head_dim_vo=lay.head_dim_vo, page_size=env.page_size,
                               cuda_graph=batch.cuda_graph, uniform_q_len=batch.uniform_q_len,
-                              fixed_uniform_q_len=batch.fixed_uniform_q_len)
+                              fixed_uniform_q_len=batch.fixed_uniform_q_len, kv_dtype_bytes=lay.kv_bytes)
 
     return run
 

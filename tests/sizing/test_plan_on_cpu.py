@@ -6,6 +6,7 @@ The wrapper code below uses FlashInfer's public API only; the float workspace is
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,11 +19,19 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # FlashIn
 OVERFLOW = r"Buffer overflow when allocating memory for .* Increase the workspace buffer size\."
 
 
-def _case(case_id: str):
+def _case(case_id: str, kv_dtype: str = "bf16"):
+    """A packaged matrix's case, its KV cache in ``kv_dtype``; an MHA layout (``mha-...``) made here."""
+    if case_id == "mha-32x128-h100":  # group 1: the CUDA-core decode occupancy, and so its split, follow the dtype
+        from pytest_kvprofile.matrix.cases import Envelope, layout_case
+        from pytest_kvprofile.matrix.gpus import lookup_gpu
+        from pytest_kvprofile.matrix.models import ModelSpec
+
+        model = ModelSpec("mha-32x128", heads_q=32, heads_kv=32, head_dim=128, num_layers=32, kv_dtype=kv_dtype)
+        return layout_case(model, lookup_gpu("H100"), 1, 1, 0, Envelope())
     for name in ("default", "l40s"):
         for case in load_matrix(packaged_matrix(name)).cases:
             if case.id == case_id:
-                return case
+                return dataclasses.replace(case, model=dataclasses.replace(case.model, kv_dtype=kv_dtype))
     raise LookupError(case_id)
 
 
@@ -63,7 +72,7 @@ def _wrapper(kind: str, float_bytes: int, tensor_cores: bool, graph: bool, qo_in
 def _plan(w, kind, rs, case, qo_lens, batch):
     qo_indptr, kv_indptr, indices, last = batch
     hd, page = case.model.head_dim, case.envelope.page_size
-    dt = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    dt = dict(q_data_type=torch.bfloat16, kv_data_type=getattr(torch, case.model.kv.torch))
     if kind == "prefill":
         w.plan(qo_indptr, kv_indptr, indices, last, rs.heads_q, rs.heads_kv, hd, page, causal=True, **dt)
     else:
@@ -90,12 +99,15 @@ CASES = [
     ("qwen3-8b-tp1-dcp1-mtp0-h100-gmu0.90", "prefill", "prefill", False),
     ("qwen3-8b-tp1-dcp1-mtp0-h100-gmu0.90", "decode_tc", "decode", True),
     ("gemma-2-9b-hd256-tp1-dcp1-mtp0-h100-gmu0.90", "decode_cc", "decode", False),
+    ("mha-32x128-h100", "decode_cc", "decode", False),
 ]
+KV_DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2")
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("case_id,route,kind,tensor_cores", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_plan_at_sized_bytes_fits_and_16_fewer_overflows(case_id, route, kind, tensor_cores):
-    case = _case(case_id)
+def test_plan_at_sized_bytes_fits_and_16_fewer_overflows(case_id, route, kind, tensor_cores, kv_dtype):
+    case = _case(case_id, kv_dtype)
     rs, qo_lens, kv_lens, graph = _worst(case, route)
     assert rs.float_bytes > 0
     page = case.envelope.page_size
@@ -166,3 +178,12 @@ def test_plan_info_is_the_planners_for_the_simulated_sm_count():
         oracle.prefill_raw(qo, kv, hq, hkv, hd, hd, page, False, materialize=True, float_capacity=256 << 20)
         assert infos[gpu][:2] == list(oracle._info)[:2], gpu  # padded batch size and total rows
     assert infos["L40S"][0] != infos["H100"][0]
+
+
+def test_a_layout_whose_fp8_need_differs_is_sized_for_its_dtype():
+    """MHA decode on CUDA cores: one-byte KV doubles the kernel's occupancy bound, so the split batch, and the
+    float workspace, grow; sizing it as bf16 would leave FlashInfer's plan() short."""
+    bf16, fp8 = (pytest_kvprofile.sizing.for_case(_case("mha-32x128-h100", d)) for d in ("bf16", "fp8_e4m3"))
+    assert fp8.kv_dtype_bytes == 1 and bf16.kv_dtype_bytes == 2
+    assert fp8.routes["decode_cc"].float_bytes > bf16.routes["decode_cc"].float_bytes
+    assert fp8.routes["decode_cc"].blocks_per_sm == 2 * bf16.routes["decode_cc"].blocks_per_sm

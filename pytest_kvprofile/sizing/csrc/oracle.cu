@@ -7,6 +7,8 @@
 // Build-time switches (set by pytest_kvprofile/sizing/oracle.py from the installed version):
 //   KVP_HAS_COUNT_ONLY  PrefillPlanWorkspaceSize / DecodePlanWorkspaceSize exist (>= 0.6.15)
 //   KVP_HAS_UNIFORM_Q   PrefillPlan takes (num_colocated_ctas, uniform_q_len, fixed_uniform_q_len)
+//   KVP_HAS_KV_DTYPE_BYTES  PrefillPlan takes a trailing kv_dtype_bytes (sizeof(DTypeKV), as the JIT module passes
+//                       it); without it the planner assumes 2 bytes, and so does this library
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -23,6 +25,12 @@
 #endif
 
 extern "C" void kvp_stub_set_device(int num_sm, int cc_major, int cc_minor, int smem_optin);
+
+#if KVP_HAS_KV_DTYPE_BYTES
+#define KVP_KV_BYTES , static_cast<uint32_t>(kv_dtype_bytes)
+#else
+#define KVP_KV_BYTES
+#endif
 
 namespace {
 
@@ -50,7 +58,7 @@ extern "C" {
 
 const char* kvp_last_error() { return g_last_error.c_str(); }
 
-int kvp_abi_version() { return 1; }
+int kvp_abi_version() { return 2; }
 
 void kvp_set_device(int num_sm, int cc_major, int cc_minor, int smem_optin) {
   kvp_stub_set_device(num_sm, cc_major, cc_minor, smem_optin);
@@ -65,8 +73,12 @@ int kvp_prefill_plan_size(const int32_t* qo_indptr, const int32_t* kv_indptr, in
                           int fixed_split_size, int disable_split_kv, int64_t uniform_q_len,
                           int fixed_uniform_q_len, int materialize, void* float_buf,
                           uint64_t float_buf_size, void* int_buf, uint64_t int_buf_size,
-                          uint64_t* float_bytes, uint64_t* int_bytes, int64_t* info15) {
+                          uint64_t* float_bytes, uint64_t* int_bytes, int64_t* info15,
+                          int kv_dtype_bytes) {
   try {
+#if !KVP_HAS_KV_DTYPE_BYTES
+    (void)kv_dtype_bytes;
+#endif
     std::vector<int32_t> qo(qo_indptr, qo_indptr + batch_size + 1);
     std::vector<int32_t> kv(kv_indptr, kv_indptr + batch_size + 1);
     const uint32_t total_num_rows = static_cast<uint32_t>(qo[batch_size]);
@@ -79,7 +91,7 @@ int kvp_prefill_plan_size(const int32_t* qo_indptr, const int32_t* kv_indptr, in
           fbytes, ibytes, qo.data(), kv.data(), total_num_rows, batch_size, num_qo_heads,
           num_kv_heads, head_dim_qk, head_dim_vo, page_size, enable_cuda_graph != 0,
           /*sizeof_dtype_o=*/2, window_left, fixed_split_size, disable_split_kv != 0,
-          /*num_colocated_ctas=*/0, uniform_q_len, fixed_uniform_q_len != 0, nullptr);
+          /*num_colocated_ctas=*/0, uniform_q_len, fixed_uniform_q_len != 0, nullptr KVP_KV_BYTES);
       if (st != cudaSuccess) return fail("PrefillPlanWorkspaceSize returned a CUDA error");
 #else
       return fail("this FlashInfer has no PrefillPlanWorkspaceSize; use materialize=1");
@@ -95,7 +107,7 @@ int kvp_prefill_plan_size(const int32_t* qo_indptr, const int32_t* kv_indptr, in
           float_buf, float_buf_size, int_buf, int_buf, int_buf_size, info, qo.data(), kv.data(),
           total_num_rows, batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
           page_size, enable_cuda_graph != 0, 2, window_left, fixed_split_size,
-          disable_split_kv != 0, 0, uniform_q_len, fixed_uniform_q_len != 0, nullptr);
+          disable_split_kv != 0, 0, uniform_q_len, fixed_uniform_q_len != 0, nullptr KVP_KV_BYTES);
 #else
       (void)uniform_q_len;
       (void)fixed_uniform_q_len;
@@ -301,8 +313,11 @@ int kvp_host_prefill_plan(void* float_buf, uint64_t float_size, void* int_buf, v
                           int64_t fixed_split_size, int disable_split_kv, int64_t num_colocated_ctas,
                           int64_t uniform_q_len, int fixed_uniform_q_len, int num_sm, int cc_major,
                           int cc_minor, int smem_optin, int64_t* info_out, int info_cap,
-                          int* info_len) {
+                          int* info_len, int kv_dtype_bytes) {
   try {
+#if !KVP_HAS_KV_DTYPE_BYTES
+    (void)kv_dtype_bytes;
+#endif
     DeviceScope scope(num_sm, cc_major, cc_minor, smem_optin);
     std::vector<int32_t> qo(qo_indptr, qo_indptr + batch_size + 1);
     std::vector<int32_t> kv(kv_indptr, kv_indptr + batch_size + 1);
@@ -313,7 +328,7 @@ int kvp_host_prefill_plan(void* float_buf, uint64_t float_size, void* int_buf, v
         static_cast<uint32_t>(total_num_rows), static_cast<uint32_t>(batch_size), num_qo_heads,
         num_kv_heads, head_dim_qk, head_dim_vo, page_size, enable_cuda_graph != 0, 2, window_left,
         fixed_split_size, disable_split_kv != 0, num_colocated_ctas, uniform_q_len,
-        fixed_uniform_q_len != 0, nullptr);
+        fixed_uniform_q_len != 0, nullptr KVP_KV_BYTES);
 #else
     (void)num_colocated_ctas;
     (void)uniform_q_len;
