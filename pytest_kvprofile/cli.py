@@ -69,6 +69,9 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dcp", type=_positive, default=1)
     p.add_argument("--mtp", type=_non_negative, default=0)
     p.add_argument("--page-size", type=_positive, default=None)
+    p.add_argument("--kv-dtype", choices=_kv_dtype_names(), default=None,
+                   help="the KV cache's dtype (default: the model's in --matrix, else bf16); FlashInfer plans with "
+                        "sizeof(DTypeKV), so fp8 can need a different workspace")
     p.add_argument("--max-num-seqs", type=_positive, default=None)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=None)
     p.add_argument("--max-model-len", type=_positive, default=None)
@@ -84,6 +87,12 @@ def _add_size(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, metavar="PNG", help="with --report: plot (needs matplotlib)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_size, parser=p)
+
+
+def _kv_dtype_names() -> tuple[str, ...]:
+    from pytest_kvprofile.matrix.kv_dtypes import kv_dtype_names
+
+    return kv_dtype_names()
 
 
 def _envelope(args: argparse.Namespace, base: Any) -> Any:
@@ -164,7 +173,11 @@ def _case(args: argparse.Namespace) -> Any:
                   f"(missing {', '.join('--' + m.replace('_', '-') for m in missing)})")
         model = ModelSpec(name="cli", heads_q=args.heads_q, heads_kv=args.heads_kv,
                           head_dim=args.head_dim, num_layers=1, head_dim_vo=args.head_dim_vo)
-    reason = impossible_layout(model, args.tp, args.dcp, args.mtp)
+    if args.kv_dtype is not None:
+        model = dataclasses.replace(model, kv_dtype=args.kv_dtype)
+    from pytest_kvprofile.matrix.schema import kv_dtype_refusal
+
+    reason = impossible_layout(model, args.tp, args.dcp, args.mtp) or kv_dtype_refusal(model, gpu)
     if reason:
         _fail(reason)
     return layout_case(model, gpu, args.tp, args.dcp, args.mtp, _envelope(args, base), matrix="cli")
@@ -218,6 +231,8 @@ def _cmd_size(args: argparse.Namespace) -> int:
         "heads_q_decode": heads.heads_q_decode,
         "head_dim": model.head_dim,
         "head_dim_vo": model.dim_vo,
+        "kv_dtype": model.kv_dtype,
+        "kv_dtype_bytes": res.kv_dtype_bytes,
         "decode_tensor_cores": decode_tensor_cores(case),
         "envelope": {k: (list(v) if isinstance(v, tuple) else v) for k, v in env.__dict__.items()},
         "routes": {name: {"float_workspace_bytes": r.float_bytes, "int_workspace_bytes": r.int_bytes,
@@ -230,8 +245,8 @@ def _cmd_size(args: argparse.Namespace) -> int:
         return 0
     print(f"FlashInfer {res.flashinfer_version}, {case.gpu.num_sm} SMs "
           f"(sm_{''.join(map(str, compute_capability(case)))}), "
-          f"per rank {heads.heads_q} q / {heads.heads_kv} kv heads, head_dim {model.head_dim}/{model.dim_vo} "
-          f"({res.method}, {'exact' if res.exact else 'upper bound'})")
+          f"per rank {heads.heads_q} q / {heads.heads_kv} kv heads, head_dim {model.head_dim}/{model.dim_vo}, "
+          f"KV {model.kv_dtype} ({res.kv_dtype_bytes} B to the planner) ({res.method}, {'exact' if res.exact else 'upper bound'})")
     print(f"{'route':<24}{'float MiB':>12}{'int KiB':>10}  exact  sized")
     for name, r in res.routes.items():
         print(f"{name:<24}{r.float_bytes / MiB:>12.2f}{r.int_bytes / 1024:>10.1f}  {r.exact!s:<5}  "

@@ -233,10 +233,11 @@ def resolve_kv_cache_layout(case: Case, vllm_config: Any) -> None:
 
 def kv_cache_spec(case: Case) -> Any:
     """The rank's full-attention KV-cache spec (KV heads per rank, page size, dtype)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
     return FullAttentionSpec(block_size=case.envelope.page_size, num_kv_heads=case.heads.heads_kv,
-                             head_size=case.model.head_dim, dtype=_torch_dtype(case))
+                             head_size=case.model.head_dim, dtype=_torch_dtype(case),
+                             kv_quant_mode=get_kv_quant_mode(cache_dtype(case)))
 
 
 def layer_names(case: Case) -> list[str]:

@@ -73,14 +73,15 @@ def make_wrapper(route: str, float_buffer: Any, int_buffer: Any, *, tensor_cores
 
 
 def plan_args(route: str, layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int,
-              head_dim_vo: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Positional and keyword arguments of ``plan()`` (and ``workspace_size()``) for a layout."""
+              head_dim_vo: int, kv_data_type: str = "bfloat16") -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Positional and keyword arguments of ``plan()`` (and ``workspace_size()``) for a layout; ``kv_data_type`` is
+    the torch dtype name of the KV cache (``KvDtype.torch``: the planner sees its size)."""
     import torch
 
     kv_indptr = _int32(layout.kv_indptr)
     kv_indices = _int32(layout.kv_indices)
     last = _int32(layout.last_page_len)
-    dtypes = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    dtypes = dict(q_data_type=torch.bfloat16, kv_data_type=getattr(torch, kv_data_type))
     if route == "prefill":
         args = (_int32(layout.qo_indptr), kv_indptr, kv_indices, last, heads_q, heads_kv, head_dim,
                 layout.page_size)

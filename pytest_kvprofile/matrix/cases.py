@@ -103,7 +103,8 @@ class Case:
     @property
     def layout_key(self) -> tuple[object, ...]:
         """Everything but gmu: cases equal under this key run identical pre-KV phases."""
-        return (self.matrix, self.model.name, self.gpu.name, self.tp, self.dcp, self.mtp, self.envelope)
+        return (self.matrix, self.model.name, self.model.kv_dtype, self.gpu.name, self.tp, self.dcp, self.mtp,
+                self.envelope)
 
 
 @dataclass

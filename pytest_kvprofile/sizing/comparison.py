@@ -78,6 +78,8 @@ def case_row(case: Case, *, use_oracle: bool | None = None) -> dict[str, Any]:
         "heads_q_decode": heads.heads_q_decode,
         "head_dim": model.head_dim,
         "head_dim_vo": model.head_dim_vo,
+        "kv_dtype": model.kv_dtype,
+        "kv_dtype_bytes": res.kv_dtype_bytes,
         "required_float_bytes": need,
         "required_float_mib": round(need / MiB, 2),
         "required_int_bytes": res.int_bytes,

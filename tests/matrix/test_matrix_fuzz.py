@@ -68,9 +68,13 @@ def _expected_points(data: dict) -> list[tuple]:
     gmus = [float(x) for x in data.get("gmu", [0.9])]
     excludes = data.get("exclude", [])
 
+    def kv_dtypes(model: str) -> list[str]:
+        own = data["models"][model].get("kv_dtype", data.get("kv_dtype", "bf16"))
+        return own if isinstance(own, list) else [own]
+
     def excluded(point: tuple) -> bool:
-        model, slug, tp, dcp, mtp, gmu = point
-        actual = {"model": model, "gpu": slug, "tp": tp, "dcp": dcp, "mtp": mtp, "gmu": gmu}
+        model, slug, tp, dcp, mtp, gmu, kv = point
+        actual = {"model": model, "gpu": slug, "tp": tp, "dcp": dcp, "mtp": mtp, "gmu": gmu, "kv_dtype": kv}
         for rule in excludes:
             hit = True
             for key, want in rule.items():
@@ -85,11 +89,13 @@ def _expected_points(data: dict) -> list[tuple]:
                 return True
         return False
 
-    return [p for p in itertools.product(models, slugs, tps, dcps, mtps, gmus) if not excluded(p)]
+    points = [(*p, kv) for m in models for p in itertools.product([m], slugs, tps, dcps, mtps, gmus)
+              for kv in kv_dtypes(m)]
+    return [p for p in points if not excluded(p)]
 
 
 def _check_matrix(matrix: Any, data: dict) -> None:
-    got = [(c.model.name, c.gpu.slug, c.tp, c.dcp, c.mtp, c.gmu) for c in matrix.cases]
+    got = [(c.model.name, c.gpu.slug, c.tp, c.dcp, c.mtp, c.gmu, c.model.kv_dtype) for c in matrix.cases]
     assert got == _expected_points(data), "cases differ from the product of the axes minus the excludes"
     assert len({c.id for c in matrix.cases}) == len(matrix.cases)
     for case in matrix.cases:
@@ -247,7 +253,7 @@ def test_each_property_at_depth(strategy: Any, prop: Any) -> None:
 def test_shipped_matrices_expand_to_every_point(name: str) -> None:
     matrix = load_matrix_text(SHIPPED[name], name)
     _check_matrix(matrix, SHIPPED_DATA[name])
-    assert any(c.skip_reason for c in matrix.cases) or name in ("ci.yaml", "hybrid.yaml")  # small, targeted
+    assert any(c.skip_reason for c in matrix.cases) or name in ("ci.yaml", "hybrid.yaml", "kv-dtypes.yaml")  # small, targeted
 
 
 def test_python_object_tags_are_rejected_without_running(tmp_path: Path) -> None:

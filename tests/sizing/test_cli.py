@@ -97,3 +97,22 @@ def test_report(tmp_path, capsys):
     assert main(["size", "--report", str(path), "--no-oracle"]) == 0
     out = capsys.readouterr().out
     assert "flashinfer-default" in out and "seed004-rule" in out
+
+
+def test_kv_dtype_is_sized_for_and_reported(oracle, capsys):
+    """``--kv-dtype``: the planner sees sizeof(DTypeKV); MHA CUDA-core decode splits wider on one-byte KV."""
+    args = ["size", "--heads-q", "32", "--heads-kv", "32", "--head-dim", "128", "--gpu", "H100", "--routes", "decode",
+            "--json"]
+    assert main(args) == 0
+    bf16 = _json(capsys)
+    assert main([*args, "--kv-dtype", "fp8_e4m3"]) == 0
+    fp8 = _json(capsys)
+    assert (bf16["kv_dtype"], bf16["kv_dtype_bytes"], fp8["kv_dtype"], fp8["kv_dtype_bytes"]) == ("bf16", 2,
+                                                                                                  "fp8_e4m3", 1)
+    assert fp8["float_workspace_bytes"] > bf16["float_workspace_bytes"] > 0
+
+
+def test_nvfp4_off_blackwell_is_refused_by_name(capsys):
+    assert main(["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--gpu", "H100", "--kv-dtype",
+                 "nvfp4"]) == 2
+    assert "nvfp4 needs compute capability 10.x" in capsys.readouterr().err
