@@ -246,7 +246,8 @@ def _cmd_size(args: argparse.Namespace) -> int:
     print(f"FlashInfer {res.flashinfer_version}, {case.gpu.num_sm} SMs "
           f"(sm_{''.join(map(str, compute_capability(case)))}), "
           f"per rank {heads.heads_q} q / {heads.heads_kv} kv heads, head_dim {model.head_dim}/{model.dim_vo}, "
-          f"KV {model.kv_dtype} ({res.kv_dtype_bytes} B to the planner) ({res.method}, {'exact' if res.exact else 'upper bound'})")
+          f"KV {model.kv_dtype} ({res.kv_dtype_bytes} B to the planner) "
+          f"({res.method}, {'exact' if res.exact else 'upper bound'})")
     print(f"{'route':<24}{'float MiB':>12}{'int KiB':>10}  exact  sized")
     for name, r in res.routes.items():
         print(f"{name:<24}{r.float_bytes / MiB:>12.2f}{r.int_bytes / 1024:>10.1f}  {r.exact!s:<5}  "

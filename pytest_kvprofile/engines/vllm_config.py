@@ -166,7 +166,6 @@ def cache_dtype(case: Case) -> str:
 def _torch_dtype(case: Case) -> Any:
     """The KV cache's storage dtype as vLLM's runner allocates it (quantized caches are uint8 storage)."""
     import torch
-
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
     if case.model.kv.quantized:
@@ -208,9 +207,10 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
 
         kwargs["speculative_config"] = SpeculativeConfig(method="ngram", num_speculative_tokens=case.mtp,
                                                          prompt_lookup_max=2, prompt_lookup_min=1)
+    cache = CacheConfig(block_size=env.page_size, cache_dtype=cache_dtype(case))
     try:
         return VllmConfig(model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
-                          compilation_config=compilation, cache_config=CacheConfig(block_size=env.page_size, cache_dtype=cache_dtype(case)), **kwargs)
+                          compilation_config=compilation, cache_config=cache, **kwargs)
     except ValueError as exc:  # pydantic's ValidationError: vLLM's own refusal of the layout
         errors = exc.errors() if callable(getattr(exc, "errors", None)) else [{"msg": str(exc)}]
         reason = " ".join(str(errors[0].get("msg", exc)).split())

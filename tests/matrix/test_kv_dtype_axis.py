@@ -31,7 +31,8 @@ def test_a_model_list_is_an_axis_of_that_model_only():
 
 
 def test_a_file_list_applies_to_models_that_name_none_and_a_single_value_keeps_ids():
-    text = CI.replace("    kv_dtype: bf16\n", "").replace("gpus: [L40S, B200]", "kv_dtype: [bf16, fp8]\ngpus: [L40S, B200]")
+    text = CI.replace("    kv_dtype: bf16\n", "")
+    text = text.replace("gpus: [L40S, B200]", "kv_dtype: [bf16, fp8]\ngpus: [L40S, B200]")
     cases = load_matrix_text(text, "ci.yaml").cases
     assert len(cases) == 2 * len(load_matrix_text(CI, "ci.yaml").cases)
     assert {c.id.rsplit("-kv", 1)[1] for c in cases} == {"bf16", "fp8"}
