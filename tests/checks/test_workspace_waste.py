@@ -209,3 +209,14 @@ def test_a_view_is_sized_for_the_batch_planned_into_it_not_for_its_name():
     assert any("plans mixed batches (prefill) into an arena view named route='decode'" in v for v in found), found
     good = run_lifecycle(Backend(name="good", make_builders=lambda c: [NativeDecodeBuilder(c)]), case)
     assert check_workspace_covers_planner(good, CheckOptions()) == []
+
+
+def test_the_same_waste_is_twice_the_kv_tokens_on_an_fp8_cache(case):
+    """The KV tokens a cost is worth follow the case's KV dtype: with FP8 a cached token costs half the bytes."""
+    import dataclasses
+
+    fp8 = dataclasses.replace(case, model=dataclasses.replace(case.model, kv_dtype="fp8_e4m3"),
+                              id=case.id + "-kvfp8_e4m3")
+    bf16_waste, fp8_waste = (case_waste(_run("mutant-19c-unused-trtllm-workspace", c)) for c in (case, fp8))
+    assert fp8_waste.nbytes == bf16_waste.nbytes == VLLM_DEFAULT_FLOAT_BYTES
+    assert (bf16_waste.kv_tokens, fp8_waste.kv_tokens) == (2802, 5604)  # 394 MiB / 147,456 and / 73,728 B, up
