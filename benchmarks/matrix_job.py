@@ -103,7 +103,7 @@ def report(out: Path, backend: str, matrix: str, all_shards: list[Shard], target
              f"Measured wall {wall / 60:.1f} min, CPU {cpu / 60:.1f} min (children included). "
              + (f"Whole matrix: {'met' if wall / 60 <= target_min else 'MISSED'} against {target_min:g} min."
                 if len(done) == len(all_shards) else
-                f"Not finished: the whole matrix is not measured yet (resume with the same --dir)."), "",
+                "Not finished: the whole matrix is not measured yet (resume with the same --dir)."), "",
              "| shard | cases | wall s | CPU s | rc | pytest |", "|---|---|---|---|---|---|"]
     lines += [f"| {r.shard} | {r.cases} | {r.wall_s} | {r.cpu_s} | {r.rc} | {r.summary} |" for r in done]
     text = "\n".join(lines) + "\n"
