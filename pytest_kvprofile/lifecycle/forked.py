@@ -6,6 +6,12 @@ fault the same starting state a fresh run would, at the cost of a fork instead o
 a picklable value through a pipe and leaves with ``os._exit``: it never touches pytest's or xdist's channels, stdio
 buffers or the parent's files. Only the simulated device forks: a process that has initialized CUDA cannot use it in a
 child, so the GPU tier (and a platform without ``fork``) re-runs the prefix instead (``can_fork``).
+
+A fork is worth it only where the prefix costs more than the fork: a process with torch imported forks in a few
+milliseconds plus the pages each child writes, while a context-mode backend's prefix is plain Python over the ledger
+(a stub's is about 1 ms). ``worth_forking`` decides from the backend, never from a timing, so a case's probes take
+the same path on every run: torch mode (an engine's builders, FlashInfer's wrappers) forks, context mode re-runs.
+``KVPROFILE_PROBE_FORK`` overrides it: ``always``, ``never`` (``KVPROFILE_NO_FORK=1`` is ``never``), ``auto``.
 """
 
 from __future__ import annotations
@@ -17,11 +23,22 @@ import sys
 import warnings
 from typing import Callable, TypeVar
 
-__all__ = ["ChildFailed", "can_fork", "in_child"]
+__all__ = ["ChildFailed", "can_fork", "in_child", "worth_forking"]
 
 T = TypeVar("T")
 
-_ENV = "KVPROFILE_NO_FORK"  # set (to anything but "" or "0") to re-run every prefix instead, as before forking
+_ENV = "KVPROFILE_PROBE_FORK"  # "auto" (default), "always" or "never"
+_NEVER_ENV = "KVPROFILE_NO_FORK"  # set (to anything but "" or "0"): "never", re-run every prefix as before forking
+_POLICIES = ("auto", "always", "never")
+
+
+def _policy() -> str:
+    if os.environ.get(_NEVER_ENV, "") not in ("", "0"):
+        return "never"
+    value = os.environ.get(_ENV, "") or "auto"
+    if value not in _POLICIES:
+        raise ValueError(f"{_ENV}={value!r}: expected one of {', '.join(_POLICIES)}")
+    return value
 
 
 class ChildFailed(RuntimeError):
@@ -31,10 +48,16 @@ class ChildFailed(RuntimeError):
 def can_fork() -> bool:
     """Whether probe steps may run in forked children here: ``os.fork`` exists, it is not switched off, and this
     process has not initialized CUDA (the simulated device's probes only)."""
-    if not hasattr(os, "fork") or os.environ.get(_ENV, "") not in ("", "0"):
+    if not hasattr(os, "fork") or _policy() == "never":
         return False
     torch = sys.modules.get("torch")
     return torch is None or not torch.cuda.is_initialized()
+
+
+def worth_forking(torch_mode: bool) -> bool:
+    """Whether a backend's probe prefixes are worth a fork (``can_fork`` said one is possible): torch mode, or the
+    ``always`` policy."""
+    return torch_mode or _policy() == "always"
 
 
 class _Raised:

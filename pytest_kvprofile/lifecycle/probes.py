@@ -28,7 +28,7 @@ from pytest_kvprofile.contract.protocol import (
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import builder_name
 from pytest_kvprofile.lifecycle.driver import LifecycleRun, _Abort, _SecondEngineRun, close_parts, make_device
-from pytest_kvprofile.lifecycle.forked import ChildFailed, can_fork, in_child
+from pytest_kvprofile.lifecycle.forked import ChildFailed, can_fork, in_child, worth_forking
 from pytest_kvprofile.lifecycle.record import LifecycleResult, ProbeTarget
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.device import DeviceOutOfMemory
@@ -126,15 +126,18 @@ Step = Callable[[Callable[[_ProbeRun], T]], "T | object"]
 @contextlib.contextmanager
 def _prefix(target: ProbeTarget, state: str, reserving: str | None = None) -> Iterator[Step[Any]]:
     """Steps that each start from the state :func:`_fresh` reaches: ``step(fn)`` is ``fn(run)`` on that state, or
-    ``_UNREACHED``. On the simulated device the state is built once and each step runs in a child forked from it
+    ``_UNREACHED``. On the simulated device, for a backend whose prefix is worth a fork (torch mode:
+    ``forked.worth_forking``), the state is built once and each step runs in a child forked from it
     (``lifecycle/forked.py``): every fault point starts where a fresh run would, for the price of a fork. Elsewhere
-    (the GPU tier, no ``fork``) each step drives its own fresh builders, as a forked child failing does."""
+    (context mode, the GPU tier, no ``fork``) each step drives its own fresh builders, as a forked child failing
+    does."""
 
     def fresh_step(fn: Callable[[_ProbeRun], T]) -> T | object:
         with _fresh(target, state, reserving) as run:
             return _UNREACHED if run is None else fn(run)
 
-    if not (target.device_factory is make_device and can_fork()):
+    fork = worth_forking(bool(getattr(target.backend, "torch_mode", False)))
+    if not (target.device_factory is make_device and fork and can_fork()):
         yield fresh_step
         return
     with _fresh(target, state, reserving) as shared:

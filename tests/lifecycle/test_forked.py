@@ -51,6 +51,19 @@ def test_forking_can_be_switched_off(monkeypatch):
     assert not forked.can_fork()
     monkeypatch.setenv("KVPROFILE_NO_FORK", "0")
     assert forked.can_fork()
+    monkeypatch.setenv("KVPROFILE_PROBE_FORK", "never")
+    assert not forked.can_fork()
+
+
+def test_only_a_prefix_that_costs_more_than_a_fork_is_forked(monkeypatch):
+    """auto: torch mode (an engine's builders) forks, context mode (plain Python over the ledger) re-runs."""
+    monkeypatch.delenv("KVPROFILE_PROBE_FORK", raising=False)
+    assert forked.worth_forking(True) and not forked.worth_forking(False)
+    monkeypatch.setenv("KVPROFILE_PROBE_FORK", "always")
+    assert forked.worth_forking(False)
+    monkeypatch.setenv("KVPROFILE_PROBE_FORK", "sometimes")
+    with pytest.raises(ValueError, match="KVPROFILE_PROBE_FORK='sometimes': expected one of auto, always, never"):
+        forked.can_fork()
 
 
 @pytest.mark.parametrize("name", ["stub-flashinfer", "stub-flashinfer-torch", "mutant-07a-warmup-not-idempotent",
@@ -67,8 +80,8 @@ def test_probes_give_the_same_verdict_forked_and_on_fresh_builders(name, monkeyp
     backend = builtin_backends()[name]
     case = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None)
     verdicts = []
-    for no_fork in ("", "1"):
-        monkeypatch.setenv("KVPROFILE_NO_FORK", no_fork)
+    for policy in ("always", "never"):
+        monkeypatch.setenv("KVPROFILE_PROBE_FORK", policy)
         probes._probe_simulated.cache_clear()
         probes._reservation_simulated.cache_clear()
         result = run_lifecycle(backend, case)

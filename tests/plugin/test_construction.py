@@ -57,9 +57,10 @@ def pytest_sessionfinish(session):
 """
 
 
-@pytest.mark.parametrize("no_fork", ["", "1"], ids=["forked-probes", "fresh-probes"])
-def test_builders_are_made_once_per_pair_for_the_lifecycle(pytester, suite_args, monkeypatch, no_fork):
-    monkeypatch.setenv("KVPROFILE_NO_FORK", no_fork)
+@pytest.mark.parametrize("policy", ["always", "never", "auto"], ids=["forked-probes", "fresh-probes", "auto"])
+def test_builders_are_made_once_per_pair_for_the_lifecycle(pytester, suite_args, monkeypatch, policy):
+    monkeypatch.setenv("KVPROFILE_PROBE_FORK", policy)
+    no_fork = policy != "always"  # a context-mode backend's prefix costs less than a fork: auto re-runs it
     pytester.makepyfile(countedbk=COUNTING_BACKEND)
     pytester.makeconftest(CONFTEST)
     pytester.syspathinsert()
