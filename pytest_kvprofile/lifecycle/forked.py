@@ -7,15 +7,18 @@ a picklable value through a pipe and leaves with ``os._exit``: it never touches 
 buffers or the parent's files. Only the simulated device forks: a process that has initialized CUDA cannot use it in a
 child, so the GPU tier (and a platform without ``fork``) re-runs the prefix instead (``can_fork``).
 
-A fork is worth it only where the prefix costs more than the fork: a process with torch imported forks in a few
-milliseconds plus the pages each child writes, while a context-mode backend's prefix is plain Python over the ledger
-(a stub's is about 1 ms). ``worth_forking`` decides from the backend, never from a timing, so a case's probes take
-the same path on every run: torch mode (an engine's builders, FlashInfer's wrappers) forks, context mode re-runs.
+A fork is worth it only where the prefix costs more than the fork. A fork of a process with torch and FlashInfer
+imported costs about 25 ms of CPU (its page tables, and the copy-on-write faults it leaves the parent); the prefix
+up to a reservation costs 0.1 ms for a context-mode stub, 1 to 3 ms for a torch-mode stub or the real-FlashInfer
+backend, and about 55 ms for vLLM's builders (measured on ci.yaml's first case). ``worth_forking`` decides from the
+backend, never from a timing, so a case's probes take the same path on every run: a torch-mode backend that runs an
+engine's builders (``Backend.requires`` names the engine) forks, every other re-runs its prefix.
 ``KVPROFILE_PROBE_FORK`` overrides it: ``always``, ``never`` (``KVPROFILE_NO_FORK=1`` is ``never``), ``auto``.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -54,10 +57,10 @@ def can_fork() -> bool:
     return torch is None or not torch.cuda.is_initialized()
 
 
-def worth_forking(torch_mode: bool) -> bool:
-    """Whether a backend's probe prefixes are worth a fork (``can_fork`` said one is possible): torch mode, or the
-    ``always`` policy."""
-    return torch_mode or _policy() == "always"
+def worth_forking(torch_mode: bool, engine: bool) -> bool:
+    """Whether a backend's probe prefixes are worth a fork (``can_fork`` says whether one is possible): an engine's
+    builders in torch mode, or the ``always`` policy."""
+    return (torch_mode and engine) or _policy() == "always"
 
 
 class _Raised:
@@ -85,9 +88,15 @@ def in_child(fn: Callable[[], T]) -> T:
     """``fn()`` evaluated in a child forked from here; its value, or the exception it raised, comes back. Raises
     :class:`ChildFailed` when the child dies without answering."""
     read_fd, write_fd = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: "use of fork() may lead to deadlocks"
-        pid = os.fork()
+    pid = -1
+    gc.freeze()  # the child's collections skip the parent's objects, so they do not copy every page the heap holds
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12: "use of fork() may lead to deadlocks"
+            pid = os.fork()
+    finally:
+        if pid != 0:
+            gc.unfreeze()
     if pid == 0:  # the child: answer, then leave without running the parent's exit handlers
         os.close(read_fd)
         _serve(fn, write_fd)

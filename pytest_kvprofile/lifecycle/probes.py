@@ -126,17 +126,18 @@ Step = Callable[[Callable[[_ProbeRun], T]], "T | object"]
 @contextlib.contextmanager
 def _prefix(target: ProbeTarget, state: str, reserving: str | None = None) -> Iterator[Step[Any]]:
     """Steps that each start from the state :func:`_fresh` reaches: ``step(fn)`` is ``fn(run)`` on that state, or
-    ``_UNREACHED``. On the simulated device, for a backend whose prefix is worth a fork (torch mode:
-    ``forked.worth_forking``), the state is built once and each step runs in a child forked from it
+    ``_UNREACHED``. On the simulated device, for a backend whose prefix is worth a fork (an engine's builders in
+    torch mode: ``forked.worth_forking``), the state is built once and each step runs in a child forked from it
     (``lifecycle/forked.py``): every fault point starts where a fresh run would, for the price of a fork. Elsewhere
-    (context mode, the GPU tier, no ``fork``) each step drives its own fresh builders, as a forked child failing
+    (stubs, the GPU tier, no ``fork``) each step drives its own fresh builders, as a forked child failing
     does."""
 
     def fresh_step(fn: Callable[[_ProbeRun], T]) -> T | object:
         with _fresh(target, state, reserving) as run:
             return _UNREACHED if run is None else fn(run)
 
-    fork = worth_forking(bool(getattr(target.backend, "torch_mode", False)))
+    fork = worth_forking(bool(getattr(target.backend, "torch_mode", False)), bool(getattr(target.backend, "requires",
+                                                                                             ())))
     if not (target.device_factory is make_device and fork and can_fork()):
         yield fresh_step
         return

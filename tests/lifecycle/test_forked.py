@@ -56,11 +56,12 @@ def test_forking_can_be_switched_off(monkeypatch):
 
 
 def test_only_a_prefix_that_costs_more_than_a_fork_is_forked(monkeypatch):
-    """auto: torch mode (an engine's builders) forks, context mode (plain Python over the ledger) re-runs."""
+    """auto: an engine's builders in torch mode fork; stubs and FlashInfer's own wrappers re-run their prefix."""
     monkeypatch.delenv("KVPROFILE_PROBE_FORK", raising=False)
-    assert forked.worth_forking(True) and not forked.worth_forking(False)
+    assert forked.worth_forking(True, True)
+    assert not any(forked.worth_forking(torch, engine) for torch, engine in ((True, False), (False, False)))
     monkeypatch.setenv("KVPROFILE_PROBE_FORK", "always")
-    assert forked.worth_forking(False)
+    assert forked.worth_forking(False, False)
     monkeypatch.setenv("KVPROFILE_PROBE_FORK", "sometimes")
     with pytest.raises(ValueError, match="KVPROFILE_PROBE_FORK='sometimes': expected one of auto, always, never"):
         forked.can_fork()
