@@ -126,10 +126,10 @@ Step = Callable[[Callable[[_ProbeRun], T]], "T | object"]
 @contextlib.contextmanager
 def _prefix(target: ProbeTarget, state: str, reserving: str | None = None) -> Iterator[Step[Any]]:
     """Steps that each start from the state :func:`_fresh` reaches: ``step(fn)`` is ``fn(run)`` on that state, or
-    ``_UNREACHED``. On the simulated device, for a backend whose prefix is worth a fork (an engine's builders in
-    torch mode: ``forked.worth_forking``), the state is built once and each step runs in a child forked from it
+    ``_UNREACHED``. On the simulated device, when ``KVPROFILE_PROBE_FORK`` opts in for this backend
+    (``forked.worth_forking``), the state is built once and each step runs in a child forked from it
     (``lifecycle/forked.py``): every fault point starts where a fresh run would, for the price of a fork. Elsewhere
-    (stubs, the GPU tier, no ``fork``) each step drives its own fresh builders, as a forked child failing
+    (the default, the GPU tier, no ``fork``) each step drives its own fresh builders, as a forked child failing
     does."""
 
     def fresh_step(fn: Callable[[_ProbeRun], T]) -> T | object:

@@ -50,14 +50,17 @@ def test_forking_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("KVPROFILE_NO_FORK", "1")
     assert not forked.can_fork()
     monkeypatch.setenv("KVPROFILE_NO_FORK", "0")
+    monkeypatch.setenv("KVPROFILE_PROBE_FORK", "auto")
     assert forked.can_fork()
     monkeypatch.setenv("KVPROFILE_PROBE_FORK", "never")
     assert not forked.can_fork()
+    monkeypatch.delenv("KVPROFILE_PROBE_FORK")
+    assert not forked.can_fork()  # opt-in: the default re-runs every prefix
 
 
 def test_only_a_prefix_that_costs_more_than_a_fork_is_forked(monkeypatch):
     """auto: an engine's builders in torch mode fork; stubs and FlashInfer's own wrappers re-run their prefix."""
-    monkeypatch.delenv("KVPROFILE_PROBE_FORK", raising=False)
+    monkeypatch.setenv("KVPROFILE_PROBE_FORK", "auto")
     assert forked.worth_forking(True, True)
     assert not any(forked.worth_forking(torch, engine) for torch, engine in ((True, False), (False, False)))
     monkeypatch.setenv("KVPROFILE_PROBE_FORK", "always")
