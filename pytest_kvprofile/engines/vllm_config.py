@@ -23,7 +23,7 @@ __all__ = ["STANDIN_ARCHITECTURE", "UnexpressibleCase", "hf_config", "hf_config_
            "layer_names", "make_vllm_config", "resolve_kv_cache_layout", "standin_layers", "standin_model_registered"]
 
 STANDIN_ARCHITECTURE = "KvprofileStandinForCausalLM"
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "auto": "bfloat16"}  # the model's dtype, a KV cache of it
+_DTYPES = ("bf16", "fp16", "auto")  # a model of this dtype over a KV cache of it (torch names: matrix/kv_dtypes.py)
 _QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2")  # a bf16 model over a quantized cache (--kv-cache-dtype)
 
 
@@ -155,7 +155,8 @@ def standin_model_registered() -> Iterator[None]:
 
 def model_dtype(case: Case) -> str:
     """The model's dtype: the KV dtype where the cache is unquantized, bf16 under a quantized cache."""
-    return _DTYPES.get(case.model.kv_dtype, "bfloat16")
+    kv = case.model.kv
+    return kv.torch if kv.name in _DTYPES else "bfloat16"
 
 
 def cache_dtype(case: Case) -> str:

@@ -36,6 +36,13 @@ class KvDtype:
         scales = -(-elements // self.scale_block) * self.scale_bytes if self.scale_block else 0
         return data + scales
 
+    def fa2_torch_dtype(self, who: str) -> str:
+        """The ``kv_data_type`` an FA2 ``plan()`` takes for this dtype; a ValueError naming ``who`` where FA2 has
+        no kernel for it (NVFP4: trtllm-gen only), never another dtype in its place."""
+        if not self.fa2:
+            raise ValueError(f"{who}: KV dtype {self.name} has no FlashInfer FA2 kernel (trtllm-gen only)")
+        return self.torch
+
     @property
     def fa2(self) -> bool:
         """Whether FlashInfer's FA2 prefill/decode kernels (and so its planners as sized here) take it."""

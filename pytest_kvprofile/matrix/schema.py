@@ -302,7 +302,7 @@ def kv_dtype_values(path: str, key: str, value: Any) -> list[str]:
     return list(values)
 
 
-def kv_dtype_axis(path: str, raw_model: Any, top: Any) -> list[str | None]:
+def kv_dtype_axis(raw_model: Any, top: Any) -> list[str | None]:
     """The KV dtypes one model's cases expand over: the model's own ``kv_dtype`` list, else the file's; ``[None]``
     when neither lists several (a single value is the model's ``kv_dtype``, and the ids carry no suffix)."""
     if isinstance(raw_model, dict) and "kv_dtype" in raw_model:
@@ -403,7 +403,7 @@ def parse_matrix(data: Any, path: str) -> Matrix:
     matrix = Matrix(path=path, name=name, models=models)
     seen: set[str] = set()
     for mname, base_model in models.items():
-        kvs = kv_dtype_axis(path, models_raw[mname], data.get("kv_dtype"))
+        kvs = kv_dtype_axis(models_raw[mname], data.get("kv_dtype"))
         for gpu in gpus:
             for tp in tps:
                 for dcp in dcps:

@@ -69,3 +69,9 @@ def test_an_exclude_may_name_the_dtype():
 def test_a_bad_dtype_names_file_and_key(value, key):
     with pytest.raises(MatrixError, match=rf"^ci\.yaml: {key}: "):
         load_matrix_text(_qwen_kv(value), "ci.yaml")
+
+
+def test_a_dtype_without_an_fa2_kernel_names_who_asked_for_it():
+    assert KV_DTYPES["fp8_e5m2"].fa2_torch_dtype("flashinfer") == "float8_e5m2"
+    with pytest.raises(ValueError, match="flashinfer: KV dtype nvfp4 has no FlashInfer FA2 kernel"):
+        KV_DTYPES["nvfp4"].fa2_torch_dtype("flashinfer")
