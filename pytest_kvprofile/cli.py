@@ -266,10 +266,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
         format_report,
         report_for_matrix,
         report_headline,
+        unsized_for_matrix,
     )
 
     try:
         rows = report_for_matrix(str(args.report), use_oracle=False if args.no_oracle else None)
+        unsized = unsized_for_matrix(str(args.report))
     except (OracleError, OSError, ValueError) as exc:
         print(f"kvprofile size: error: {exc}", file=sys.stderr)
         return 1
@@ -282,9 +284,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
             return 1
         plot_requirement(rows, args.plot)
     if args.json:
-        print(json.dumps({"rows": rows, "headline": report_headline(rows)}))
+        print(json.dumps({"rows": rows, "headline": report_headline(rows), "unsized": unsized}))
     else:
         print(format_report(rows))
+        for row in unsized:
+            print(f"not sized: {row['case']}: {row['reason']}")
     return 0
 
 

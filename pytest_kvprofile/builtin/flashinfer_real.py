@@ -74,9 +74,9 @@ class RealFlashInferBuilder:
     torch_mode = True  # allocates with plain torch "cuda" calls; kvprofile_run serves them from the simulated GPU
 
     def __init__(self, case: Any) -> None:
-        if case.model.attention == "mla":
-            raise ValueError(f"{self.name}: MLA layouts run FlashInfer's MLA planner, which the simulated device "
-                             f"does not serve (case {case.id})")
+        refusal = mla_refusal(case)
+        if refusal is not None:
+            raise ValueError(f"{self.name}: {refusal}")
         self.case = case
         self.slots: dict[int, Slot] = {}
         self.tensor_cores = decode_tensor_cores(case)
@@ -285,13 +285,22 @@ def _ledger_range(tensor: Any, arena: Any = None) -> tuple[int, int]:
     return alloc.ptr + tensor.data_ptr() - tensor.untyped_storage().data_ptr(), nbytes
 
 
+def mla_refusal(case: Any) -> str | None:
+    """These builders plan FlashInfer's FA2 prefill/decode wrappers; an MLA layout needs its MLA wrapper, which the
+    simulated device does not serve: the layout is refused by name (listed, not run), not failed on every check."""
+    if case.model.attention != "mla":
+        return None
+    return (f"MLA layouts run FlashInfer's MLA planner (BatchMLAPagedAttentionWrapper), which this backend does not "
+            f"build and the simulated device does not serve (case {case.id})")
+
+
 def _backend(name: str, cls: type, description: str, origin: str, bug: int | None = None) -> Backend:
     def make(case: Any) -> list[Any]:
         return [cls(case)]
 
     make.__qualname__ = f"make_{name.replace('-', '_')}"
     return Backend(name=name, make_builders=make, description=description, origin=origin, bug_class=bug,
-                   torch_mode=True)
+                   torch_mode=True, refuses_layout=mla_refusal)
 
 
 REAL_FLASHINFER_BACKENDS: tuple[Backend, ...] = (
@@ -299,7 +308,7 @@ REAL_FLASHINFER_BACKENDS: tuple[Backend, ...] = (
              "on the arena, on the simulated GPU (REQUIRED)", "builtin"),
 )
 REAL_FLASHINFER_MUTANTS: tuple[Backend, ...] = (
-    _backend("mutant-01-flashinfer-lazy-wrappers", LazyRealFlashInferBuilder, (LazyRealFlashInferBuilder.__doc__ or "")
+    _backend("mutant-01d-flashinfer-lazy-wrappers", LazyRealFlashInferBuilder, (LazyRealFlashInferBuilder.__doc__ or "")
              .split("\n")[0], "mutant", bug=1),
     _backend("mutant-15i-flashinfer-shared-int-workspace", SharedIntWorkspaceRealBuilder,
              (SharedIntWorkspaceRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),

@@ -2,7 +2,8 @@
 docs/contract.md ("Bug classes").
 
 Every check the suite ships must be shown to fail on the mutant that carries the bug it targets;
-``tests/test_mutants.py`` runs the suite over this catalog and prints the catch table.
+``tests/builtin/test_mutant_catalog.py`` runs the suite over this catalog and prints the catch table; what each mutant
+fails is ``builtin/catches.py``.
 """
 
 from __future__ import annotations

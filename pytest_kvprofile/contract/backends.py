@@ -141,17 +141,23 @@ def validate_builders(backend: Backend, builders: list[Any]) -> None:
 
 
 def layout_refusal(backend: Backend, case: Any) -> str | None:
-    """The engine's reason for refusing ``case`` (``Backend.refuses_layout``), or None when it accepts it.
+    """Why ``case`` is not run on ``backend``, or None when it is: the engine's own reason
+    (``Backend.refuses_layout``), else the case's own (``Case.unsized_reason``: routes this suite cannot size).
 
     A ``refuses_layout`` that raises refuses nothing: the factory then runs, and its error is a failure.
     """
-    if backend.refuses_layout is None or case.skip_reason is not None:
+    if case.skip_reason is not None:
         return None
-    try:
-        reason = backend.refuses_layout(case)
-    except Exception:  # noqa: BLE001 - the backend's own factory reports the error per case
-        return None
-    return str(reason) if reason else None
+    reason = None
+    if backend.refuses_layout is not None:
+        try:
+            reason = backend.refuses_layout(case)
+        except Exception:  # noqa: BLE001 - the backend's own factory reports the error per case
+            reason = None
+    if reason:
+        return str(reason)
+    unsized = getattr(case, "unsized_reason", None)
+    return str(unsized) if unsized else None
 
 
 def check_requirements(backend: Backend) -> None:

@@ -101,6 +101,18 @@ class Case:
         return (self.envelope.nontorch_mib + (256 if self.tp > 1 else 0)) << 20
 
     @property
+    def unsized_reason(self) -> str | None:
+        """Why this suite cannot size the case's FlashInfer routes (its KV dtype has no FA2 kernel: NVFP4 runs on
+        trtllm-gen only), or None. Such a layout is refused by name on every backend, never sized as another
+        dtype and never run with a sizing its checks cannot trust."""
+        kv = self.model.kv
+        if kv.fa2:
+            return None
+        return (f"unsized by the suite: KV dtype {kv.name} has no FlashInfer FA2 kernel (FlashInfer runs it on "
+                "trtllm-gen only, which plans into its own workspace): this suite does not size its routes, never as "
+                "another dtype")
+
+    @property
     def layout_key(self) -> tuple[object, ...]:
         """Everything but gmu: cases equal under this key run identical pre-KV phases."""
         return (self.matrix, self.model.name, self.model.kv_dtype, self.gpu.name, self.tp, self.dcp, self.mtp,

@@ -268,7 +268,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     elif "kvprofile_refused_pair" in metafunc.fixturenames:
         params = [
             pytest.param((backend, case), id=f"{backend.name}-{case.id}",
-                         marks=pytest.mark.skip(reason=f"the engine refuses this layout: {reason}"))
+                         marks=pytest.mark.skip(reason=f"the layout is refused: {reason}"))
             for backend, case, reason in session.refused_pairs()
         ]
         metafunc.parametrize("kvprofile_refused_pair", params)
@@ -396,8 +396,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(f"{len(state.skipped_cases)} impossible layouts skipped (reasons in the id list)")
     refused = state.refused_pairs()
     if refused:
-        terminalreporter.write_line(f"{len(refused)} (backend, case) layouts refused by their engine skipped, not "
-                                    "counted against the opt-in (reasons in the id list and the verdict)")
+        terminalreporter.write_line(f"{len(refused)} (backend, case) layouts refused by their engine or unsized by the "
+                                    "suite skipped, not counted against the opt-in (reasons in the id list and the "
+                                    "verdict)")
     legacy = legacy_cost_lines(state.records)
     if legacy:
         terminalreporter.section("kvprofile legacy-path cost (what KV sizing does not see; information)")

@@ -35,12 +35,17 @@ def _state(config: pytest.Config) -> KvprofileSession:
 
 
 def case_params(state: KvprofileSession) -> list[Any]:
-    """One param per case of the selected matrices, in matrix order; impossible layouts skipped with their reason."""
-    return [
-        pytest.param(case, id=case.id, marks=[pytest.mark.skip(reason=f"impossible layout: {case.skip_reason}")]
-                     if case.skip_reason else [])
-        for case in state.cases
-    ]
+    """One param per case of the selected matrices, in matrix order; impossible layouts and layouts the suite cannot
+    size (``Case.unsized_reason``) skipped with their reason."""
+    return [pytest.param(case, id=case.id, marks=_case_marks(case)) for case in state.cases]
+
+
+def _case_marks(case: Case) -> list[pytest.MarkDecorator]:
+    if case.skip_reason:
+        return [pytest.mark.skip(reason=f"impossible layout: {case.skip_reason}")]
+    if case.unsized_reason:
+        return [pytest.mark.skip(reason=case.unsized_reason)]
+    return []
 
 
 @dataclass

@@ -52,10 +52,11 @@ def json_document(session: Any) -> dict:
 
 def _sizing_report(session: Any) -> dict:
     """Every layout's exact requirement next to the fixed sizes engines use, with the headline."""
-    from pytest_kvprofile.sizing.comparison import report_for_matrix, report_headline
+    from pytest_kvprofile.sizing.comparison import report_for_matrix, report_headline, unsized_for_matrix
 
     rows = [row for m in session.matrices for row in report_for_matrix(m.path)]
-    return {"headline": report_headline(rows), "rows": rows}
+    unsized = [row for m in session.matrices for row in unsized_for_matrix(m.path)]
+    return {"headline": report_headline(rows), "rows": rows, "unsized": unsized}
 
 
 def _legacy_reason(declared: dict[str, str]) -> str | None:

@@ -58,11 +58,8 @@ class UnsizableCase(ValueError):
 
 def sizable_refusal(case: Case) -> str | None:
     """Why the case's FA2 routes cannot be planned (its KV dtype has no FA2 kernel), or None."""
-    kv = case.model.kv
-    if kv.fa2:
-        return None
-    return (f"case {case.id}: KV dtype {kv.name} has no FlashInfer FA2 kernel (it runs on trtllm-gen only, which "
-            "plans into its own workspace): its FA2 prefill/decode routes are not sized, never as another dtype")
+    reason = case.unsized_reason
+    return None if reason is None else f"case {case.id}: {reason}"
 
 
 def for_case(case: Case, *, use_oracle: bool | None = None) -> SizingResult:

@@ -149,11 +149,21 @@ def format_report(rows: list[dict[str, Any]]) -> str:
 
 
 def distinct_layout_cases(cases: Iterable[Case]) -> list[Case]:
-    """The runnable cases that differ in something sizing reads (gmu never matters), first of each."""
+    """The runnable, sizable cases that differ in something sizing reads (gmu never matters), first of each."""
     out: dict[tuple, Case] = {}
     for case in cases:
-        if case.skip_reason is None:
+        if case.skip_reason is None and case.unsized_reason is None:
             out.setdefault(case.layout_key, case)
+    return list(out.values())
+
+
+def unsized_layouts(cases: Iterable[Case]) -> list[dict[str, str]]:
+    """The runnable layouts this suite does not size (``Case.unsized_reason``), first case of each, with why: the
+    report names them rather than dropping them."""
+    out: dict[tuple, dict[str, str]] = {}
+    for case in cases:
+        if case.skip_reason is None and case.unsized_reason is not None:
+            out.setdefault(case.layout_key, {"case": case.id, "reason": case.unsized_reason})
     return list(out.values())
 
 
@@ -162,3 +172,10 @@ def report_for_matrix(path: str, *, use_oracle: bool | None = None) -> list[dict
     from pytest_kvprofile.matrix.schema import load_matrix
 
     return [case_row(case, use_oracle=use_oracle) for case in distinct_layout_cases(load_matrix(path).cases)]
+
+
+def unsized_for_matrix(path: str) -> list[dict[str, str]]:
+    """The layouts of a matrix file its sizing report leaves out, each with the reason (``unsized_layouts``)."""
+    from pytest_kvprofile.matrix.schema import load_matrix
+
+    return unsized_layouts(load_matrix(path).cases)

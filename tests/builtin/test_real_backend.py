@@ -18,6 +18,7 @@ from pytest_kvprofile.builtin.flashinfer_real import (
     RealFlashInferBuilder,
 )
 from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.contract.backends import layout_refusal
 from pytest_kvprofile.lifecycle import driver
 from pytest_kvprofile.lifecycle.record import ProbeTarget
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
@@ -91,6 +92,7 @@ def test_mla_layouts_are_refused_by_name() -> None:
     mla = next(c for c in _cases().values() if c.model.attention == "mla")
     with pytest.raises(ValueError, match="MLA"):
         RealFlashInferBuilder(mla)
+    assert "BatchMLAPagedAttentionWrapper" in (layout_refusal(REAL, mla) or "")  # listed, not failed per check
 
 
 @contextlib.contextmanager

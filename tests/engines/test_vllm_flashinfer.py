@@ -190,7 +190,7 @@ def test_the_suite_lists_a_refused_layout_as_skipped_and_the_verdict_does_not_co
         "--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(ci), "-p", "no:cacheprovider", "-rs",
         "--kvprofile-backend", "vllm-flashinfer", "-k", refused, "--kvprofile-verdict", str(out))
     assert result.ret == 0, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines([f"SKIPPED*the engine refuses this layout: case {refused}: vLLM rejects this layout: "
+    result.stdout.fnmatch_lines([f"SKIPPED*the layout is refused: case {refused}: vLLM rejects this layout: "
                                  "*Decode context parallelism*", "*1 skipped*"])
     (b,) = json.loads(out.read_text())["backends"]
     assert b["results"] == [] and "failed" not in b["counts"]

@@ -3,6 +3,7 @@ ids with ``-ub<N>``; a single count leaves every id as it was; a bad value is a 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def test_a_list_is_an_axis_with_suffixed_ids():
     first = "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"
     assert [c.id for c in axis[:2]] == [f"{first}-ub1", f"{first}-ub2"]
     assert [c.envelope.num_ubatches for c in axis[:2]] == [1, 2]
-    assert {c.id.rsplit("-ub", 1)[0] for c in axis} == {c.id for c in plain}
+    assert {re.sub(r"-ub\d+", "", c.id) for c in axis} == {c.id for c in plain}
     one = load_matrix_text(CI.replace("num_ubatches: 2", "num_ubatches: [2]"), "ci.yaml").cases
     assert one[0].id.endswith("-ub2")  # listed: an axis, even of one value
 

@@ -72,9 +72,10 @@ def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_double
     args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--kvprofile-matrix", CI]
     with_suite = pytester.runpytest("--kvprofile", "test_own.py", *args)
     assert "test_own.py::test_own" in with_suite.stdout.lines
-    with_suite.stdout.fnmatch_lines(["2529/2532 tests collected (3 deselected)*"])
+    # deselected: teardown_clean (no stub closes); the NVFP4 layouts are refused (test_engine_accepts_layout)
+    with_suite.stdout.fnmatch_lines(["3155/3156 tests collected (1 deselected)*"])
     named = pytester.runpytest("--kvprofile", "--pyargs", "pytest_kvprofile.suite", *args)
-    named.stdout.fnmatch_lines(["2528/2531 tests collected (3 deselected)*"])
+    named.stdout.fnmatch_lines(["3154/3155 tests collected (1 deselected)*"])
     without = pytester.runpytest("test_own.py", *args)
     without.stdout.fnmatch_lines(["*1 test collected*"])
 
@@ -83,6 +84,11 @@ def test_kvprofile_gpu_without_a_gpu_is_still_a_usage_error(pytester):
     result = pytester.runpytest("--kvprofile-gpu", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--kvprofile-gpu: no CUDA device was found*"])
+
+
+def _runs(case) -> bool:
+    """The case is run (neither impossible nor a layout the suite cannot size)."""
+    return case.skip_reason is None and case.unsized_reason is None
 
 
 def _example(pytester) -> None:
@@ -94,7 +100,11 @@ def _example(pytester) -> None:
 def test_the_example_backends_own_tests_pass_on_every_case(pytester):
     _example(pytester)
     result = pytester.runpytest("-p", "no:cacheprovider", "--kvprofile-matrix", CI)
-    result.assert_outcomes(passed=5 * 48)
+    from pytest_kvprofile.matrix.schema import load_matrix
+
+    runs = [c for c in load_matrix(CI_SOURCE).cases if _runs(c)]
+    listed = len(load_matrix(CI_SOURCE).cases) - len(runs)  # impossible or unsized: skipped with their reason
+    result.assert_outcomes(passed=5 * len(runs), skipped=5 * listed)
 
 
 def test_the_example_backends_own_tests_under_xdist(pytester, monkeypatch):
@@ -105,7 +115,7 @@ def test_the_example_backends_own_tests_under_xdist(pytester, monkeypatch):
     outcomes = result.parseoutcomes()
     from pytest_kvprofile.matrix.schema import load_matrix
 
-    cases = [c for c in load_matrix(CI_SOURCE).cases if "tp1-" in c.id]
+    cases = [c for c in load_matrix(CI_SOURCE).cases if "tp1-" in c.id and _runs(c)]
     assert result.ret == 0 and outcomes["passed"] == 5 * len(cases), outcomes
 
 
@@ -159,5 +169,6 @@ def test_t(kvprofile_case, kvprofile_simulated_cuda):
     assert kvprofile_simulated_cuda.memory_allocated() - before == 3 << 20
     assert kvprofile_simulated_cuda.total_memory == kvprofile_case.gpu.memory_bytes
 """)
-    result = pytester.runpytest("-p", "no:cacheprovider", "--kvprofile-matrix", CI, "-k", "l40s and tp1-dcp1-mtp0")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--kvprofile-matrix", CI, "-k",
+                                "(qwen3 or glm) and l40s and tp1-dcp1-mtp0")
     result.assert_outcomes(passed=4)

@@ -47,8 +47,9 @@ def test_a_refused_layout_is_skipped_with_the_engine_reason_and_not_counted(pyte
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([
         f"*test_engine_accepts_layout[[]refuser-{DCP_CASE}[]] SKIPPED*",
-        "*1 (backend, case) layouts refused by their engine skipped, not counted against the opt-in*",
-        "SKIPPED [[]1[]] *: the engine refuses this layout: my engine rejects DCP",
+        "*1 (backend, case) layouts refused by their engine or unsized by the suite skipped, not counted against the "
+        "opt-in*",
+        "SKIPPED [[]1[]] *: the layout is refused: my engine rejects DCP",
     ])
     assert f"[refuser-{DCP_CASE}]" not in result.stdout.str().replace("test_engine_accepts_layout[", "")
     verdict = {b["name"]: b for b in json.loads(out.read_text())["backends"]}
@@ -130,3 +131,47 @@ def test_a_mapping_backend_declares_its_refusals_and_requirements():
                              "test")
     assert backend.requires == ("vllm",) and backend.install_hint == "scripts/install_vllm_cpu.sh"
     assert layout_refusal(backend, SimpleNamespace(skip_reason=None)) == "no"
+
+
+NVFP4_MATRIX = """
+name: nv
+envelope: {max_num_seqs: 64, max_num_batched_tokens: 2048, max_model_len: 8192, page_size: 16,
+           cuda_graph_sizes: [1, 8, 64], num_ubatches: 2}
+models:
+  qwen3-8b: {heads_q: 32, heads_kv: 8, head_dim: 128, num_layers: 36, weights_gib: 15.3, hidden_size: 4096,
+             kv_dtype: [bf16, nvfp4]}
+gpus: [L40S, B200]
+tp: [1]
+gmu: [0.98]
+"""
+
+
+def test_a_layout_the_suite_cannot_size_is_refused_by_name_on_every_backend_and_not_counted(pytester):
+    """NVFP4 on Blackwell runs on trtllm-gen only: no backend is run (and so failed) with a sizing it cannot trust,
+    the layout is listed with the reason, and an engine's own refusal keeps its words (issue 35.2)."""
+    pytester.makeconftest(BACKENDS)
+    matrix = pytester.makefile(".yaml", nv=NVFP4_MATRIX)
+    out = pytester.path / "verdict.json"
+    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(matrix),
+                                "-p", "no:cacheprovider", "-rs", "--kvprofile-verdict", str(out))
+    nvfp4 = "qwen3-8b-tp1-dcp1-mtp0-b200-gmu0.98-kvnvfp4"
+    result.stdout.fnmatch_lines([
+        "*3 (backend, case) layouts refused by their engine or unsized by the suite skipped*",
+        "SKIPPED [[]1[]] *impossible layout: KV dtype nvfp4 needs compute capability 10.x*",
+        "SKIPPED [[]3[]] *: the layout is refused: unsized by the suite: KV dtype nvfp4 has no FlashInfer FA2 kernel*",
+    ])
+    assert result.ret == pytest.ExitCode.OK
+    verdict = {b["name"]: b for b in json.loads(out.read_text())["backends"]}
+    for b in verdict.values():
+        assert b["may_opt_in"] is True, b["reasons"]
+        assert [r["case"] for r in b["refused_layouts"]] == [nvfp4]
+        assert "trtllm-gen only" in b["refused_layouts"][0]["reason"]
+        assert nvfp4 not in {r["case"] for r in b["results"]}
+
+
+def test_an_engine_refusal_is_named_before_the_suite_own():
+    unsized = SimpleNamespace(skip_reason=None, unsized_reason="unsized by the suite: no FA2 kernel")
+    engine = Backend(name="b", make_builders=lambda case: [], refuses_layout=lambda case: "my engine says no")
+    assert layout_refusal(engine, unsized) == "my engine says no"
+    assert layout_refusal(Backend(name="c", make_builders=lambda case: []), unsized) == (
+        "unsized by the suite: no FA2 kernel")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,17 @@ def test_nvfp4_off_blackwell_is_refused_by_name(capsys):
     assert main(["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--gpu", "H100", "--kv-dtype",
                  "nvfp4"]) == 2
     assert "nvfp4 needs compute capability 10.x" in capsys.readouterr().err
+
+
+def test_the_report_names_the_layouts_it_does_not_size(capsys):
+    """ci.yaml's NVFP4 cache on the B200 runs on trtllm-gen only: its layouts are named with the reason, never
+    sized (as bf16 or otherwise) and never dropped."""
+    ci = str(Path(__file__).resolve().parents[2] / "matrices" / "ci.yaml")
+    assert main(["size", "--report", ci, "--no-oracle", "--json"]) == 0
+    data = _json(capsys)
+    assert [u["case"] for u in data["unsized"]] == ["llama-3.1-8b-tp1-dcp1-mtp0-b200-gmu0.90-kvnvfp4",
+                                                    "llama-3.1-8b-tp4-dcp1-mtp0-b200-gmu0.90-kvnvfp4"]
+    assert "nvfp4" not in {r["kv_dtype"] for r in data["rows"]}
+    assert main(["size", "--report", ci, "--no-oracle"]) == 0
+    assert "not sized: llama-3.1-8b-tp1-dcp1-mtp0-b200-gmu0.90-kvnvfp4: unsized by the suite: KV dtype nvfp4" in \
+        capsys.readouterr().out
