@@ -41,6 +41,9 @@ def check_expressible(case: Case) -> None:
         raise UnexpressibleCase(f"case {case.id}: an NVFP4 KV cache runs vLLM's FlashInfer backend on trtllm-gen "
                                 "attention only (Blackwell), which the simulated GPU has no host module for (run it "
                                 "on the GPU tier)")
+    refusal = _fp8_query_refusal(case)
+    if refusal is not None:
+        raise UnexpressibleCase(refusal)
     if model.kv_dtype not in _DTYPES and model.kv_dtype not in _QUANTIZED:
         raise UnexpressibleCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
                                 f"(model dtypes {', '.join(_DTYPES)}; quantized caches {', '.join(_QUANTIZED)})")
@@ -54,6 +57,25 @@ def check_expressible(case: Case) -> None:
             f"case {case.id}: with DCP={case.dcp} on {case.gpu.name} (compute capability "
             f"{case.gpu.compute_capability[0]}.{case.gpu.compute_capability[1]}) vLLM's FlashInfer prefill plans "
             "FlashInfer's CUTLASS sm100 FMHA, which the simulated GPU has no host module for (run it on the GPU tier)")
+
+
+def _fp8_query_refusal(case: Case) -> str | None:
+    """Where vLLM's FlashInfer builder quantizes the query to the FP8 cache's type (``get_q_data_type``: SM90 and
+    SM100) and so plans a route the simulated GPU cannot serve, vLLM's route and FlashInfer's own refusal, or None."""
+    kv, gpu = case.model.kv, case.gpu
+    if not kv.name.startswith("fp8"):
+        return None
+    cc = gpu.compute_capability
+    if cc == (9, 0):
+        return (f"case {case.id}: with a {kv.name} KV cache on {gpu.name} (SM90) vLLM's FlashInfer builder quantizes "
+                "the query to FP8, and FlashInfer plans its prefill on FA3, which the simulated GPU has no host "
+                "planner for (run it on the GPU tier)")
+    if cc[0] == 10 and kv.torch == "float8_e4m3fn":
+        return (f"case {case.id}: with a {kv.name} KV cache on {gpu.name} (SM100) vLLM's FlashInfer builder quantizes "
+                "the query to FP8 E4M3 for trtllm-gen attention; without FlashInfer's trtllm-gen cubins (offline, "
+                "as on the simulated GPU) it plans FlashInfer's FA2 decode, which refuses an E4M3 query off SM120 "
+                "(\"The fa2 tensor-core decode takes an e4m3 query only on SM120\"); run it on the GPU tier")
+    return None
 
 
 def hf_config(case: Case) -> dict[str, Any]:

@@ -181,6 +181,20 @@ def test_the_backends_name_the_layouts_vllm_refuses_so_the_suite_skips_them():
                                                                                           attention="mla")))
 
 
+def test_an_fp8_cache_is_refused_where_vllm_plans_an_fp8_query_the_simulated_gpu_cannot_serve():
+    """vLLM's get_q_data_type: an FP8 query on SM90 (FlashInfer's FA3 prefill: no host planner) and an E4M3 query
+    on SM100 (trtllm-gen; offline, FlashInfer's FA2 decode refuses it); model-dtype queries elsewhere run."""
+    refuses = VLLM_BACKENDS[0].refuses_layout
+
+    def fp8(kv: str, gpu: str) -> str | None:
+        return refuses(small_case(model=dataclasses.replace(QWEN, kv_dtype=kv), gpu=gpu))
+
+    assert "FA3" in (fp8("fp8_e4m3", "H100") or "") and "FA3" in (fp8("fp8_e5m2", "H100") or "")
+    assert "takes an e4m3 query only on SM120" in (fp8("fp8", "B200") or "")
+    assert fp8("fp8_e5m2", "B200") is None and fp8("fp8_e4m3", "L40S") is None
+    assert fp8("fp8_e4m3", "RTX PRO 6000 Blackwell") is None
+
+
 @pytest.mark.slow  # a subprocess classifying every ci case with vLLM's builders
 def test_the_suite_lists_a_refused_layout_as_skipped_and_the_verdict_does_not_count_it(pytester):
     ci = Path(__file__).resolve().parents[2] / "matrices" / "ci.yaml"

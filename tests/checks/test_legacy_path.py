@@ -1,0 +1,43 @@
+"""``legacy_path_unchanged`` needs the whole serving run: a legacy-path backend that raises after the profiling
+window (the released vLLM builder planning a query its kernels refuse, in capture) fails it, instead of every check
+that ran before the error passing and its post-KV cost read from a run that never served."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_kvprofile.builtin.stubs import UntaughtBuilder
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.lifecycle.driver import run_lifecycle
+from pytest_kvprofile.lifecycle.phases import CAPTURE, SERVING
+from pytest_kvprofile.lifecycle.record import LEGACY
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+
+CASE = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None)
+
+
+def _raising_in(phase: str) -> Backend:
+    class RaisesLate(UntaughtBuilder):
+        def build(self, ctx, batch):  # type: ignore[no-untyped-def]
+            if ctx.phase == phase:
+                raise NotImplementedError(f"this kernel refuses the batch planned in {phase}")
+            return super().build(ctx, batch)
+
+    return Backend(name=f"raises-in-{phase}", make_builders=lambda case: [RaisesLate(case)], origin="test")
+
+
+def test_the_correct_legacy_stub_passes():
+    result = run_lifecycle(Backend(name="u", make_builders=lambda case: [UntaughtBuilder(case)]), CASE)
+    assert result.path == LEGACY and failing_checks(result) == {}
+
+
+@pytest.mark.parametrize("phase", [CAPTURE, SERVING])
+def test_a_legacy_run_that_raises_after_the_window_fails_legacy_path_unchanged(phase):
+    result = run_lifecycle(_raising_in(phase), CASE)
+    assert result.path == LEGACY and result.aborted_in == phase
+    failed = failing_checks(result)
+    assert list(failed) == ["legacy_path_unchanged"], failed
+    message = failed["legacy_path_unchanged"][0]
+    assert "the lifecycle stopped before phase 'warmup_repeat'" in message and f"refuses the batch planned in {phase}" \
+        in message
