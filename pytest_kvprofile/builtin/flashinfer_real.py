@@ -167,7 +167,7 @@ class RealFlashInferBuilder:
         slot.qo_indptr[:n + 1].copy_(torch.tensor([0, *_cumsum(qo)], dtype=torch.int32))
         slot.kv_indptr[:n + 1].copy_(torch.tensor([0, *_cumsum(pages)], dtype=torch.int32))
         slot.last_page_len[:n].copy_(torch.tensor([k - (p - 1) * page for k, p in zip(kv, pages)], dtype=torch.int32))
-        kv_dtype = getattr(torch, model.kv.fa2_torch_dtype(self.name))  # the case's KV dtype, never another
+        kv_dtype = getattr(torch, self.case.fa2_kv_torch_dtype(self.name))  # the case's KV dtype, never another
         dtypes = {"q_data_type": torch.bfloat16, "kv_data_type": kv_dtype}
         indptr, indices, last = slot.kv_indptr[:n + 1], slot.kv_indices[:sum(pages)], slot.last_page_len[:n]
         if route == "prefill":

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from pytest_kvprofile.checks.catalog import CheckOptions, failing_checks
+from pytest_kvprofile.contract.backends import layout_refusal
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 
 
@@ -32,12 +33,16 @@ class Sweep:
 
 def sweep(backends: Iterable[Any], cases: Iterable[Any],
           options_for: Callable[[Any], CheckOptions] = lambda backend: CheckOptions()) -> list[Sweep]:
-    """``options_for(backend)``: the options a backend is judged under (the budget mutants carry a waste budget)."""
+    """``options_for(backend)``: the options a backend is judged under (the budget mutants carry a waste budget).
+    A case the suite would not run on a backend (``layout_refusal``: the engine refuses it, or its routes are not
+    sized) is left out, as the suite lists it as skipped."""
     cases = [c for c in cases if c.skip_reason is None]
     out = []
     for backend in backends:
         s = Sweep(backend.name, backend.bug_class)
         for case in cases:
+            if layout_refusal(backend, case) is not None:
+                continue
             result = run_lifecycle(backend, case)
             close_parts(result)  # as the session does: teardown_clean reads the parts' close()
             failed = failing_checks(result, options_for(backend))

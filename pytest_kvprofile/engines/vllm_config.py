@@ -24,7 +24,7 @@ __all__ = ["STANDIN_ARCHITECTURE", "UnexpressibleCase", "hf_config", "hf_config_
 
 STANDIN_ARCHITECTURE = "KvprofileStandinForCausalLM"
 _DTYPES = ("bf16", "fp16", "auto")  # a model of this dtype over a KV cache of it (torch names: matrix/kv_dtypes.py)
-_QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2")  # a bf16 model over a quantized cache (--kv-cache-dtype)
+_QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")  # a bf16 model over a quantized cache (--kv-cache-dtype)
 
 
 class UnexpressibleCase(ValueError):
@@ -37,11 +37,11 @@ def check_expressible(case: Case) -> None:
     if model.attention == "mla":
         raise UnexpressibleCase(f"case {case.id}: MLA layouts are served by vLLM's FlashInfer MLA backend "
                                 "(FlashInferMLAMetadataBuilder), not FlashInferMetadataBuilder")
-    if model.kv_dtype == "nvfp4":
-        raise UnexpressibleCase(f"case {case.id}: an NVFP4 KV cache runs vLLM's FlashInfer backend on trtllm-gen "
-                                "attention only (Blackwell), which the simulated GPU has no host module for (run it "
-                                "on the GPU tier)")
-    refusal = _fp8_query_refusal(case)
+    if case.unsized_reason is not None:
+        raise UnexpressibleCase(f"case {case.id}: vLLM's FlashInfer backend plans no FA2 route here, and the "
+                                f"simulated GPU has no host module for trtllm-gen ({case.unsized_reason}; run it on "
+                                "the GPU tier)")
+    refusal = _fp8_query_refusal(case) or _nvfp4_fa2_refusal(case)
     if refusal is not None:
         raise UnexpressibleCase(refusal)
     if model.kv_dtype not in _DTYPES and model.kv_dtype not in _QUANTIZED:
@@ -75,6 +75,19 @@ def _fp8_query_refusal(case: Case) -> str | None:
                 "the query to FP8 E4M3 for trtllm-gen attention; without FlashInfer's trtllm-gen cubins (offline, "
                 "as on the simulated GPU) it plans FlashInfer's FA2 decode, which refuses an E4M3 query off SM120 "
                 "(\"The fa2 tensor-core decode takes an e4m3 query only on SM120\"); run it on the GPU tier")
+    return None
+
+
+def _nvfp4_fa2_refusal(case: Case) -> str | None:
+    """What vLLM's FlashInfer builder raises for an NVFP4 cache it reads with FA2 (off SM100), or None."""
+    if case.model.kv_dtype != "nvfp4":
+        return None
+    if case.dcp > 1:
+        return f"case {case.id}: vLLM refuses an NVFP4 KV cache with DCP on FA2 (\"The DCP prefill wrapper cannot " \
+               "read NVFP4 block scales.\")"
+    if case.model.head_dim == 64:
+        return f"case {case.id}: vLLM refuses an NVFP4 KV cache at head size 64 on FA2 (\"fa2 prefill misreads " \
+               "NVFP4 at head_size 64.\")"
     return None
 
 

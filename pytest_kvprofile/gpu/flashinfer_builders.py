@@ -200,7 +200,7 @@ class FlashInferCudaBuilder:
         layout = paged_layout(qo, kv, env.page_size)
         heads_q, heads_q_dec, heads_kv, dim, dim_vo = self._heads
         hq = heads_q_dec if route == "decode" else heads_q
-        args, kw = plan_args(route, layout, hq, heads_kv, dim, dim_vo, self.case.model.kv.fa2_torch_dtype(self.name))
+        args, kw = plan_args(route, layout, hq, heads_kv, dim, dim_vo, self.case.fa2_kv_torch_dtype(self.name))
         w.wrapper.plan(*args, **kw)
 
     def _lazy_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> RealWrapper:

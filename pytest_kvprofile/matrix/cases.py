@@ -102,15 +102,20 @@ class Case:
 
     @property
     def unsized_reason(self) -> str | None:
-        """Why this suite cannot size the case's FlashInfer routes (its KV dtype has no FA2 kernel: NVFP4 runs on
-        trtllm-gen only), or None. Such a layout is refused by name on every backend, never sized as another
-        dtype and never run with a sizing its checks cannot trust."""
-        kv = self.model.kv
-        if kv.fa2:
+        """Why this suite cannot size the case's FlashInfer routes (the engine routes its KV dtype on this GPU to
+        trtllm-gen only: NVFP4 on SM10x), or None. Such a layout is refused by name on every backend, never sized
+        as another dtype and never run with a sizing its checks cannot trust."""
+        model = self.model
+        refusal = model.kv.fa2_refusal(self.gpu.compute_capability, max(model.head_dim, model.dim_vo))
+        if refusal is None:
             return None
-        return (f"unsized by the suite: KV dtype {kv.name} has no FlashInfer FA2 kernel (FlashInfer runs it on "
-                "trtllm-gen only, which plans into its own workspace): this suite does not size its routes, never as "
-                "another dtype")
+        return (f"unsized by the suite: {refusal}; trtllm-gen plans into its own workspace, which this suite does "
+                "not size: never sized as another dtype")
+
+    def fa2_kv_torch_dtype(self, who: str) -> str:
+        """The ``kv_data_type`` ``who`` plans this case's FA2 routes with (``KvDtype.fa2_torch_dtype``)."""
+        model = self.model
+        return model.kv.fa2_torch_dtype(who, self.gpu.compute_capability, max(model.head_dim, model.dim_vo))
 
     @property
     def layout_key(self) -> tuple[object, ...]:

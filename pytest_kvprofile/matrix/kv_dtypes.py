@@ -16,8 +16,10 @@ class KvDtype:
     """One KV-cache element type.
 
     ``data_bits`` per element; block-scaled types (NVFP4) add one ``scale_bytes`` scale per ``scale_block``
-    elements of a head's row. ``planner_bytes`` is ``sizeof(DTypeKV)`` in FlashInfer's FA2 kernels, 0 where FA2
-    has no kernel for it (NVFP4 runs on trtllm-gen only). ``min_cc_major``: the GPUs whose tensor cores read it.
+    elements of a head's row. ``planner_bytes`` is ``sizeof(DTypeKV)`` in FlashInfer's FA2 kernels (NVFP4: its
+    packed ``uint8`` storage). ``min_cc_major``: the GPUs that can read it. ``trtllm_only_cc_majors``: the GPUs on
+    which the engine runs it on trtllm-gen only, never FA2 (vLLM 0.33 reads NVFP4 with FA2 on SM8x/9x/12x and with
+    trtllm-gen on SM10x); ``fa2_max_head_dim``: the largest head FlashInfer builds its FA2 decode for (0: any).
     """
 
     name: str
@@ -29,6 +31,8 @@ class KvDtype:
     scale_bytes: int = 0
     min_cc_major: int = 0
     quantized: bool = False
+    trtllm_only_cc_majors: tuple[int, ...] = ()
+    fa2_max_head_dim: int = 0
 
     def row_bytes(self, elements: int) -> int:
         """Bytes of one head's row of ``elements`` values, scales included."""
@@ -36,17 +40,27 @@ class KvDtype:
         scales = -(-elements // self.scale_block) * self.scale_bytes if self.scale_block else 0
         return data + scales
 
-    def fa2_torch_dtype(self, who: str) -> str:
-        """The ``kv_data_type`` an FA2 ``plan()`` takes for this dtype; a ValueError naming ``who`` where FA2 has
-        no kernel for it (NVFP4: trtllm-gen only), never another dtype in its place."""
-        if not self.fa2:
-            raise ValueError(f"{who}: KV dtype {self.name} has no FlashInfer FA2 kernel (trtllm-gen only)")
-        return self.torch
+    def fa2_refusal(self, compute_capability: tuple[int, int] | None, head_dim: int = 0) -> str | None:
+        """Why the engine plans no FA2 route for this dtype on a GPU of ``compute_capability`` at ``head_dim`` (the
+        larger of the QK and VO dims), so that its routes are trtllm-gen's; None where FA2 plans it. None for
+        ``compute_capability``: a GPU where FA2 reads the dtype (callers of the one-argument form before NVFP4 ran
+        off SM100)."""
+        major, minor = compute_capability or (0, 0)
+        if major in self.trtllm_only_cc_majors:
+            return (f"KV dtype {self.name} runs on FlashInfer's trtllm-gen kernels only on sm_{major}{minor} (vLLM's "
+                    "FlashInfer backend reads it with FA2 on SM8x/9x/12x only)")
+        if self.fa2_max_head_dim and head_dim > self.fa2_max_head_dim:
+            return (f"KV dtype {self.name} at head dim {head_dim}: FlashInfer builds its FA2 decode for it up to "
+                    f"head dim {self.fa2_max_head_dim} only (larger heads: SM100+ kernels)")
+        return None
 
-    @property
-    def fa2(self) -> bool:
-        """Whether FlashInfer's FA2 prefill/decode kernels (and so its planners as sized here) take it."""
-        return self.planner_bytes > 0
+    def fa2_torch_dtype(self, who: str, compute_capability: tuple[int, int] | None = None, head_dim: int = 0) -> str:
+        """The ``kv_data_type`` an FA2 ``plan()`` takes for this dtype; a ValueError naming ``who`` where the engine
+        plans no FA2 route for it (:meth:`fa2_refusal`), never another dtype in its place."""
+        refusal = self.fa2_refusal(compute_capability, head_dim)
+        if refusal is not None:
+            raise ValueError(f"{who}: {refusal}")
+        return self.torch
 
 
 KV_DTYPES: dict[str, KvDtype] = {d.name: d for d in (
@@ -57,8 +71,10 @@ KV_DTYPES: dict[str, KvDtype] = {d.name: d for d in (
     KvDtype("fp8", 8, "fp8", "float8_e4m3fn", 1, quantized=True),  # vLLM's "fp8" is E4M3 on CUDA
     KvDtype("fp8_e4m3", 8, "fp8_e4m3", "float8_e4m3fn", 1, quantized=True),
     KvDtype("fp8_e5m2", 8, "fp8_e5m2", "float8_e5m2", 1, quantized=True),
-    # NVFP4: E2M1 values, one E4M3 scale per 16 of a row; Blackwell tensor cores, trtllm-gen kernels only
-    KvDtype("nvfp4", 4, "nvfp4", "", 0, scale_block=16, scale_bytes=1, min_cc_major=10, quantized=True),
+    # NVFP4: E2M1 values, one E4M3 scale per 16 of a row. vLLM 0.33 plans it on FA2 as packed uint8 (FlashInfer's
+    # DTypeKV) on SM8x/9x/12x, on trtllm-gen only on SM10x (its FlashInferBackend.supports_kv_cache_dtype)
+    KvDtype("nvfp4", 4, "nvfp4", "uint8", 1, scale_block=16, scale_bytes=1, min_cc_major=8, quantized=True,
+            trtllm_only_cc_majors=(10, 11), fa2_max_head_dim=256),
 )}
 
 

@@ -345,13 +345,12 @@ FIT_MARGIN_GIB = 2
 
 
 def kv_dtype_refusal(model: ModelSpec, gpu: GpuSpec) -> str | None:
-    """Why ``model``'s KV dtype cannot be cached on ``gpu`` (NVFP4 needs Blackwell's tensor cores), or None."""
+    """Why ``model``'s KV dtype cannot be cached on ``gpu`` (NVFP4 needs SM80 or newer), or None."""
     need = model.kv.min_cc_major
     major = gpu.compute_capability[0]
     if need and major < need:
         have = f"sm_{major}{gpu.compute_capability[1]}" if major else "an unknown compute capability"
-        return (f"KV dtype {model.kv_dtype} needs compute capability {need}.x or newer (Blackwell); {gpu.name} has "
-                f"{have}")
+        return f"KV dtype {model.kv_dtype} needs compute capability {need}.x or newer; {gpu.name} has {have}"
     return None
 
 

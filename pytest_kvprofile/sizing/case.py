@@ -52,12 +52,12 @@ def plan_envelope(case: Case) -> PlanEnvelope:
 
 
 class UnsizableCase(ValueError):
-    """The case's FlashInfer routes cannot be sized here: its KV dtype has no FA2 kernel (NVFP4 runs on trtllm-gen
-    only). Never sized as another dtype: the engine refuses the FA2 route, and so does the suite."""
+    """The case's FlashInfer routes cannot be sized here: the engine runs its KV dtype on trtllm-gen only on its GPU
+    (NVFP4 on SM10x). Never sized as another dtype: the engine plans no FA2 route, and the suite sizes none."""
 
 
 def sizable_refusal(case: Case) -> str | None:
-    """Why the case's FA2 routes cannot be planned (its KV dtype has no FA2 kernel), or None."""
+    """Why the case's FA2 routes cannot be planned (``Case.unsized_reason``), or None."""
     reason = case.unsized_reason
     return None if reason is None else f"case {case.id}: {reason}"
 
@@ -68,7 +68,7 @@ def for_case(case: Case, *, use_oracle: bool | None = None) -> SizingResult:
     ``use_oracle``: None (what the check uses) confirms with FlashInfer's host-compiled planner when it
     can be built, True requires it, False sizes from the analytic model alone. The answer is kept on
     the case (builders and checks ask many times per lifecycle). The routes are planned for the case's KV
-    dtype (``sizeof(DTypeKV)``); :class:`UnsizableCase` where FA2 has no kernel for it.
+    dtype (``sizeof(DTypeKV)``); :class:`UnsizableCase` where the engine plans no FA2 route for it.
     """
     memo = case.__dict__.setdefault(_MEMO, {})
     result = memo.get(use_oracle)

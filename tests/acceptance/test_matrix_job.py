@@ -29,7 +29,7 @@ def test_shards_are_the_matrix_model_gpu_pairs_with_runnable_cases():
     shards = job.shards("ci")
     assert [(s.model, s.gpu, s.cases) for s in shards] == [
         ("qwen3-8b", "l40s", 12), ("qwen3-8b", "b200", 12), ("glm-4-9b-32q2kv", "l40s", 12),
-        ("glm-4-9b-32q2kv", "b200", 12), ("llama-3.1-8b", "l40s", 2), ("llama-3.1-8b", "b200", 4),
+        ("glm-4-9b-32q2kv", "b200", 12), ("llama-3.1-8b", "l40s", 4), ("llama-3.1-8b", "b200", 4),
         ("deepseek-v2-lite-mla", "l40s", 4), ("deepseek-v2-lite-mla", "b200", 4)]
     assert shards[0].keyword == "qwen3-8b- and -l40s-"
 

@@ -97,7 +97,8 @@ def layout_id(case: Case) -> str:
 
 @functools.cache
 def default_cases() -> tuple[Case, ...]:
-    return tuple(c for c in load_matrix(packaged_matrix("default")).cases if c.skip_reason is None)
+    return tuple(c for c in load_matrix(packaged_matrix("default")).cases
+                 if c.skip_reason is None and c.unsized_reason is None)
 
 
 def highest_gmu_per_layout(cases: Iterable[Case]) -> list[Case]:

@@ -16,7 +16,8 @@ MUTANTS = {b.name: b for b in MUTANT_BACKENDS}
 
 @pytest.fixture(scope="module")
 def carrying():
-    cases = [c for c in load_matrix(packaged_matrix("default")).cases if c.skip_reason is None and c.resources]
+    cases = [c for c in load_matrix(packaged_matrix("default")).cases
+             if c.skip_reason is None and c.unsized_reason is None and c.resources]
     assert cases, "the default matrix carries the DMA workspace on PCIe TP>=4 cases"
     return cases
 

@@ -12,7 +12,8 @@ from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
 pytestmark = pytest.mark.usefixtures("vllm_flashinfer")
 
-CI_CASES = [c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None]
+CI_CASES = [c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None
+            and c.unsized_reason is None]
 STUB = next(b for b in STUB_BACKENDS if b.name == "stub-flashinfer")
 
 

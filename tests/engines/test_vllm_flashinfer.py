@@ -195,6 +195,22 @@ def test_an_fp8_cache_is_refused_where_vllm_plans_an_fp8_query_the_simulated_gpu
     assert fp8("fp8_e4m3", "RTX PRO 6000 Blackwell") is None
 
 
+def test_an_nvfp4_cache_runs_vllms_fa2_path_off_sm100_and_is_refused_by_name_on_it():
+    """vLLM 0.33 reads NVFP4 with FA2 on packed uint8 off SM100 (and refuses it there with DCP, in its own words);
+    on SM100 it is trtllm-gen only, which the simulated GPU cannot plan, so the layout is refused by name."""
+    nvfp4 = dataclasses.replace(QWEN, kv_dtype="nvfp4")
+    refuses = VLLM_BACKENDS[0].refuses_layout
+    assert "trtllm-gen kernels only on sm_100" in (refuses(small_case(model=nvfp4, gpu="B200")) or "")
+    assert "The DCP prefill wrapper cannot read NVFP4 block scales." in (
+        refuses(small_case(model=dataclasses.replace(nvfp4, heads_kv=2), tp=4, dcp=2)) or "")
+    case = small_case(model=nvfp4)
+    assert refuses(case) is None
+    result = run_lifecycle(VLLM_BACKENDS[0], case)
+    assert not result.errors, result.errors[0].traceback
+    builders = list(result.builders[0].builders.values())
+    assert builders and all(b.nvfp4_fa2 and b.kv_cache_dtype == torch.uint8 for b in builders)
+
+
 @pytest.mark.slow  # a subprocess classifying every ci case with vLLM's builders
 def test_the_suite_lists_a_refused_layout_as_skipped_and_the_verdict_does_not_count_it(pytester):
     ci = Path(__file__).resolve().parents[2] / "matrices" / "ci.yaml"

@@ -52,9 +52,20 @@ def test_fp8_halves_the_bytes_a_token_costs_and_nvfp4_counts_its_scales():
     assert b200.skip_reason is None and kv_bytes_per_token(b200.model, 1, 1) == 36 * 2 * 8 * 72
 
 
-def test_nvfp4_off_blackwell_is_an_impossible_layout_named():
-    case = next(c for c in load_matrix_text(_qwen_kv("[nvfp4]"), "ci.yaml").cases if "l40s" in c.id)
-    assert case.skip_reason is not None and "nvfp4" in case.skip_reason and "L40S" in case.skip_reason
+def test_nvfp4_is_fa2_on_sm89_and_trtllm_gen_only_on_sm100_as_vllm_routes_it():
+    cases = load_matrix_text(_qwen_kv("[nvfp4]"), "ci.yaml").cases
+    l40s = next(c for c in cases if "l40s" in c.id)
+    b200 = next(c for c in cases if "b200" in c.id)
+    assert l40s.skip_reason is None and l40s.unsized_reason is None
+    assert l40s.fa2_kv_torch_dtype("flashinfer") == "uint8" and l40s.model.kv_dtype_bytes == 1
+    assert b200.skip_reason is None and "trtllm-gen kernels only on sm_100" in (b200.unsized_reason or "")
+
+
+def test_nvfp4_on_a_gpu_not_known_to_read_it_is_an_impossible_layout_named():
+    text = _qwen_kv("[nvfp4]").replace("gpus: [L40S, B200]", "gpus: [{name: T4, num_sm: 40, memory_gib: 16}]")
+    case = load_matrix_text(text, "ci.yaml").cases[0]
+    assert "nvfp4 needs compute capability 8.x or newer; T4 has an unknown compute capability" in (
+        case.skip_reason or "")
 
 
 def test_an_exclude_may_name_the_dtype():
@@ -74,7 +85,10 @@ def test_a_bad_dtype_names_file_and_key(value, key):
         load_matrix_text(_qwen_kv(value), "ci.yaml")
 
 
-def test_a_dtype_without_an_fa2_kernel_names_who_asked_for_it():
-    assert KV_DTYPES["fp8_e5m2"].fa2_torch_dtype("flashinfer") == "float8_e5m2"
-    with pytest.raises(ValueError, match="flashinfer: KV dtype nvfp4 has no FlashInfer FA2 kernel"):
-        KV_DTYPES["nvfp4"].fa2_torch_dtype("flashinfer")
+def test_a_dtype_without_an_fa2_route_names_who_asked_for_it():
+    assert KV_DTYPES["fp8_e5m2"].fa2_torch_dtype("flashinfer", (10, 0), 128) == "float8_e5m2"
+    assert KV_DTYPES["nvfp4"].fa2_torch_dtype("flashinfer", (12, 0), 256) == "uint8"
+    with pytest.raises(ValueError, match="flashinfer: KV dtype nvfp4 runs on FlashInfer's trtllm-gen kernels only"):
+        KV_DTYPES["nvfp4"].fa2_torch_dtype("flashinfer", (10, 0), 128)
+    with pytest.raises(ValueError, match="flashinfer: KV dtype nvfp4 at head dim 512: FlashInfer builds its FA2"):
+        KV_DTYPES["nvfp4"].fa2_torch_dtype("flashinfer", (9, 0), 512)

@@ -147,8 +147,8 @@ gmu: [0.98]
 
 
 def test_a_layout_the_suite_cannot_size_is_refused_by_name_on_every_backend_and_not_counted(pytester):
-    """NVFP4 on Blackwell runs on trtllm-gen only: no backend is run (and so failed) with a sizing it cannot trust,
-    the layout is listed with the reason, and an engine's own refusal keeps its words (issue 35.2)."""
+    """NVFP4 on the B200 (SM100) runs on trtllm-gen only: no backend is run (and so failed) with a sizing it cannot
+    trust, the layout is listed with the reason, and an engine's own refusal keeps its words (issue 35.2)."""
     pytester.makeconftest(BACKENDS)
     matrix = pytester.makefile(".yaml", nv=NVFP4_MATRIX)
     out = pytester.path / "verdict.json"
@@ -157,16 +157,17 @@ def test_a_layout_the_suite_cannot_size_is_refused_by_name_on_every_backend_and_
     nvfp4 = "qwen3-8b-tp1-dcp1-mtp0-b200-gmu0.98-kvnvfp4"
     result.stdout.fnmatch_lines([
         "*3 (backend, case) layouts refused by their engine or unsized by the suite skipped*",
-        "SKIPPED [[]1[]] *impossible layout: KV dtype nvfp4 needs compute capability 10.x*",
-        "SKIPPED [[]3[]] *: the layout is refused: unsized by the suite: KV dtype nvfp4 has no FlashInfer FA2 kernel*",
+        "SKIPPED [[]3[]] *: the layout is refused: unsized by the suite: KV dtype nvfp4 runs on FlashInfer's "
+        "trtllm-gen kernels only on sm_100*",
     ])
     assert result.ret == pytest.ExitCode.OK
     verdict = {b["name"]: b for b in json.loads(out.read_text())["backends"]}
     for b in verdict.values():
         assert b["may_opt_in"] is True, b["reasons"]
         assert [r["case"] for r in b["refused_layouts"]] == [nvfp4]
-        assert "trtllm-gen only" in b["refused_layouts"][0]["reason"]
-        assert nvfp4 not in {r["case"] for r in b["results"]}
+        assert "trtllm-gen kernels only on sm_100" in b["refused_layouts"][0]["reason"]
+        ran = {r["case"] for r in b["results"]}
+        assert nvfp4 not in ran and "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.98-kvnvfp4" in ran  # FA2 on the L40S
 
 
 def test_an_engine_refusal_is_named_before_the_suite_own():

@@ -113,21 +113,25 @@ def test_kv_dtype_is_sized_for_and_reported(oracle, capsys):
     assert fp8["float_workspace_bytes"] > bf16["float_workspace_bytes"] > 0
 
 
-def test_nvfp4_off_blackwell_is_refused_by_name(capsys):
-    assert main(["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--gpu", "H100", "--kv-dtype",
-                 "nvfp4"]) == 2
-    assert "nvfp4 needs compute capability 10.x" in capsys.readouterr().err
+def test_nvfp4_is_sized_where_fa2_reads_it_and_refused_by_name_on_sm100(capsys):
+    """vLLM plans NVFP4 with FA2 on packed uint8 on Hopper (1 B to the planner) and on trtllm-gen only on SM100."""
+    layout = ["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--kv-dtype", "nvfp4", "--json"]
+    assert main([*layout, "--gpu", "H100"]) == 0
+    data = _json(capsys)
+    assert (data["kv_dtype"], data["kv_dtype_bytes"]) == ("nvfp4", 1) and data["float_workspace_bytes"] > 0
+    assert main([*layout, "--gpu", "B200"]) == 1
+    assert "nvfp4 runs on FlashInfer's trtllm-gen kernels only on sm_100" in capsys.readouterr().err
 
 
 def test_the_report_names_the_layouts_it_does_not_size(capsys):
     """ci.yaml's NVFP4 cache on the B200 runs on trtllm-gen only: its layouts are named with the reason, never
-    sized (as bf16 or otherwise) and never dropped."""
+    sized (as bf16 or otherwise) and never dropped; on the L40S it is FA2's, and sized."""
     ci = str(Path(__file__).resolve().parents[2] / "matrices" / "ci.yaml")
     assert main(["size", "--report", ci, "--no-oracle", "--json"]) == 0
     data = _json(capsys)
     assert [u["case"] for u in data["unsized"]] == ["llama-3.1-8b-tp1-dcp1-mtp0-b200-gmu0.90-kvnvfp4",
                                                     "llama-3.1-8b-tp4-dcp1-mtp0-b200-gmu0.90-kvnvfp4"]
-    assert "nvfp4" not in {r["kv_dtype"] for r in data["rows"]}
+    assert {r["gpu"] for r in data["rows"] if r["kv_dtype"] == "nvfp4"} == {"L40S"}  # FA2 there, 1 B a value
     assert main(["size", "--report", ci, "--no-oracle"]) == 0
     assert "not sized: llama-3.1-8b-tp1-dcp1-mtp0-b200-gmu0.90-kvnvfp4: unsized by the suite: KV dtype nvfp4" in \
         capsys.readouterr().out

@@ -1,5 +1,6 @@
 """Sizing follows the KV dtype (issue 35, point 2-3): the oracle, built from the installed FlashInfer's planner with
-``sizeof(DTypeKV)``, confirms every fp8 case; the CLI and the sizing report say the same; KV tokens use the dtype."""
+``sizeof(DTypeKV)``, confirms every fp8 case of ``kv-dtypes.yaml`` and ``default.yaml``; the CLI and the sizing report
+say the same; KV tokens use the dtype."""
 
 from __future__ import annotations
 
@@ -16,16 +17,23 @@ from pytest_kvprofile.sizing.comparison import distinct_layout_cases, report_for
 KV = packaged_matrix("kv-dtypes")
 
 
-@pytest.fixture(scope="module")
-def fp8_cases():
+def _fp8(matrix: str) -> list:
     pytest.importorskip("flashinfer")
-    cases = [c for c in distinct_layout_cases(load_matrix(KV).cases) if c.model.kv.planner_bytes == 1]
+    cases = [c for c in distinct_layout_cases(load_matrix(matrix).cases) if c.model.kv.planner_bytes == 1]
     assert len(cases) >= 20
     return cases
 
 
-def test_the_oracle_confirms_every_fp8_case(fp8_cases):
-    for case in fp8_cases:
+@pytest.fixture(scope="module")
+def fp8_cases():
+    return _fp8(KV)
+
+
+@pytest.mark.parametrize("matrix", ["kv-dtypes", "default"])
+def test_the_oracle_confirms_every_fp8_case(matrix):
+    cases = _fp8(packaged_matrix(matrix))
+    assert {c.model.attention for c in cases} == {"mha", "mla"}
+    for case in cases:
         res = for_case(case, use_oracle=True)
         assert res.kv_dtype_bytes == 1 and res.method == "oracle", case.id
         assert all(r.confirmed_by_oracle for r in res.routes.values()), (case.id, res.notes)
@@ -60,7 +68,7 @@ def test_nvfp4_routes_are_refused_never_sized_as_another_dtype():
 
     case = next(c for c in load_matrix(KV).cases if "b200" in c.id)
     nvfp4 = dataclasses.replace(case, model=dataclasses.replace(case.model, kv_dtype="nvfp4"))
-    with pytest.raises(UnsizableCase, match="nvfp4 has no FlashInfer FA2 kernel"):
+    with pytest.raises(UnsizableCase, match="nvfp4 runs on FlashInfer's trtllm-gen kernels only on sm_100"):
         for_case(nvfp4)
     assert case.model.name == "qwen3-8b" and case.model.kv_dtype == "bf16"
     assert kv_bytes_per_token(nvfp4.model, 1, 1) * 32 == kv_bytes_per_token(case.model, 1, 1) * 9  # 72 of 256 B

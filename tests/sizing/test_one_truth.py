@@ -61,18 +61,21 @@ def _cli(case, *extra: str) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["size", "--model", case.model.name, "--gpu", case.gpu.name, "--tp", str(case.tp),
-                   "--dcp", str(case.dcp), "--mtp", str(case.mtp), "--json", *extra])
+                   "--dcp", str(case.dcp), "--mtp", str(case.mtp), "--kv-dtype", case.model.kv_dtype, "--json",
+                   *extra])
     assert rc == 0, out.getvalue()
     return json.loads(out.getvalue())
 
 
 def test_check_report_and_cli_agree_on_every_distinct_default_layout():
     cases = distinct_layout_cases(load_matrix(DEFAULT).cases)
-    rows = {(r["model"], r["gpu"], r["tp"], r["dcp"], r["mtp"]): r for r in report_for_matrix(str(DEFAULT))}
+    rows = {(r["model"], r["kv_dtype"], r["gpu"], r["tp"], r["dcp"], r["mtp"]): r
+            for r in report_for_matrix(str(DEFAULT))}
     assert len(cases) == len(rows) > 600
+    assert {c.model.kv_dtype for c in cases} == {"bf16", "fp8", "fp8_e4m3", "nvfp4"}
     for case in cases:
         cli = _cli(case)
-        row = rows[(case.model.name, case.gpu.name, case.tp, case.dcp, case.mtp)]
+        row = rows[(case.model.name, case.model.kv_dtype, case.gpu.name, case.tp, case.dcp, case.mtp)]
         need, need_int = cli["float_workspace_bytes"], cli["int_workspace_bytes"]
         assert row["required_float_bytes"] == need and row["required_int_bytes"] == need_int, case.id
         assert _verdict(case, need, need_int) == [], case.id

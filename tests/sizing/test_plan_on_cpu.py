@@ -72,7 +72,7 @@ def _wrapper(kind: str, float_bytes: int, tensor_cores: bool, graph: bool, qo_in
 def _plan(w, kind, rs, case, qo_lens, batch):
     qo_indptr, kv_indptr, indices, last = batch
     hd, page = case.model.head_dim, case.envelope.page_size
-    dt = dict(q_data_type=torch.bfloat16, kv_data_type=getattr(torch, case.model.kv.torch))
+    dt = dict(q_data_type=torch.bfloat16, kv_data_type=getattr(torch, case.fa2_kv_torch_dtype("test")))
     if kind == "prefill":
         w.plan(qo_indptr, kv_indptr, indices, last, rs.heads_q, rs.heads_kv, hd, page, causal=True, **dt)
     else:
@@ -101,7 +101,7 @@ CASES = [
     ("gemma-2-9b-hd256-tp1-dcp1-mtp0-h100-gmu0.90", "decode_cc", "decode", False),
     ("mha-32x128-h100", "decode_cc", "decode", False),
 ]
-KV_DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4")  # NVFP4: FA2 on packed uint8 (H100)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
