@@ -68,7 +68,26 @@ def check_legacy_path_unchanged(result: LifecycleResult, options: CheckOptions) 
             f"which changes legacy KV sizing: {grouped(result, kept)}. Free what the window made before it closes, "
             "or declare REQUIRED and reserve it under a lease"
         )
+    stopped = _stopped_after_the_window(result)
+    if stopped:
+        out.append(stopped)
     return out
+
+
+def _stopped_after_the_window(result: LifecycleResult) -> str | None:
+    """Why a legacy run that got past the closing measurement never finished serving, or None.
+
+    Running out of device memory after KV sizing is the legacy path's own cost (memory KV sizing never saw): it is
+    reported with that cost (``legacy_cost_details``), never refused. Any other error after the window (a kernel
+    refusing a batch in capture, a builder raising in serving) is a broken run whose post-KV cost means nothing."""
+    phase = result.aborted_in
+    if phase is None or lc.PHASE_INDEX.get(phase, -1) <= lc.PHASE_INDEX[lc.CLOSING]:
+        return None
+    err = next((e for e in result.errors if not e.injected), None)
+    if err is None or (err.exc_type == "DeviceOutOfMemory" and err.phase in lc.POST_KV_PHASES):
+        return None
+    return (f"the legacy run stopped in phase {phase!r} and never served: {err.describe()}. A model on the legacy "
+            "path must run through serving as it did before the contract")
 
 
 def legacy_cost_details(result: LifecycleResult) -> CheckDetails:
@@ -83,9 +102,7 @@ def legacy_cost_details(result: LifecycleResult) -> CheckDetails:
 CHECKS: tuple[Check, ...] = (
     Check("support_declaration", "a builder declares a ProfilingSupport member; REQUIRED+NEUTRAL enables, any "
           "UNSUPPORTED disables, all-NEUTRAL does not", BOTH, lc.SETUP, (6,), check_support_declaration),
-    # needs the last serving phase: a legacy run that raises after the window (in capture, in serving) never
-    # served, and its post-KV cost is not what it would keep
-    Check("legacy_path_unchanged", "a model off the new path runs the legacy lifecycle through serving and keeps "
-          "nothing from the profiling window", LEGACY, lc.WARMUP_REPEAT, (6,), check_legacy_path_unchanged,
-          details=legacy_cost_details),
+    Check("legacy_path_unchanged", "a model off the new path runs the legacy lifecycle through serving (running "
+          "out of memory after KV sizing is its reported cost) and keeps nothing from the profiling window", LEGACY,
+          lc.CLOSING, (6,), check_legacy_path_unchanged, details=legacy_cost_details),
 )

@@ -1,6 +1,8 @@
-"""``legacy_path_unchanged`` needs the whole serving run: a legacy-path backend that raises after the profiling
+"""``legacy_path_unchanged`` reads the whole serving run: a legacy-path backend that raises after the profiling
 window (the released vLLM builder planning a query its kernels refuse, in capture) fails it, instead of every check
-that ran before the error passing and its post-KV cost read from a run that never served."""
+that ran before the error passing and its post-KV cost read from a run that never served. Running out of device
+memory after KV sizing is different: it is the legacy path's own cost (what KV sizing never saw), reported in bytes
+and KV tokens and never refused (DESIGN section 8), as vLLM's released builder does at gmu 0.98 on the L40S."""
 
 from __future__ import annotations
 
@@ -39,5 +41,23 @@ def test_a_legacy_run_that_raises_after_the_window_fails_legacy_path_unchanged(p
     failed = failing_checks(result)
     assert list(failed) == ["legacy_path_unchanged"], failed
     message = failed["legacy_path_unchanged"][0]
-    assert "the lifecycle stopped before phase 'warmup_repeat'" in message and f"refuses the batch planned in {phase}" \
-        in message
+    assert f"the legacy run stopped in phase {phase!r} and never served" in message
+    assert f"refuses the batch planned in {phase}" in message
+
+
+def _out_of_memory_in(phase: str) -> Backend:
+    class KeepsTooMuch(UntaughtBuilder):
+        def build(self, ctx, batch):  # type: ignore[no-untyped-def]
+            if ctx.phase == phase and not getattr(self, "kept", None):
+                self.kept = ctx.allocate(CASE.gpu.memory_bytes, "post-kv-hoard")
+            return super().build(ctx, batch)
+
+    return Backend(name=f"oom-in-{phase}", make_builders=lambda case: [KeepsTooMuch(case)], origin="test")
+
+
+@pytest.mark.parametrize("phase", [CAPTURE, SERVING])
+def test_running_out_of_memory_after_kv_sizing_on_the_legacy_path_is_its_reported_cost_not_a_refusal(phase):
+    result = run_lifecycle(_out_of_memory_in(phase), CASE)
+    assert result.path == LEGACY and result.aborted_in == phase
+    assert result.errors[0].exc_type == "DeviceOutOfMemory"
+    assert failing_checks(result) == {}
