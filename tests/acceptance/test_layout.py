@@ -126,16 +126,45 @@ def _package_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+_STRING_IMPORTERS = {"import_module", "__import__"}
+
+
+def _string_import(node: ast.AST, constants: dict[str, str]) -> str | None:
+    """The module an ``importlib.import_module(...)`` or ``__import__(...)`` call names, as a string literal or a
+    module-level string constant; None for any other node (or a name computed at run time)."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if called not in _STRING_IMPORTERS:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    return constants.get(arg.id) if isinstance(arg, ast.Name) else None
+
+
+def _module_constants(tree: ast.Module) -> dict[str, str]:
+    return {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for t in node.targets if isinstance(t, ast.Name)}
+
+
 def _all_imports(path: Path) -> list[tuple[str, int, bool]]:
     """Every import of the module, anywhere in it: ``(imported module, line, at module level)``; a
-    ``from a import b`` names ``a.b`` when that is a module. Imports under ``if TYPE_CHECKING:`` count."""
+    ``from a import b`` names ``a.b`` when that is a module; ``importlib.import_module("a.b")`` (or a module-level
+    constant naming it) counts as an import of ``a.b``. Imports under ``if TYPE_CHECKING:`` count."""
     tree = ast.parse(path.read_text())
     in_function = {id(sub) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
                    for sub in ast.walk(fn)}
+    constants = _module_constants(tree)
     out = []
     for node in ast.walk(tree):
         at_top = id(node) not in in_function
-        if isinstance(node, ast.Import):
+        named = _string_import(node, constants)
+        if named is not None:
+            out.append((named, node.lineno, at_top))
+        elif isinstance(node, ast.Import):
             out += [(a.name, node.lineno, at_top) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             assert node.level == 0, f"{path}:{node.lineno}: relative import (write the absolute one)"
@@ -192,6 +221,16 @@ def test_heavy_imports_are_lazy_and_listed_with_a_reason():
     assert not unlisted, f"heavy imports at module level (make them lazy, or list them in EAGER_HEAVY): {unlisted}"
     assert not set(EAGER_HEAVY) - set(eager), sorted(set(EAGER_HEAVY) - set(eager))
     assert all(reason.strip() for reason in (*LAZY_HEAVY.values(), *EAGER_HEAVY.values()))
+
+
+def test_string_imports_are_counted():
+    """``importlib.import_module`` with a literal or a module-level constant is an import like any other."""
+    found = {(t, top) for t, _, top in _all_imports(PACKAGE / "engines" / "vllm_workspace.py")}
+    assert ("vllm.v1.worker.workspace", False) in found
+    tree = ast.parse("import importlib\nM = 'torch.cuda'\ndef f():\n    importlib.import_module(M)\n"
+                     "__import__('flashinfer')\n")
+    assert {_string_import(n, _module_constants(tree)) for n in ast.walk(tree)} - {None} == {"torch.cuda",
+                                                                                         "flashinfer"}
 
 
 def test_module_level_imports_form_no_cycle():
