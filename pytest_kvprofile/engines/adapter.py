@@ -320,9 +320,15 @@ class EngineAdapter:
     def describe_key(self, key: Any) -> str:
         return f"ubatch {key}"
 
+    def captures_attention(self) -> bool:
+        """Whether the engine captures full graphs of uniform decode (attention inside them) on this layout; an
+        engine that falls back to piecewise graphs builds no attention metadata while capturing, and serves its
+        decode steps eagerly."""
+        return True
+
     def is_capture(self, batch: Batch) -> bool:
-        """Engines capture full graphs of uniform decode only."""
-        return batch.cuda_graph and batch.kind == "decode"
+        """Engines capture full graphs of uniform decode only, where they capture attention at all."""
+        return batch.cuda_graph and batch.kind == "decode" and self.captures_attention()
 
     def after_make(self, made: list[Any]) -> None:
         """The builders just made (inside :meth:`construction_scope`)."""
@@ -365,6 +371,8 @@ class EngineAdapter:
         """The engine's build of ``batch`` on every builder of its micro-batch."""
         if not self.builders_of(batch.ubatch):
             self.make_engine_builders(ctx.num_ubatches)
+        if ctx.capturing and not self.captures_attention():
+            return  # piecewise capture: the runner builds no attention metadata for it
         self.ensure_inputs()
         with self.engine_scope():
             metadata = self.engine_metadata(batch)

@@ -20,7 +20,8 @@ from typing import Any, Iterator
 from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["STANDIN_ARCHITECTURE", "UnexpressibleCase", "hf_config", "hf_config_dir", "kv_cache_spec",
-           "layer_names", "make_vllm_config", "resolve_kv_cache_layout", "standin_layers", "standin_model_registered"]
+           "layer_names", "make_vllm_config", "resolve_cudagraph_mode", "resolve_kv_cache_layout", "standin_layers",
+           "standin_model_registered"]
 
 STANDIN_ARCHITECTURE = "KvprofileStandinForCausalLM"
 _DTYPES = ("bf16", "fp16", "auto")  # a model of this dtype over a KV cache of it (torch names: matrix/kv_dtypes.py)
@@ -265,6 +266,28 @@ def resolve_kv_cache_layout(case: Case, vllm_config: Any) -> None:
     layouts = FlashInferBackend.supported_kv_cache_layouts()
     names = [layout.name for layout in layouts] if layouts else ["LBNHC"]
     utils.resolve_kv_cache_layout(vllm_config, [names], [kv_cache_spec(case)])
+
+
+def resolve_cudagraph_mode(case: Case, vllm_config: Any, builder_cls: type) -> None:
+    """What vLLM's model runner does before it makes its builders (``_check_and_update_cudagraph_mode``): the
+    CUDA-graph mode the builder class supports on this layout, resolved by vLLM's own
+    ``resolve_cudagraph_mode_and_sizes`` and recorded on the config. With speculative decoding (MTP) and a builder
+    that graphs single-token decodes only (FlashInfer under DCP, or where no trtllm-gen/XQA decode takes the
+    layout), vLLM falls back to piecewise graphs: attention is then never captured, and the builder never makes its
+    CUDA-graph decode wrappers. The capture sizes stay the case's (the driver captures those)."""
+    compilation = vllm_config.compilation_config
+    resolve = getattr(compilation, "resolve_cudagraph_mode_and_sizes", None)
+    if resolve is None:  # a vLLM that resolves the mode elsewhere: the config's mode as it is
+        return
+    from vllm.config import set_current_vllm_config
+
+    sizes, largest = compilation.cudagraph_capture_sizes, compilation.max_cudagraph_capture_size
+    try:
+        with set_current_vllm_config(vllm_config):
+            resolve(builder_cls.get_cudagraph_support(vllm_config, kv_cache_spec(case)), builder_cls.__name__,
+                    1 + case.mtp)
+    finally:
+        compilation.cudagraph_capture_sizes, compilation.max_cudagraph_capture_size = sizes, largest
 
 
 def kv_cache_spec(case: Case) -> Any:

@@ -49,6 +49,7 @@ from pytest_kvprofile.engines.vllm_config import (
     kv_cache_spec,
     layer_names,
     make_vllm_config,
+    resolve_cudagraph_mode,
     resolve_kv_cache_layout,
     standin_layers,
 )
@@ -185,7 +186,14 @@ class VllmFlashInferBuilder(VllmAdapter):
         config = make_vllm_config(self.case)
         resolve_kv_cache_layout(self.case, config)
         standin_layers(self.case, config)
+        resolve_cudagraph_mode(self.case, config, self._cls(import_vllm_flashinfer()))
         return config
+
+    def captures_attention(self) -> bool:
+        """Whether the runner captures full decode graphs (attention inside them) on this layout."""
+        from vllm.config import CUDAGraphMode
+
+        return bool(self.config().compilation_config.cudagraph_mode.decode_mode() == CUDAGraphMode.FULL)
 
     def make_engine_builder(self, key: Any) -> Any:
         import torch

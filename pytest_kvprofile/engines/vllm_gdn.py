@@ -175,6 +175,10 @@ class VllmGdnBuilder(VllmAdapter):
 
         return self._cls()(mamba_spec(self.case), self.groups[key[1]], self.config(), torch.device("cuda"))
 
+    def captures_attention(self) -> bool:
+        """The runner's mode: it captures (or not) every attention group's graphs together."""
+        return bool(self.runner.captures_attention())
+
     def ensure_inputs(self) -> None:
         if self.runner.inputs is None:
             self.runner._make_inputs()

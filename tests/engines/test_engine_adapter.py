@@ -204,7 +204,7 @@ def test_a_failed_engine_build_names_the_case_the_batch_and_the_engines_error():
             raise ValueError("no route")
 
     adapter = ToyAdapter(CASE, Failing)
-    ctx = SimpleNamespace(num_ubatches=1)
+    ctx = SimpleNamespace(num_ubatches=1, capturing=False)
     with pytest.raises(EngineBuildError) as info:
         adapter.build(ctx, Batch("prefill", 2, 64))  # type: ignore[arg-type]
     message = str(info.value)

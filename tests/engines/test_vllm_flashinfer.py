@@ -26,7 +26,7 @@ from pytest_kvprofile.engines.vllm_flashinfer import (
     reservation_api,
 )
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
-from pytest_kvprofile.lifecycle.phases import POST_KV_PHASES, RESERVATION
+from pytest_kvprofile.lifecycle.phases import CAPTURE, POST_KV_PHASES, RESERVATION
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING
 from pytest_kvprofile.matrix.cases import Envelope, layout_case
 from pytest_kvprofile.matrix.gpus import lookup_gpu
@@ -290,6 +290,21 @@ def test_cuda_graph_decode_wrappers_are_vllms_own_per_captured_size():
     keys = sorted(result.builders[0].builders[0]._decode_wrappers_cudagraph)
     # vLLM 0.33 keys them (batch size, query length per request); 0.32 and older by batch size
     assert [k[0] if isinstance(k, tuple) else k for k in keys] == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("dcp, mtp, full", [(1, 1, True), (2, 0, True), (2, 1, False)])
+def test_attention_is_captured_only_where_vllms_runner_resolves_full_decode_graphs(dcp, mtp, full):
+    """Under DCP FlashInfer graphs single-token decodes only, so with MTP vLLM's runner falls back to piecewise
+    graphs: its builders never make CUDA-graph decode wrappers and capture builds no attention metadata (building
+    it anyway once refused the reserving example for a buffer vLLM never captures)."""
+    case = small_case(model=GLM, tp=4, dcp=dcp, mtp=mtp)
+    result = run_lifecycle(VLLM_BACKENDS[0], case)
+    assert not result.errors, result.errors[0].traceback
+    adapter = result.builders[0]
+    assert adapter.captures_attention() is full
+    assert adapter.builders[0].enable_cuda_graph is full  # vLLM's own reading of the resolved mode
+    captured = [a for a in result.allocations if a.phase == CAPTURE and a.owner == adapter.name]
+    assert bool(captured) is full
 
 
 # -- the reservation mapping ----------------------------------------------------------------------------------
