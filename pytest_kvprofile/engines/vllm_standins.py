@@ -172,11 +172,17 @@ class HostCopyPageIndices:
     @staticmethod
     def _launch(page_indices: Any, block_table: Any, block_table_stride: int, indptr: Any, **_: Any) -> None:
         """The copy through NumPy views of both tensors: one torch call each (the simulation sees the kernel read
-        the block table and write the output), then plain slices, not two torch calls a request."""
-        bounds = indptr.tolist()
+        the block table and write the output), then one masked gather: row ``i``'s first ``len_i`` entries, rows in
+        order, are exactly the output's ``indptr[i]:indptr[i+1]`` runs laid end to end."""
+        import numpy as np
+
+        bounds = indptr.numpy()
         out, table = page_indices.numpy(), block_table.numpy()
-        for i in range(len(bounds) - 1):
-            out[bounds[i]:bounds[i + 1]] = table[i, :bounds[i + 1] - bounds[i]]
+        lens = np.diff(bounds)
+        if not len(lens):
+            return
+        rows = table[:len(lens), :int(lens.max(initial=0))]
+        out[int(bounds[0]):int(bounds[-1])] = rows[np.arange(rows.shape[1]) < lens[:, None]]
 
 
 @contextlib.contextmanager
@@ -236,12 +242,25 @@ def _modules_binding_artifactory() -> list[Any]:
     return _BOUND[1]
 
 
+_CACHED_FUNCTIONS: dict[str, tuple[tuple[int, int], list[Any]]] = {}  # module -> (its identity and size, its caches)
+
+
 def _clear_vllm_caches() -> None:
+    """Clear the memoized functions of vLLM's platform-reading modules (found again only when a module's namespace
+    changes: every builder call clears them)."""
     for name in ("vllm.utils.flashinfer", _BACKEND_MODULE, "vllm.utils.torch_utils", "vllm.platforms.interface"):
         module = sys.modules.get(name)
-        for value in list(vars(module).values()) if module is not None else ():
-            if isinstance(value, functools._lru_cache_wrapper) and getattr(value, "__module__", "") == name:
-                value.cache_clear()
+        if module is None:
+            continue
+        namespace = vars(module)
+        key = (id(module), len(namespace))
+        cached = _CACHED_FUNCTIONS.get(name)
+        if cached is None or cached[0] != key:
+            cached = _CACHED_FUNCTIONS[name] = (key, [
+                value for value in list(namespace.values())
+                if isinstance(value, functools._lru_cache_wrapper) and getattr(value, "__module__", "") == name])
+        for value in cached[1]:
+            value.cache_clear()
 
 
 @contextlib.contextmanager
