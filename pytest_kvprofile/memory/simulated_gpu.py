@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 import threading
 from contextlib import contextmanager
@@ -77,12 +78,22 @@ def _flashinfer_cached_functions() -> list[Any]:
         for value in list(vars(module).values()):
             fn = value
             while fn is not None:
-                if getattr(fn, "cache_info", None) is not None and callable(getattr(fn, "cache_clear", None)):
+                if _static(fn, "cache_info") is not None and callable(_static(fn, "cache_clear")):
                     found[id(fn)] = fn
                     break
-                fn = getattr(fn, "__wrapped__", None)
+                fn = _static(fn, "__wrapped__")
     _cached_functions = (modules, list(found.values()))
     return _cached_functions[1]
+
+
+def _static(obj: Any, name: str) -> Any:
+    """``obj``'s attribute ``name`` without running its ``__getattr__`` or descriptors: a module global may be a
+    lazy proxy that loads a library on any attribute read (``flashinfer.comm.cuda_ipc.cudart`` loads libcudart,
+    which a CPU machine does not have)."""
+    try:
+        return inspect.getattr_static(obj, name, None)
+    except Exception:  # noqa: BLE001 - an object whose type resists introspection holds no cache
+        return None
 
 
 def _resolve(gpu: str | GpuSpec, total_memory: int | None, nontorch_bytes: int, record_stacks: bool) -> SimDevice:

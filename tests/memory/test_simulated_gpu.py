@@ -85,6 +85,21 @@ def test_stale_caches_are_what_the_check_catches(monkeypatch):
     assert seen[1][0] == 142
 
 
+def test_leaving_the_block_reads_no_lazy_library_proxy_flashinfer_exports():
+    """``flashinfer.comm.cuda_ipc`` (imported by SGLang) exports ``cudart``, a proxy whose every attribute read loads
+    libcudart; looking for FlashInfer's memoized functions read ``cache_info`` on it and leaving the block raised
+    "libcudart is not loaded in the current process" on a CPU machine. The caches are still cleared."""
+    pytest.importorskip("flashinfer")
+    with pytest_kvprofile.simulated_gpu("L40S"):
+        import flashinfer.comm.cuda_ipc as ipc
+        import flashinfer.utils
+
+        flashinfer.utils.get_device_properties(torch.device("cuda"))
+        assert flashinfer.utils.get_device_properties.cache_info().currsize == 1
+    assert ipc.cudart._library is None  # never loaded
+    assert flashinfer.utils.get_device_properties.cache_info().currsize == 0
+
+
 def test_other_jit_modules_are_refused_by_name():
     from types import SimpleNamespace
 
