@@ -21,9 +21,13 @@ CASES_PER_MODEL = len(GPUS) * len(TP) * len(DCP) * len(MTP) * len(GMU)
 
 
 def _templates() -> tuple[dict, dict, list]:
-    """The default matrix's envelope, models and resources, so synthetic cases stay realistic."""
+    """The default matrix's envelope, models and resources, so synthetic cases stay realistic. A model listing
+    several KV dtypes keeps its first: a --baseline tree older than the KV-dtype axis reads one dtype per model,
+    and both trees then time the same cases."""
     data = yaml.safe_load(Path(packaged_matrix("default")).read_text(encoding="utf-8"))
-    return data["envelope"], data["models"], data.get("resources", [])
+    models = {name: {**m, "kv_dtype": _listed(m["kv_dtype"])[0]} if "kv_dtype" in m else m
+              for name, m in data["models"].items()}
+    return data["envelope"], models, data.get("resources", [])
 
 
 def matrix_data(cases: int) -> dict:
@@ -55,9 +59,19 @@ def subset_matrix(directory: str | Path, models: int) -> Path:
     data = yaml.safe_load(Path(packaged_matrix("default")).read_text(encoding="utf-8"))
     data["models"] = dict(list(data["models"].items())[:models])
     data["name"] = f"default-{models}models"
+    # exclusions of KV dtypes no kept model lists select nothing here, and a tree older than the KV-dtype axis
+    # (a --baseline) could not read them
+    kept = {d for m in data["models"].values() for d in _listed(m.get("kv_dtype", "bf16"))}
+    data["exclude"] = [e for e in data.get("exclude", []) if "kv_dtype" not in e or kept & set(_listed(e["kv_dtype"]))]
+    if not data["exclude"]:
+        del data["exclude"]
     path = Path(directory) / f"default-{models}models.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     return path
+
+
+def _listed(value: object) -> list[object]:
+    return list(value) if isinstance(value, list) else [value]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ machine and the date; ``--json`` also writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -34,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from pytest_kvprofile.units import GiB
 
@@ -757,12 +757,23 @@ def torch_mode_rounds(n: int) -> None:
     def dump(label: str) -> None:
         subprocess.run(["callgrind_control", f"--dump={label}", str(os.getpid())], check=True, capture_output=True)
 
+    from torch.overrides import TorchFunctionMode
+
+    class Forwarding(TorchFunctionMode):
+        """A mode that only forwards: what any Python-level interception costs before it does anything."""
+
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
     for sim in (False, True):  # warm both paths (first-call caches), uncounted
-        with SimulatedCuda(SimDevice(name="x", total_memory=GiB)) if sim else contextlib.nullcontext():
+        with SimulatedCuda(SimDevice(name="x", total_memory=GiB)) if sim else Forwarding():
             rounds("cuda" if sim else "cpu", 50)
     dump("warm")
     rounds("cpu", n)
     dump("plain")
+    with Forwarding():
+        rounds("cpu", n)
+    dump("forwarding")
     with SimulatedCuda(SimDevice(name="x", total_memory=GiB)):
         rounds("cuda", n)
     dump("simulated")
@@ -794,9 +805,12 @@ def torch_mode_instructions(b: Bench, trees: dict[str, Path | None], n: int) -> 
         per[label] = (counts["simulated"] - counts["plain"]) / calls
         b.add("torch mode", f"instructions per intercepted call, {label}", per[label], "instr",
               note=f"{calls} calls: simulated {counts['simulated'] / calls:.0f}, plain {counts['plain'] / calls:.0f}")
+        floor = (counts["forwarding"] - counts["plain"]) / calls
     if len(per) == 2:
         before, after = per.values()
         b.add("torch mode", "interception, before / after", before / after, "x", ">= 5", before / after >= 5)
+        b.add("torch mode", "instructions per call of a mode that only forwards", floor, "instr",
+              note=f"the floor of Python-level interception: before / floor = {before / floor:.2f}x")
 
 
 def engines_before_after(b: Bench, ref: str, count: int, rounds: int) -> None:
