@@ -84,7 +84,7 @@ def _stopped_after_the_window(result: LifecycleResult) -> str | None:
     if phase is None or lc.PHASE_INDEX.get(phase, -1) <= lc.PHASE_INDEX[lc.CLOSING]:
         return None
     err = next((e for e in result.errors if not e.injected), None)
-    if err is None or (err.exc_type == "DeviceOutOfMemory" and err.phase in lc.POST_KV_PHASES):
+    if err is None or ((err.out_of_memory or err.exc_type == "DeviceOutOfMemory") and err.phase in lc.POST_KV_PHASES):
         return None
     return (f"the legacy run stopped in phase {phase!r} and never served: {err.describe()}. A model on the legacy "
             "path must run through serving as it did before the contract")

@@ -48,6 +48,10 @@ def check_expressible(case: Case) -> None:
     if model.kv_dtype not in _DTYPES and model.kv_dtype not in _QUANTIZED:
         raise UnexpressibleCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
                                 f"(model dtypes {', '.join(_DTYPES)}; quantized caches {', '.join(_QUANTIZED)})")
+    if case.gpu.compute_capability == (9, 0) and not model.kv.quantized:
+        raise UnexpressibleCase(
+            f"case {case.id}: with a {model.kv_dtype} KV cache on {case.gpu.name} (SM90) FlashInfer's 'auto' backend "
+            "plans vLLM's prefill on FA3, which the simulated GPU has no host planner for (run it on the GPU tier)")
     if model.dim_vo != model.head_dim:
         raise UnexpressibleCase(f"case {case.id}: head_dim_vo {model.dim_vo} != head_dim {model.head_dim}; "
                                 "vLLM's FlashInfer builder plans one head size")

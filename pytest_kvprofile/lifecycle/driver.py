@@ -89,7 +89,7 @@ from pytest_kvprofile.memory.budget import (
     available_kv_bytes,
     tokens_for,
 )
-from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
+from pytest_kvprofile.memory.device import Allocation, Device, DeviceOutOfMemory, ForeignUse
 
 if TYPE_CHECKING:
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
@@ -270,6 +270,7 @@ class LifecycleRun:
             PhaseError(
                 phase=self.device.phase, who=who, exc_type=type(exc).__name__, message=str(exc),
                 traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                out_of_memory=ran_out_of_memory(exc),
             )
         )
         self.result.aborted_in = self.device.phase
@@ -987,6 +988,23 @@ def close_parts(result: LifecycleResult) -> None:
             close()
         except Exception as exc:  # noqa: BLE001
             result.errors.append(_teardown_error(builder_name(part), exc))
+
+
+def ran_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised from (its cause or the error it was handling), the device running out of
+    memory without an injected fault: an engine adapter that names the case and batch wraps the engine's own
+    out-of-memory error (vLLM's build raising torch's OOM becomes ``VllmBuildError``)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, DeviceOutOfMemory):
+            return not err.injected
+        todo += [err.__cause__, err.__context__]
+    return False
 
 
 def _teardown_error(who: str, exc: BaseException) -> PhaseError:

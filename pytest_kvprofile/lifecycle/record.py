@@ -54,6 +54,7 @@ class PhaseError:
     message: str
     traceback: str
     injected: bool = False
+    out_of_memory: bool = False  # the device ran out of memory: the error, or an error in its chain (an adapter's)
 
     def describe(self) -> str:
         return f"{self.who} raised {self.exc_type} in phase {self.phase!r}: {self.message}"

@@ -61,3 +61,31 @@ def test_running_out_of_memory_after_kv_sizing_on_the_legacy_path_is_its_reporte
     assert result.path == LEGACY and result.aborted_in == phase
     assert result.errors[0].exc_type == "DeviceOutOfMemory"
     assert failing_checks(result) == {}
+
+
+def _wrapped_out_of_memory_in(phase: str) -> Backend:
+    """An engine adapter's build error raised from the engine's own out-of-memory error, as the vLLM adapter names the
+    case and batch around vLLM's ``build()`` (``VllmBuildError`` from the simulated ``torch.OutOfMemoryError``)."""
+    class AdapterError(RuntimeError):
+        pass
+
+    class WrapsTheEnginesOom(UntaughtBuilder):
+        def build(self, ctx, batch):  # type: ignore[no-untyped-def]
+            try:
+                if ctx.phase == phase and not getattr(self, "kept", None):
+                    self.kept = ctx.allocate(CASE.gpu.memory_bytes, "post-kv-hoard")
+                return super().build(ctx, batch)
+            except Exception as exc:
+                raise AdapterError(f"case {CASE.id}: build() of {batch.label} failed: {exc}") from exc
+
+    return Backend(name=f"wrapped-oom-in-{phase}", make_builders=lambda case: [WrapsTheEnginesOom(case)],
+                   origin="test")
+
+
+@pytest.mark.parametrize("phase", [CAPTURE, SERVING])
+def test_an_out_of_memory_error_an_adapter_wraps_is_still_the_legacy_paths_cost(phase):
+    """vLLM's released builder at gmu 0.98 on qwen3-8b TP8 L40S (default matrix) was refused for this."""
+    result = run_lifecycle(_wrapped_out_of_memory_in(phase), CASE)
+    assert result.path == LEGACY and result.aborted_in == phase
+    assert result.errors[0].exc_type == "AdapterError" and result.errors[0].out_of_memory
+    assert failing_checks(result) == {}

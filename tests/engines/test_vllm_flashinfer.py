@@ -195,6 +195,20 @@ def test_an_fp8_cache_is_refused_where_vllm_plans_an_fp8_query_the_simulated_gpu
     assert fp8("fp8_e4m3", "RTX PRO 6000 Blackwell") is None
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+def test_a_model_dtype_cache_on_sm90_is_refused_by_name_where_flashinfer_plans_fa3(kv):
+    """FlashInfer's 'auto' prefill backend is FA3 on SM90 for a bf16/fp16 cache: vLLM's builder cannot serve a
+    prefill on the simulated device, so the layout is refused by name at collection (it failed every H100/H200 case
+    of the default matrix in serving before); an NVFP4 cache there is FA2 and runs."""
+    case = small_case(model=dataclasses.replace(QWEN, kv_dtype=kv), gpu="H100")
+    reason = VLLM_BACKENDS[0].refuses_layout(case) or ""
+    assert "(SM90) FlashInfer's 'auto' backend plans vLLM's prefill on FA3" in reason
+    nvfp4 = small_case(model=dataclasses.replace(QWEN, kv_dtype="nvfp4"), gpu="H100")
+    assert VLLM_BACKENDS[0].refuses_layout(nvfp4) is None
+    result = run_lifecycle(VLLM_BACKENDS[0], nvfp4)
+    assert not result.errors, result.errors[0].traceback
+
+
 def test_an_nvfp4_cache_runs_vllms_fa2_path_off_sm100_and_is_refused_by_name_on_it():
     """vLLM 0.33 reads NVFP4 with FA2 on packed uint8 off SM100 (and refuses it there with DCP, in its own words);
     on SM100 it is trtllm-gen only, which the simulated GPU cannot plan, so the layout is refused by name."""
