@@ -991,19 +991,16 @@ def close_parts(result: LifecycleResult) -> None:
 
 
 def ran_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is, or was raised from (its cause or the error it was handling), the device running out of
-    memory without an injected fault: an engine adapter that names the case and batch wraps the engine's own
-    out-of-memory error (vLLM's build raising torch's OOM becomes ``VllmBuildError``)."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        err = todo.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, DeviceOutOfMemory):
-            return not err.injected
-        todo += [err.__cause__, err.__context__]
+    """Whether ``exc`` is, or was raised ``from`` (its explicit cause, as the first-error rule reads a chain), the
+    device running out of memory without an injected fault: an engine adapter that names the case and batch wraps the
+    engine's own out-of-memory error (vLLM's build raising torch's OOM becomes ``VllmBuildError``)."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain, never a cycle the loop could follow forever
+        if seen is None:
+            return False
+        if isinstance(seen, DeviceOutOfMemory):
+            return not seen.injected
+        seen = seen.__cause__
     return False
 
 
