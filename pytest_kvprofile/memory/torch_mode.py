@@ -603,11 +603,8 @@ class SimulatedCuda:
                 owner, tag = answer
             elif answer is not None:
                 owner = answer
-        if self._scope:
-            scope_owner, scope_tag = self._scope[-1]
-            owner = scope_owner
-            if scope_tag is not None:
-                tag = scope_tag
+        if self._scope:  # a scope without a tag names the owner only
+            owner = self._scope[-1][0]
         return owner, tag, stack
 
     def _record(self, t: torch.Tensor, api: str, pinned: bool) -> None:
