@@ -49,7 +49,7 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def _add_size(sub: argparse._SubParsersAction) -> None:
+def _add_size(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "size", help="exact FlashInfer workspace requirement for a layout",
         description="What workspace_covers_planner demands for one case: the worst-case FlashInfer float/int "
@@ -292,7 +292,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_verdict(sub: argparse._SubParsersAction) -> None:
+def _add_verdict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("verdict", help="work with opt-in verdict documents",
                        description="Combine the verdicts (--kvprofile-verdict) of several runners of one matrix.")
     actions = p.add_subparsers(dest="verdict_command", required=True)
@@ -309,7 +309,7 @@ def _add_verdict(sub: argparse._SubParsersAction) -> None:
 def _cmd_verdict_merge(args: argparse.Namespace) -> int:
     from pytest_kvprofile.report.documents import MergeError, merge_verdicts
 
-    docs: dict[str, dict] = {}
+    docs: dict[str, dict[str, Any]] = {}  # Any: parsed JSON
     for path in args.verdicts:
         try:
             doc = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -336,7 +336,7 @@ def _verdict_error(message: str) -> int:
     return 2
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_size, _add_verdict]
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [_add_size, _add_verdict]
 
 
 def build_parser() -> argparse.ArgumentParser:

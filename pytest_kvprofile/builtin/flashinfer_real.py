@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import (
@@ -34,6 +34,9 @@ from pytest_kvprofile.contract.protocol import (
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 __all__ = [
     "FLASHINFER_INT_WORKSPACE_BYTES",
@@ -73,7 +76,7 @@ class RealFlashInferBuilder:
     warmup_materializes_persistent = False
     torch_mode = True  # allocates with plain torch "cuda" calls; kvprofile_run serves them from the simulated GPU
 
-    def __init__(self, case: Any) -> None:
+    def __init__(self, case: Case) -> None:
         refusal = mla_refusal(case)
         if refusal is not None:
             raise ValueError(f"{self.name}: {refusal}")
@@ -88,7 +91,7 @@ class RealFlashInferBuilder:
     def float_bytes(self) -> int:
         return for_case(self.case).float_bytes
 
-    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
         return WorkspaceDeclaration(float_bytes=self.float_bytes(),
                                     int_bytes=max(FLASHINFER_INT_WORKSPACE_BYTES, for_case(self.case).int_bytes))
 
@@ -285,7 +288,7 @@ def _ledger_range(tensor: Any, arena: Any = None) -> tuple[int, int]:
     return alloc.ptr + tensor.data_ptr() - tensor.untyped_storage().data_ptr(), nbytes
 
 
-def mla_refusal(case: Any) -> str | None:
+def mla_refusal(case: Case) -> str | None:
     """These builders plan FlashInfer's FA2 prefill/decode wrappers; an MLA layout needs its MLA wrapper, which the
     simulated device does not serve: the layout is refused by name (listed, not run), not failed on every check."""
     if case.model.attention != "mla":
@@ -295,7 +298,7 @@ def mla_refusal(case: Any) -> str | None:
 
 
 def _backend(name: str, cls: type, description: str, origin: str, bug: int | None = None) -> Backend:
-    def make(case: Any) -> list[Any]:
+    def make(case: Case) -> list[Any]:
         return [cls(case)]
 
     make.__qualname__ = f"make_{name.replace('-', '_')}"

@@ -9,7 +9,7 @@ fails is ``builtin/catches.py``.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.builtin.process_state import (
     AFTER_KV,
@@ -36,6 +36,9 @@ from pytest_kvprofile.contract.workspace import WorkspaceLockedError
 from pytest_kvprofile.sizing.case import for_case, vllm_default_float_bytes
 from pytest_kvprofile.sizing.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.units import MiB
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 
 class LazyWorkspaceBuilder(FlashInferLikeBuilder):
@@ -117,13 +120,13 @@ class UbatchAliasBuilder(FlashInferLikeBuilder):
 class SilentUbatchAliasBuilder(UbatchAliasBuilder):
     """Bug 5b: the same aliasing as 5, from a builder that does not report bound_workspaces() (it is optional)."""
 
-    bound_workspaces = None
+    bound_workspaces = None  # type: ignore[assignment]  # the optional hook withdrawn: not reported
 
 
 class TruthyDeclarationBuilder(FlashInferLikeBuilder):
     """Bug 6a: answers ``True`` instead of a ProfilingSupport member (fail-open under a truthiness test)."""
 
-    def get_persistent_workspace_memory_profiling_support(self) -> Any:  # type: ignore[override]
+    def get_persistent_workspace_memory_profiling_support(self) -> Any:
         return True
 
 
@@ -139,7 +142,7 @@ class SelfReservingUnsupportedBuilder(MMPrefixLikeBuilder):
 class NonIdempotentWarmupBuilder(FlashInferLikeBuilder):
     """Bug 7a: every warmup call adds another module-global buffer (an autotune cache that never hits)."""
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.caches: list[Any] = []
 
@@ -214,7 +217,7 @@ class TorchLeakyRetryWarmupBuilder(TorchFlashInferLikeBuilder):
     """Bug 7e (torch mode): appends each tuned kernel's buffer before its scratch is allocated, so a warmup that
     fails part-way keeps a buffer the retry makes again (plain torch tensors: no ctx.allocate to follow)."""
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.tuned: list[Any] = []
 
@@ -321,7 +324,7 @@ class TorchDataPtrAliasBuilder(TorchFlashInferLikeBuilder):
     """Bug 5c (torch mode): asks for every micro-batch's arena view but plans each wrapper into micro-batch 0's
     tensor, and reports its bound workspaces from ``data_ptr()``: only the pointers show the aliasing."""
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.float_tensors: dict[tuple[str, int], Any] = {}
 
@@ -341,7 +344,7 @@ class NeutralLateStateBuilder(GDNLikeBuilder):
 
     name = "gdn-late-state"
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.state: Any = None
 
@@ -362,7 +365,7 @@ class TorchNeutralLateStateBuilder(GDNLikeBuilder):
     name = "gdn-late-state-torch"
     torch_mode = True
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.state: Any = None
 
@@ -409,7 +412,7 @@ class TorchDoubleFreeCloseBuilder(TorchFlashInferLikeBuilder):
         try:
             lease = super().reserve_persistent_workspace(ctx)
         except BaseException:
-            torch.cuda.caching_allocator_delete(raw)  # all or nothing: its bug is the double free in close() only
+            torch.cuda.caching_allocator_delete(raw)  # type: ignore[no-untyped-call]  # all or nothing: its bug is the double free in close() only
             raise
         self.raw = raw
         return lease
@@ -417,8 +420,8 @@ class TorchDoubleFreeCloseBuilder(TorchFlashInferLikeBuilder):
     def close(self) -> None:
         import torch
 
-        torch.cuda.caching_allocator_delete(self.raw)
-        torch.cuda.caching_allocator_delete(self.raw)
+        torch.cuda.caching_allocator_delete(self.raw)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        torch.cuda.caching_allocator_delete(self.raw)  # type: ignore[no-untyped-call]
 
 
 SMALL_INT_WORKSPACE_BYTES = 32 * 1024  # below what FlashInfer's planner writes for any case's plan
@@ -470,7 +473,7 @@ class RemadeIntWorkspaceBuilder(FlashInferLikeBuilder):
     """Bug 15d: after its CUDA-graph wrapper is captured, the first serving plan of a captured step re-makes the
     wrapper's int workspace at the same size ("a fresh plan buffer"): the captured graph keeps the old pointer."""
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.captured: set[tuple[str, int]] = set()
 
@@ -527,7 +530,7 @@ class TorchRemadeIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
     """Bug 15h (torch mode): after capture, the first serving plan of a captured step replaces the CUDA-graph
     wrapper's int workspace tensor with a new one of the same size; the old one is freed under the graph."""
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.captured: set[tuple[str, int]] = set()
 
@@ -579,7 +582,7 @@ class StaleViewAfterGrowthBuilder(FlashInferLikeBuilder):
     than it declared, so the arena grows and every wrapper keeps a view of the arena the growth gave back. It does not
     report bound_workspaces() (optional): only its uses show the stale views."""
 
-    bound_workspaces = None
+    bound_workspaces = None  # type: ignore[assignment]  # the optional hook withdrawn: not reported
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         return ctx.lease(self._materialize(ctx))
@@ -595,7 +598,7 @@ class TorchStaleArenaViewBuilder(TorchFlashInferLikeBuilder):
     """Bug 16c (torch mode): 16b with plain torch: its wrappers keep the arena tensors they were given, the arena
     grows under them in warmup, and every build writes the old arena's storage (no bound_workspaces() either)."""
 
-    bound_workspaces = None
+    bound_workspaces = None  # type: ignore[assignment]  # the optional hook withdrawn: not reported
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         return ctx.lease(self._materialize(ctx))
@@ -657,7 +660,7 @@ class TorchReservationKeepsPartialBuilder(TorchFlashInferLikeBuilder):
 
     def _materialize(self, ctx: BuilderContext) -> list[Any]:
         try:
-            return ReservationKeepsPartialBuilder._materialize(self, ctx)
+            return ReservationKeepsPartialBuilder._materialize(self, ctx)  # type: ignore[arg-type]  # 17a's steps, on the same attributes
         except BaseException:
             self.__dict__.setdefault("failed_attempts", []).extend(self.wrappers.values())
             raise
@@ -682,8 +685,9 @@ class CleanupMasksErrorBuilder(FlashInferLikeBuilder):
         return made
 
 
-def _mutant(name: str, bug: int, cls: type, policy: EnginePolicy | None = None, extra: tuple = ()) -> Backend:
-    def make(case: Any) -> list[Any]:
+def _mutant(name: str, bug: int, cls: type, policy: EnginePolicy | None = None,
+            extra: tuple[Callable[[Case], Any], ...] = ()) -> Backend:
+    def make(case: Case) -> list[Any]:
         return [cls(case), *(e(case) for e in extra)]
 
     return Backend(
@@ -757,10 +761,10 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
 def _resource_mutant(name: str, cls: type) -> Backend:
     from pytest_kvprofile.builtin.resources import DEFAULT_PARAMS
 
-    def make(case: Any) -> list[Any]:
+    def make(case: Case) -> list[Any]:
         return [FlashInferLikeBuilder(case)]
 
-    def resources(case: Any) -> list[Any]:
+    def resources(case: Case) -> list[Any]:
         carried = [dict(r.params) for r in case.resources if r.kind == "dma-output-workspace"]
         return [cls(case, carried[0] if carried else DEFAULT_PARAMS)]
 
@@ -789,7 +793,7 @@ class _VllmDefaultArena:
     """The open vLLM pull request's arena size (``sizing.case.vllm_default_float_bytes``), for a FlashInfer-like
     stub."""
 
-    case: Any
+    case: Case
 
     def float_bytes(self) -> int:
         return vllm_default_float_bytes(self.case)
@@ -823,7 +827,7 @@ class PrivateFloatWorkspaceBuilder(FlashInferLikeBuilder):
     """Bug 19d (only under a waste budget): each wrapper keeps vLLM's default float workspace of its own
     (``Role.FLOAT_WORKSPACE``) beside the arena view it asks for; KV sizing sees it, the need comparison must too."""
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.private: dict[int, Any] = {}
 
@@ -851,7 +855,7 @@ class _PrefillSizedForDecode:
     sub-route (the decode step; eager prefill where decode is not FA2), as if the larger routes went to trtllm-gen:
     the largest plan overflows the view FlashInfer's planner writes into."""
 
-    case: Any
+    case: Case
 
     def float_bytes(self) -> int:
         return min(r.float_bytes for r in for_case(self.case).routes.values())

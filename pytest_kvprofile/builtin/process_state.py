@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.builtin.stubs import (
     MODULE_GLOBAL_BYTES,
@@ -24,6 +24,9 @@ from pytest_kvprofile.builtin.stubs import (
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.roles import Role
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 TRTLLM_KEY = "trtllm-gen"
 ONCE, AFTER_KV, PER_ENGINE = "once", "after-kv", "per-engine"  # when a builder makes the process's workspace
@@ -55,7 +58,7 @@ def _closure_place() -> tuple[Any, Any]:
 
 _closure_get, _closure_put = _closure_place()
 _TLS = threading.local()
-_HOLDERS = {TRTLLM_KEY: type("TrtllmHolder", (), {"workspace": None})}
+_HOLDERS: dict[str, Any] = {TRTLLM_KEY: type("TrtllmHolder", (), {"workspace": None})}  # a class made at run time
 
 
 @functools.cache
@@ -113,7 +116,7 @@ class TorchProcessWorkspaceBuilder(TorchFlashInferLikeBuilder):
     place = _Place("module-dict")
     when = ONCE
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.trtllm: Any = None  # the wrappers' reference to the process's workspace
         if self.when == AT_INIT:  # before the profiling window: KV sizing counts it as the model's
@@ -143,7 +146,7 @@ class ProcessWorkspaceBuilder(FlashInferLikeBuilder):
 
     when = ONCE
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self.trtllm: Any = None
 

@@ -7,7 +7,7 @@ they behave as the contract says; the mutant catalog (``mutants.py``) derives on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import (
@@ -29,6 +29,9 @@ from pytest_kvprofile.sizing.facts import (
     VLLM_DEFAULT_FLOAT_BYTES,
 )
 from pytest_kvprofile.units import MiB
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 MODULE_GLOBAL_BYTES = 32 * MiB  # a trtllm-gen-like module-global workspace, created by kernel warmup
 AUTOTUNE_SCRATCH_BYTES = 64 * MiB  # transient scratch of warmup's autotuning
@@ -65,7 +68,7 @@ class FlashInferCore:
     name = "flashinfer-untaught"
     warmup_materializes_persistent = True
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         self.case = case
         self._routes = routes(case)
         self.wrappers: dict[tuple[str, int], Wrapper] = {}
@@ -85,7 +88,7 @@ class FlashInferCore:
         """Each wrapper's dedicated int workspace: FlashInfer's default, which covers the planner's int bytes."""
         return FLASHINFER_INT_WORKSPACE_BYTES
 
-    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
         return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=FLASHINFER_INT_WORKSPACE_BYTES)
 
     def routes(self) -> tuple[str, ...]:
@@ -206,14 +209,14 @@ class GDNLikeBuilder:
 
     name = "gdn"
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         self.case = case
         self.views: dict[int, Any] = {}
 
     def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
         return ProfilingSupport.NEUTRAL
 
-    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
         return WorkspaceDeclaration(float_bytes=GDN_WORKSPACE_BYTES, int_bytes=0)
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
@@ -252,7 +255,7 @@ class UntaughtBuilder(FlashInferCore):
 
 
 def _builtin(name: str, description: str, *classes: type) -> Backend:
-    def make(case: Any) -> list[Any]:
+    def make(case: Case) -> list[Any]:
         return [cls(case) for cls in classes]
 
     make.__qualname__ = f"make_{name.replace('-', '_')}"
@@ -360,7 +363,7 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
     name = "flashinfer-trtllm-gen"
     NATIVE: tuple[str, ...] = ()
 
-    def __init__(self, case: Any):
+    def __init__(self, case: Case):
         super().__init__(case)
         self._routes = tuple(r for r in routes(case) if r in self.NATIVE)
         self._trtllm = tuple(r for r in routes(case) if r not in self.NATIVE)
@@ -373,7 +376,7 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
     def planner_need(self) -> int:
         return self.float_bytes()
 
-    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
         int_bytes = FLASHINFER_INT_WORKSPACE_BYTES if self._routes else 0
         return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=int_bytes)
 

@@ -4,7 +4,7 @@ released before graph profiling, and the parts' teardown (``close()``) is clean.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
@@ -16,6 +16,9 @@ from pytest_kvprofile.checks.evidence import (
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.memory.device import Allocation, own_frame
 from pytest_kvprofile.units import bytes_text
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 
 def check_persistent_memory_visible_at_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -147,7 +150,7 @@ def check_teardown_clean(result: LifecycleResult, options: CheckOptions) -> list
     ]
 
 
-def _closes(case: Any, parts: list[Any]) -> bool:
+def _closes(case: Case, parts: list[Any]) -> bool:
     return any(callable(getattr(p, "close", None)) for p in parts)
 
 

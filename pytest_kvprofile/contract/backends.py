@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 if TYPE_CHECKING:
-    from pytest_kvprofile.contract.workspace import WorkspaceManager
+    from pytest_kvprofile.contract.workspace import ArenaManager
+    from pytest_kvprofile.matrix.cases import Case
 
 REQUIRED_BUILDER_ATTRS = ("name",)
 
@@ -43,11 +44,11 @@ class EnginePolicy:
     graph_estimate: str = "high_water"
     profile_max_split_mib: int | None = 20
     workspace_manager: str = "harness"
-    manager_factory: Callable[..., WorkspaceManager] | None = None
+    manager_factory: Callable[..., ArenaManager] | None = None
     gate: Callable[[Any], str | None] | None = None
 
 
-def engine_gate(policy: EnginePolicy, case: Any) -> str | None:
+def engine_gate(policy: EnginePolicy, case: Case) -> str | None:
     """The engine's reason to keep ``case`` off the profiling path (``EnginePolicy.gate``), or None."""
     if policy.gate is None:
         return None
@@ -140,7 +141,7 @@ def validate_builders(backend: Backend, builders: list[Any]) -> None:
         raise BackendError(f"backend {backend.name!r}: builder names are not unique: {names}")
 
 
-def layout_refusal(backend: Backend, case: Any) -> str | None:
+def layout_refusal(backend: Backend, case: Case) -> str | None:
     """Why ``case`` is not run on ``backend``, or None when it is: the engine's own reason
     (``Backend.refuses_layout``), else the case's own (``Case.unsized_reason``: routes this suite cannot size).
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Collection, Protocol, runtime_checkable
 
 from pytest_kvprofile.contract.roles import Role
 
-__all__ = ["Allocation", "Device", "DeviceEvent"]
+__all__ = ["Allocation", "Device", "DeviceEvent", "TensorDevice"]
 
 
 @dataclass(eq=False)
@@ -88,3 +88,13 @@ class Device(Protocol):
     def reset_peak_memory_stats(self) -> None: ...
     def empty_cache(self) -> None: ...
     def memory_stats(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class TensorDevice(Device, Protocol):
+    """A device whose allocations are real tensors (the GPU tier's ``CudaDevice``): what a builder that runs real
+    kernels on ``ctx.allocate``'d bytes needs beyond :class:`Device`. The simulated device is not one: in torch mode a
+    builder makes its tensors with plain ``torch`` calls instead."""
+
+    def tensor(self, alloc: Allocation) -> Any: ...  # a torch.Tensor; the contract does not import torch
+    def view(self, ptr: int, nbytes: int) -> Any: ...

@@ -43,7 +43,7 @@ from pytest_kvprofile.contract.roles import Role
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.device import Allocation, Device
     from pytest_kvprofile.contract.support import ProfilingSupport
-    from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
+    from pytest_kvprofile.contract.workspace import ArenaManager, ArenaView
     from pytest_kvprofile.matrix.cases import Case
 
 
@@ -132,7 +132,7 @@ class BuilderHost(Protocol):
     @property
     def device(self) -> Device: ...
     @property
-    def manager(self) -> WorkspaceManager: ...
+    def manager(self) -> ArenaManager: ...
     def arena_view(self, owner: str, nbytes: int, ubatch: int, route: str | None) -> ArenaView:
         """A view of ``ubatch``'s float arena for ``owner``, recorded with the route that plans into it."""
     @property
@@ -161,7 +161,7 @@ class BuilderContext:
         return self._run.device
 
     @property
-    def workspace(self) -> WorkspaceManager:
+    def workspace(self) -> ArenaManager:
         return self._run.manager
 
     @property

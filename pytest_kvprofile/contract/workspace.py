@@ -8,8 +8,9 @@ move; growth after lock is an error that says who asked, for how much, and what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from pytest_kvprofile.contract.device import Allocation
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.units import MiB
 
@@ -181,8 +182,16 @@ class WorkspaceManager:
                                  generation=self._generations[u]))
         return tuple(out)
 
+    def stale_since(self, alloc: Any) -> str | None:
+        """None: this manager frees an arena it gives back, so no kept view keeps one allocated (a view of a given-back
+        arena is told by its generation instead). vLLM's manager answers otherwise (``engines/vllm_workspace.py``)."""
+        return None
+
     def lock(self) -> None:
         self.locked = True
+
+    def release(self) -> None:
+        """Nothing to put back at the end of a run: this manager is no engine's process-wide global."""
 
     def close(self) -> None:
         """Free every arena (end of a case); the manager is unusable afterwards."""
@@ -201,3 +210,33 @@ def _arena_tensor(sim: Any, nbytes: int, tag: str) -> tuple[Any, Any]:
     if alloc is not None:
         alloc.role = Role.FLOAT_ARENA
     return alloc, tensor
+
+
+class ArenaManager(Protocol):
+    """The shared arena's manager as a run drives it: the harness's :class:`WorkspaceManager` or an engine's own
+    (vLLM's, ``engines/vllm_workspace.py``), each recording what it hands out for the run that made it
+    (``EnginePolicy.manager_factory``). The seam the lifecycle driver and ``BuilderContext`` read, so a second
+    engine's manager plugs in without sharing a class.
+    """
+
+    num_ubatches: int
+    alignment: int
+    retired: dict[tuple[int, int], str]  # (ubatch, generation) -> the phase that arena was given back in
+
+    @property
+    def locked(self) -> bool: ...
+    def size(self, ubatch: int = 0) -> int: ...
+    def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0, route: str | None = None) -> ArenaView:
+        """A view of at least ``nbytes`` of ``ubatch``'s arena, growing it unless locked; ``route``: what plans
+        into it, for the record."""
+    def reserve(self, requester: str, nbytes: int) -> list[ArenaView]: ...
+    def is_current(self, view: ArenaView) -> bool: ...
+    def generation_of(self, alloc: Allocation) -> tuple[int, int] | None: ...
+    def ubatch_of(self, alloc: Allocation) -> int | None: ...
+    def stale_since(self, alloc: Allocation) -> str | None:
+        """The phase an arena this manager gave back was replaced in, while a kept view keeps it allocated."""
+    def snapshot(self) -> tuple[ArenaView, ...]: ...
+    def lock(self) -> None: ...
+    def release(self) -> None:
+        """The end of the run: put back what the manager changed outside itself (an engine's global)."""
+    def close(self) -> None: ...

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal, cast
 
 from pytest_kvprofile.matrix.cases import Case
 
@@ -193,10 +193,11 @@ def standin_model_registered() -> Iterator[None]:
             models.pop(STANDIN_ARCHITECTURE, None)
 
 
-def model_dtype(case: Case) -> str:
+def model_dtype(case: Case) -> Literal["bfloat16", "float16"]:
     """The model's dtype: the KV dtype where the cache is unquantized, bf16 under a quantized cache."""
     kv = case.model.kv
-    return kv.torch if kv.name in _DTYPES else "bfloat16"
+    # cast: KvDtype.torch is a str, and for _DTYPES' entries (matrix/kv_dtypes.py) it is "bfloat16" or "float16"
+    return cast('Literal["bfloat16", "float16"]', kv.torch) if kv.name in _DTYPES else "bfloat16"
 
 
 def cache_dtype(case: Case) -> str:
@@ -241,7 +242,9 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
     if "fuse_allreduce_rms" in getattr(PassConfig, "__dataclass_fields__", {}):
         passes["fuse_allreduce_rms"] = False  # sizing it imports fusion passes bound to vllm._C's CUDA ops
     compilation = CompilationConfig(cudagraph_capture_sizes=sorted(env.cuda_graph_sizes),
-                                    cudagraph_mode="FULL_AND_PIECEWISE", pass_config=PassConfig(**passes))
+                                    # vLLM's pydantic validator parses the mode from its name (as from its CLI)
+                                    cudagraph_mode="FULL_AND_PIECEWISE",  # type: ignore[arg-type]
+                                    pass_config=PassConfig(**passes))
     kwargs: dict[str, Any] = {}
     if case.mtp:
         from vllm.config import SpeculativeConfig
@@ -253,7 +256,8 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
         return VllmConfig(model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
                           compilation_config=compilation, cache_config=cache, **kwargs)
     except ValueError as exc:  # pydantic's ValidationError: vLLM's own refusal of the layout
-        errors = exc.errors() if callable(getattr(exc, "errors", None)) else [{"msg": str(exc)}]
+        errors_of = getattr(exc, "errors", None)  # pydantic's ValidationError.errors(); a plain ValueError has none
+        errors = errors_of() if callable(errors_of) else [{"msg": str(exc)}]
         reason = " ".join(str(errors[0].get("msg", exc)).split())
         raise UnexpressibleCase(f"case {case.id}: vLLM rejects this layout: {reason}") from None
 
@@ -272,7 +276,7 @@ def resolve_kv_cache_layout(case: Case, vllm_config: Any) -> None:
     utils.resolve_kv_cache_layout(vllm_config, [names], [kv_cache_spec(case)])
 
 
-def resolve_cudagraph_mode(case: Case, vllm_config: Any, builder_cls: type) -> None:
+def resolve_cudagraph_mode(case: Case, vllm_config: Any, builder_cls: type[Any]) -> None:
     """What vLLM's model runner does before it makes its builders (``_check_and_update_cudagraph_mode``): the
     CUDA-graph mode the builder class supports on this layout, resolved by vLLM's own
     ``resolve_cudagraph_mode_and_sizes`` and recorded on the config. With speculative decoding (MTP) and a builder

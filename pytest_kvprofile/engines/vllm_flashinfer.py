@@ -291,7 +291,9 @@ class RunnerInputs:
         self.max_reqs = env.max_num_seqs
         self.pages_per_req = pages_per_request(case)
         self.capture_sizes = sorted(vllm_config.compilation_config.cudagraph_capture_sizes or [])
-        dev = "cuda"
+        # Any: vLLM annotates CpuGpuBuffer's device as torch.device; the runtime value stays the string "cuda"
+        # (torch takes either; the simulated device sees exactly what the harness always passed)
+        dev: Any = "cuda"
         self.query_start_loc = CpuGpuBuffer(self.max_reqs + 1, dtype=_int32(), device=dev, pin_memory=False)
         self.seq_lens = CpuGpuBuffer(self.max_reqs, dtype=_int32(), device=dev, pin_memory=False)
         self.block_table = CpuGpuBuffer(self.max_reqs, self.pages_per_req, dtype=_int32(), device=dev,
@@ -320,7 +322,8 @@ class RunnerInputs:
         self.query_start_loc.np[:n + 1] = rb.query_start_loc
         self.seq_lens.np[:n] = rb.seq_lens
         self.slot_mapping.np[:tokens] = np.arange(tokens)
-        values = {
+        # Any: tensors, ints and a bool, passed by name to whichever fields this vLLM's dataclass has
+        values: dict[str, Any] = {
             "query_start_loc": self.query_start_loc.copy_to_gpu(n + 1),
             "query_start_loc_cpu": self.query_start_loc.cpu[:n + 1],
             "seq_lens": self.seq_lens.copy_to_gpu(n),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
@@ -67,7 +67,9 @@ def mamba_spec(case: Any) -> Any:
     dtype = getattr(torch, model_dtype(case))  # the state follows the model's dtype, not a quantized KV cache
     dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(dtype, "auto", "auto")
     return MambaSpec(block_size=case.envelope.max_model_len, shapes=shapes, dtypes=dtypes,
-                     mamba_type="gdn_attention", num_speculative_blocks=case.mtp)
+                     # kept as the string (vLLM's type is MambaAttentionBackendEnum): the harness's value, unchanged
+                     mamba_type="gdn_attention",  # type: ignore[arg-type]
+                     num_speculative_blocks=case.mtp)
 
 
 class _CurrentPlatform:
@@ -111,7 +113,9 @@ def _resolver_module() -> Any:
     module.__dict__.update(current_platform=_CurrentPlatform(), rocm_aiter_ops=rocm_aiter_ops, Literal=Literal,
                            VllmConfig=VllmConfig, logger=init_logger(GDN_LAYER_MODULE),
                            xpu_gdn_kernel_available=lambda: False)
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), module.__dict__)  # noqa: S102
+    # cast: list is invariant; a list of FunctionDef is a list of stmt, and nothing is added to it
+    exec(compile(ast.Module(body=cast("list[ast.stmt]", body), type_ignores=[]), str(path), "exec"),  # noqa: S102
+         module.__dict__)
     return module
 
 

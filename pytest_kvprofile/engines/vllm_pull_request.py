@@ -57,7 +57,7 @@ def pull_request_builder(plan: bool) -> type:
     wrapper once inside the window."""
     base: Any = import_vllm_flashinfer().FlashInferMetadataBuilder
 
-    class PullRequestFlashInferBuilder(base):  # type: ignore[misc,valid-type]
+    class PullRequestFlashInferBuilder(base):  # type: ignore[misc]
         plans_in_window = plan
 
         @classmethod
@@ -75,7 +75,7 @@ def pull_request_builder(plan: bool) -> type:
 
             if envs.VLLM_BATCH_INVARIANT:
                 return BATCH_INVARIANT_BYTES
-            est = self.max_num_batched_tokens * self.num_qo_heads * self.head_dim * PREFILL_BYTES_PER_ELEM
+            est: int = self.max_num_batched_tokens * self.num_qo_heads * self.head_dim * PREFILL_BYTES_PER_ELEM
             return max(envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE, est)
 
         def _manager_arena(self) -> Any:
@@ -130,7 +130,7 @@ def pull_request_builder(plan: bool) -> type:
             return int(import_vllm_flashinfer()._get_trtllm_workspace_buffer().nbytes)
 
         def _reserved_bytes(self, trtllm: int) -> int:
-            ints = sum(getattr(w, "_int_workspace_buffer", None) is not None and w._int_workspace_buffer.nbytes
+            ints: int = sum(getattr(w, "_int_workspace_buffer", None) is not None and w._int_workspace_buffer.nbytes
                        for w in self._wrappers())
             return int(self._workspace_buffer.nbytes) + ints + trtllm
 

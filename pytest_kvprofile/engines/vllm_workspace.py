@@ -103,6 +103,8 @@ def _load() -> Any:
 class VllmWorkspaceRefusal(WorkspaceLockedError, AssertionError):
     """vLLM's manager refused a growth after ``lock()`` (its ``AssertionError``), with the harness's fields."""
 
+    recorded: bool  # set True once the manager has recorded the refusal (lifecycle/driver.py reads it, default False)
+
     def __init__(self, requester: str, ubatch: int, requested: int, current: int, vllm_message: str = ""):
         super().__init__(requester, ubatch, requested, current)
         self.vllm_message = vllm_message
@@ -287,7 +289,8 @@ class VllmWorkspaceManager:
         """vLLM's keyed resource in ``ubatch``'s slot: made once by ``factory`` (before the lock), then the same."""
         self._check_ubatch(ubatch)
         with self._asking(None, ubatch, f"persistent resource {key!r}"):
-            return self.inner.get_persistent_resource(key, factory)
+            resource: T = self.inner.get_persistent_resource(key, factory)  # vLLM's manager: what factory made
+            return resource
 
     def get_persistent(self, key: Hashable, shape: tuple[int, ...], dtype: Any, ubatch: int = 0,
                        zero_init: bool = False) -> Any:
@@ -453,7 +456,7 @@ def _observed_class(workspace: Any) -> type:
     if cached is not None:
         return cached
 
-    class ObservedWorkspaceManager(workspace.WorkspaceManager):  # type: ignore[misc,name-defined]
+    class ObservedWorkspaceManager(workspace.WorkspaceManager):  # type: ignore[misc]
         adapter: VllmWorkspaceManager
 
         def _ensure_workspace_size(self, required_bytes: int, *args: Any, **kwargs: Any) -> Any:

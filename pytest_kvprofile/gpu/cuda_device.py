@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pytest_kvprofile.contract.roles import Role, as_role
 from pytest_kvprofile.memory.allocator import round_size, segment_size
@@ -29,6 +29,9 @@ from pytest_kvprofile.memory.device import (
     EventSource,
     host_block_size,
 )
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["MEM_GET_INFO_TOLERANCE", "CudaDevice", "CudaDeviceFactory", "CudaGraphPool"]
 
@@ -80,6 +83,7 @@ class CudaDevice(EventSource):
         self.start_allocated: int = int(self._cuda.memory_allocated(index))
         self.nontorch_bytes: int = int(total) - int(free) - self.start_reserved
         self._init_events()
+        self._tensors: dict[int, Any] = {}  # a live allocation's uint8 torch.Tensor, by allocation id
         self._pools: dict[str, CudaGraphPool] = {}
         self._pool_counter = 0
         self._capture: tuple[CudaGraphPool, int, int] | None = None  # (pool, reserved at start, pool bytes before)
@@ -124,7 +128,7 @@ class CudaDevice(EventSource):
         ptr = int(tensor.data_ptr()) if nbytes else 0
         alloc = Allocation(self._next_id, ptr, nbytes, size, owner, tag, kind, pool, self._phase, stack,
                            role=as_role(role))
-        alloc._tensor = tensor  # not a field: asdict()/replace() must not copy device memory
+        self._tensors[alloc.id] = tensor  # a side table: asdict()/replace() must not copy device memory
         self._live[alloc.id] = alloc
         if self._capture is not None and kind == "device":
             self._update_capture()
@@ -144,7 +148,7 @@ class CudaDevice(EventSource):
     def free(self, alloc: Allocation) -> None:
         """Drop the ledger's reference; the caching allocator keeps the block cached (reserved stays)."""
         self._forget(alloc)
-        alloc.__dict__.pop("_tensor", None)
+        self._tensors.pop(alloc.id, None)
         if alloc.kind == "pinned_host":
             self.host_allocated -= alloc.size
         self._emit("free", alloc)
@@ -154,8 +158,8 @@ class CudaDevice(EventSource):
 
     def tensor(self, alloc: Allocation) -> Any:
         """The uint8 tensor behind a live allocation."""
-        t = alloc.__dict__.get("_tensor")
-        if t is None or not alloc.alive:
+        t = self._tensors.get(alloc.id) if self._live.get(alloc.id) is alloc else None
+        if t is None:
             raise ValueError(f"allocation {alloc.id} ({alloc.owner!r}, {alloc.tag!r}) is not alive on this device")
         return t
 
@@ -170,8 +174,7 @@ class CudaDevice(EventSource):
     def close(self) -> None:
         """Let go of every tensor the ledger holds (the ledger's figures stay as they were), then
         return the cached memory, so the next case starts from an empty allocator."""
-        for a in self._live.values():
-            a.__dict__.pop("_tensor", None)
+        self._tensors.clear()
         for pool in self._pools.values():
             for g in pool.graphs:
                 g.reset()
@@ -314,7 +317,7 @@ class CudaDeviceFactory:
         self.last: CudaDevice | None = None
         self.cases = 0
 
-    def __call__(self, case: Any) -> CudaDevice:
+    def __call__(self, case: Case) -> CudaDevice:
         if self.last is not None:
             self.last.close()
             self.last = None

@@ -14,9 +14,10 @@ themselves live in ``wrappers.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.device import TensorDevice
 from pytest_kvprofile.contract.protocol import (
     Batch,
     BoundWorkspace,
@@ -34,6 +35,9 @@ from pytest_kvprofile.gpu.reference import (
 from pytest_kvprofile.gpu.wrappers import make_wrapper, plan_args, run_checked
 from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case, routes
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 __all__ = [
     "FlashInferCudaBuilder",
@@ -65,7 +69,7 @@ class FlashInferCudaBuilder:
     name = "flashinfer-cuda"
     warmup_materializes_persistent = True
 
-    def __init__(self, case: Any) -> None:
+    def __init__(self, case: Case) -> None:
         self.case = case
         self.wrappers: dict[tuple[str, int], RealWrapper] = {}
         self.warmed = False
@@ -81,7 +85,7 @@ class FlashInferCudaBuilder:
     def int_bytes(self) -> int:
         return max(FLASHINFER_INT_WORKSPACE_BYTES, for_case(self.case).int_bytes)
 
-    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
         return WorkspaceDeclaration(float_bytes=self.float_bytes(), int_bytes=self.int_bytes())
 
     def routes(self) -> tuple[str, ...]:
@@ -93,19 +97,18 @@ class FlashInferCudaBuilder:
         return h.heads_q, h.heads_q_decode, h.heads_kv, m.head_dim, m.dim_vo
 
     # -- wrappers --------------------------------------------------------------------------
-    def _device_view(self, ctx: BuilderContext, ptr: int, nbytes: int) -> Any:
-        view = getattr(ctx.device, "view", None)
-        if view is None:
+    def _tensor_device(self, ctx: BuilderContext) -> TensorDevice:
+        if not isinstance(ctx.device, TensorDevice):
             raise TypeError(f"{self.name} runs real FlashInfer kernels and needs a CUDA device (the GPU tier), "
                             f"not {type(ctx.device).__name__}")
-        return view(ptr, nbytes)
+        return ctx.device
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> RealWrapper:
         arena = ctx.get_workspace(self.float_bytes(), ubatch)
-        float_buf = self._device_view(ctx, arena.ptr, arena.nbytes)
+        float_buf = self._tensor_device(ctx).view(arena.ptr, arena.nbytes)
         int_alloc = ctx.allocate(self.int_bytes(), f"{route} int workspace [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
         try:
-            int_buf = ctx.device.tensor(int_alloc)
+            int_buf = self._tensor_device(ctx).tensor(int_alloc)
             tc = route == "decode" and decode_tensor_cores(self.case)
             w = make_wrapper(route, float_buf, int_buf, tensor_cores=tc)
         except BaseException:
@@ -180,7 +183,7 @@ class FlashInferCudaBuilder:
         nbytes = scratch_bytes(layout, heads_q, heads_kv, dim, dim_vo)
         scratch = ctx.allocate(nbytes, f"{route} warmup test data [ubatch {w.ubatch}]")
         try:
-            buf = ctx.device.tensor(scratch)
+            buf = self._tensor_device(ctx).tensor(scratch)
             return run_checked(route, w.wrapper, layout, heads_q, heads_kv, dim, dim_vo, buf.device, seed=seed,
                                buffer=buf)
         finally:
@@ -245,7 +248,7 @@ class LazyFlashInferCudaBuilder(FlashInferCudaBuilder):
 
 
 def _backend(name: str, cls: type, description: str, bug: int | None = None) -> Backend:
-    def make(case: Any) -> list[Any]:
+    def make(case: Case) -> list[Any]:
         return [cls(case)]
 
     make.__qualname__ = f"make_{name.replace('-', '_')}"

@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.units import GiB
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["CaseSelection", "DeviceFacts", "device_facts", "select_cases"]
 
@@ -60,7 +63,7 @@ class CaseSelection:
         }
 
 
-def _skip_reason(case: Any, device: DeviceFacts) -> tuple[str, str] | None:
+def _skip_reason(case: Case, device: DeviceFacts) -> tuple[str, str] | None:
     if case.gpu.num_sm != device.num_sm:
         return OTHER_SM_COUNT, (f"{case.id}: sized for {case.gpu.name} ({case.gpu.num_sm} SMs), this GPU has "
                                 f"{device.num_sm}")

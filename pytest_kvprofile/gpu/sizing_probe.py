@@ -8,11 +8,14 @@ A route probe is pure data (built on CPU from ``for_case``); only ``plan_on_devi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.gpu.reference import paged_layout
 from pytest_kvprofile.gpu.wrappers import make_wrapper, plan_args, run_checked
 from pytest_kvprofile.sizing.case import for_case
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["OVERFLOW_MARKER", "RouteProbe", "api_workspace_size", "expect_overflow", "plan_on_device", "route_probes"]
 
@@ -50,7 +53,7 @@ class RouteProbe:
         return paged_layout(self.qo_lens, self.kv_lens, self.page_size, max_physical_pages=MAX_PHYSICAL_PAGES)
 
 
-def route_probes(case: Any) -> list[RouteProbe]:
+def route_probes(case: Case) -> list[RouteProbe]:
     """A probe for every route of ``case`` whose worst batch the oracle names (FA3 and MLA decode have none)."""
     res = for_case(case)
     out = []

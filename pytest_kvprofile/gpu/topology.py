@@ -85,7 +85,7 @@ class GpuTopology:
     @property
     def visible(self) -> tuple[GpuDevice, ...]:
         """The devices this process's CUDA sees, in torch's order."""
-        return tuple(sorted((d for d in self.devices if d.cuda_index is not None), key=lambda d: d.cuda_index))
+        return tuple(sorted((d for d in self.devices if d.cuda_index is not None), key=lambda d: d.cuda_index or 0))
 
     def link(self, a: int, b: int) -> GpuLink | None:
         for ln in self.links:
@@ -263,7 +263,9 @@ def detect_topology(nvml: Any = None, torch_cuda: Any = None, *, use_torch: bool
     env = os.environ if env is None else env
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
+
+            nvml = pynvml
         except ImportError as exc:
             raise TopologyError("the nvidia-ml-py package (module pynvml) is not installed") from exc
     try:

@@ -61,6 +61,7 @@ def make_wrapper(route: str, float_buffer: Any, int_buffer: Any, *, tensor_cores
             graph_kw = dict(paged_kv_indptr_buffer=torch.empty(b + 1, dtype=torch.int32, device=dev),
                             paged_kv_indices_buffer=torch.empty(len(layout.kv_indices), dtype=torch.int32, device=dev),
                             paged_kv_last_page_len_buffer=torch.empty(b, dtype=torch.int32, device=dev))
+    w: Any  # a prefill or a decode wrapper: both plan() and run() alike here
     if route == "prefill":
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(float_buffer, "NHD", use_cuda_graph=cuda_graph,
                                                            backend="fa2", **graph_kw)
@@ -149,7 +150,7 @@ def capture_decode_replays(arena: Any, layout: PagedLayout, *, heads_q: int, hea
     wrapper.plan(*args, **kw)
     data = random_inputs(layout, heads_q, heads_kv, head_dim, head_dim, dev, seed)
     q, k, v, out = data["q"], data["k"], data["v"], data["out"]
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch.cuda.Stream.__new__ is untyped
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         wrapper.run(q, (k, v), out=out)  # warm up outside the capture (lazy init, module load)

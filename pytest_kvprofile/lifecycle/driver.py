@@ -16,7 +16,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pytest_kvprofile.contract.backends import EnginePolicy, engine_gate
 from pytest_kvprofile.contract.lease import Lease
@@ -39,6 +39,7 @@ from pytest_kvprofile.contract.support import (
     resolve_support,
 )
 from pytest_kvprofile.contract.workspace import (
+    ArenaManager,
     ArenaView,
     WorkspaceLockedError,
     WorkspaceManager,
@@ -150,12 +151,12 @@ class RecordingWorkspaceManager(_RecordingMixin, WorkspaceManager):
     """The engine's manager (the harness's own), recording every view it hands out and every growth it refuses."""
 
 
-def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -> RecordingWorkspaceManager:
+def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -> ArenaManager:
     """The run's shared arena: the harness's manager, or the one ``EnginePolicy.manager_factory`` makes (vLLM's own,
     ``engines/vllm_workspace.py``), which has the same interface without sharing its class."""
     factory = run.policy.manager_factory
     if factory is not None:
-        return cast(RecordingWorkspaceManager, factory(run, device, num_ubatches))
+        return factory(run, device, num_ubatches)
     return RecordingWorkspaceManager(run, device, num_ubatches)
 
 
@@ -342,8 +343,7 @@ class LifecycleRun:
             self._note_int_use(alloc)
             return
         ubatch = self.manager.ubatch_of(alloc)
-        stale = getattr(self.manager, "stale_since", None)  # vLLM's manager: an old arena a kept view keeps alive
-        given_back = stale(alloc) if stale is not None and alloc.alive else None
+        given_back = self.manager.stale_since(alloc) if alloc.alive else None  # an old arena a kept view keeps alive
         if alloc.alive and given_back is None and (self._current_ubatch is None
                                                    or ubatch in (None, self._current_ubatch)):
             return  # the common case, decided without attributing the call
@@ -916,9 +916,7 @@ class LifecycleRun:
         return out
 
     def _teardown(self) -> None:
-        release = getattr(self.manager, "release", None)  # vLLM's manager: its module global put back
-        if release is not None:
-            release()
+        self.manager.release()  # vLLM's manager: its module global put back
         self._post_kv = False
         self.result.post_kv_peak_used = self._peak_used
         self._unsubscribe()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.contract.resources import ResourceAdapter
 from pytest_kvprofile.lifecycle.resources import case_resources
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
-def model_parts(backend: Any, case: Any) -> list[Any]:
+
+def model_parts(backend: Any, case: Case) -> list[Any]:
     """Everything the engine drives for one model: the backend's builders, then its resources.
 
     A backend may bring its own resources (``make_resources``); otherwise the case's are used

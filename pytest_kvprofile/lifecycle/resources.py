@@ -9,10 +9,13 @@ any backend.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.support import ProfilingSupport
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 
 class DMAOutputWorkspace:
@@ -24,7 +27,7 @@ class DMAOutputWorkspace:
 
     name = "dma-output-workspace"
 
-    def __init__(self, case: Any, params: dict[str, Any]):
+    def __init__(self, case: Case, params: dict[str, Any]):
         self.case = case
         self.capacity_bytes = int(params.get("max_tokens", 8192)) * int(params.get("hidden_size", 4096)) * int(
             params.get("dtype_bytes", 2)
@@ -50,7 +53,7 @@ RESOURCE_KINDS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {"dma-output-w
 DEFAULT_PARAMS = {"max_tokens": 8192, "hidden_size": 4096, "dtype_bytes": 2}
 
 
-def case_resources(case: Any) -> list[Any]:
+def case_resources(case: Case) -> list[Any]:
     """The resources a case carries (from its matrix), built from :data:`RESOURCE_KINDS`."""
     out = []
     for res in case.resources:

@@ -321,9 +321,11 @@ class CachingAllocator:
         """Segments and their blocks, shaped like a subset of ``torch.cuda.memory_snapshot()``."""
         out: list[dict[str, object]] = []
         for seg in self.segments():
-            blocks = []
+            blocks: list[dict[str, object]] = []
+            allocated = 0
             block: Block | None = self._first_block(seg)
             while block is not None:
+                allocated += block.size if block.allocated else 0
                 blocks.append(
                     {
                         "address": block.ptr,
@@ -337,7 +339,7 @@ class CachingAllocator:
                 {
                     "address": seg.ptr,
                     "total_size": seg.size,
-                    "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+                    "allocated_size": allocated,
                     "segment_type": "small" if seg.small else "large",
                     "segment_pool_id": seg.pool.id,
                     "blocks": blocks,

@@ -68,7 +68,7 @@ class Budget:
     def limit(self) -> int:
         return int(self.total * self.gmu)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
     def lines(self) -> list[str]:

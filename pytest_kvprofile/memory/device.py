@@ -27,6 +27,7 @@ from pytest_kvprofile.contract.device import Allocation, Device, DeviceEvent
 from pytest_kvprofile.contract.roles import Role, as_role
 from pytest_kvprofile.memory.allocator import (
     DEVICE_ADDRESS_BASE,
+    Block,
     CachingAllocator,
     GraphPool,
     MemPool,
@@ -310,8 +311,6 @@ class SimDevice(EventSource):
     NCCL buffers and other memory PyTorch does not see.
     """
 
-    GraphPool = GraphPool
-
     def __init__(
         self,
         *,
@@ -333,6 +332,7 @@ class SimDevice(EventSource):
         self.record_stacks = record_stacks
         self.compute_capability = compute_capability
         self.allocator = CachingAllocator(self._can_reserve, self._on_segment)
+        self._blocks: dict[int, Block] = {}  # a live device allocation's allocator block, by allocation id
         self._init_events()
         self._graph_pool_counter = 0
         self._host_next_ptr = HOST_ADDRESS_BASE
@@ -409,7 +409,7 @@ class SimDevice(EventSource):
             pool = block.segment.pool.id
             alloc = Allocation(self._next_id, block.ptr, nbytes, block.size, owner, tag, "device", pool, self._phase,
                                stack)
-            alloc._block = block  # not a field: asdict()/replace() must not walk the allocator's lists
+            self._blocks[alloc.id] = block  # a side table: asdict()/replace() must not walk the allocator's lists
         alloc.role = as_role(role)
         self._live[alloc.id] = alloc
         self._emit("alloc", alloc)
@@ -443,7 +443,7 @@ class SimDevice(EventSource):
         """Return an allocation to the allocator's cache (reserved bytes do not drop)."""
         self._forget(alloc)
         if alloc.kind == "device":
-            block = alloc.__dict__.pop("_block", None)
+            block = self._blocks.pop(alloc.id, None)
             if block is not None:
                 self.allocator.free(block)
         else:

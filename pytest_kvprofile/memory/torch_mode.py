@@ -17,7 +17,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal, cast
 
 import torch
 import torch.cuda.graphs
@@ -48,7 +48,7 @@ _BUILTIN_DIR = _PACKAGE_DIR + "builtin" + os.sep  # the built-in backends are ba
 _CONTEXTLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep + "contextlib.py"
 
 _DEVICE_GET = torch.Tensor.device.__get__
-_IS_CUDA_GET = torch.Tensor.is_cuda.__get__
+_IS_CUDA_GET = cast(Any, torch.Tensor.is_cuda).__get__  # a descriptor, which torch's stubs type as its bool
 _TENSOR_TO = torch.Tensor.to
 _TENSOR_CUDA = torch.Tensor.cuda
 _TENSOR_CPU = torch.Tensor.cpu
@@ -215,7 +215,7 @@ class SimGenerator(torch.Generator, metaclass=_GeneratorMeta):
     tensors are CPU tensors; ``isinstance(g, torch.Generator)`` still holds for every generator."""
 
     def __new__(cls, device: Any = None) -> "SimGenerator":
-        return _REAL_GENERATOR.__new__(cls, device="cpu")
+        return _REAL_GENERATOR.__new__(cls, device="cpu")  # type: ignore[call-arg]  # torch.Generator.__new__ takes device; its stubs say object's
 
     def __init__(self, device: Any = None) -> None:
         pass
@@ -230,7 +230,7 @@ class _SimDeviceGuard:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         return False
 
 
@@ -255,7 +255,7 @@ class SimCUDAGraph:
         self._device = sim.device
         self._pool: GraphPool | None = None
         self._capture: Any = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., SimCUDAGraph] | None = None
 
     def capture_begin(self, pool: GraphPool | None = None, capture_error_mode: str = "global") -> None:
         self._capture = self._device.graph_capture(pool)
@@ -411,14 +411,14 @@ class SimulatedCuda:
         if self._mode is not None:
             raise RuntimeError("this SimulatedCuda is already active")
         mode = _Mode(self)
-        mode.__enter__()
+        mode.__enter__()  # type: ignore[no-untyped-call]  # TorchFunctionMode's methods are untyped in torch
         self._mode = mode
         try:
             self._patch()
         except BaseException:
             self._unpatch()
             self._mode = None
-            mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             raise
         with _active_lock:
             _active.append(self)
@@ -434,7 +434,7 @@ class SimulatedCuda:
             self._unpatch()
         finally:
             if mode is not None:
-                mode.__exit__(*exc)
+                mode.__exit__(*exc)  # type: ignore[no-untyped-call]
 
     # -- torch.cuda patching ---------------------------------------------------------------------------
 
@@ -640,7 +640,8 @@ class _Mode(TorchFunctionMode):
         super().__init__()
         self.sim = sim
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         registry = self.sim._registry
         try:
             kind = _KINDS[func]
@@ -754,7 +755,7 @@ class _Mode(TorchFunctionMode):
             return out.clone()
         return out
 
-    def _tensor_to(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _tensor_to(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         src = args[0]
         target: Any = kwargs.get("device", _MISSING)
         rest = list(args[1:])
@@ -803,7 +804,7 @@ pages: a workspace costs host memory only where a kernel or a copy writes it (be
 fill it saves)."""
 
 
-def _untouched_zeros(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+def _untouched_zeros(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """What ``func(*args, **kwargs)`` returns, as a tensor over untouched zero pages; None where that is not the same
     tensor (an ``out=``, a sparse or non-default layout, a small size): the caller makes it the usual way."""
     if "out" in kwargs or kwargs.get("layout", torch.strided) is not torch.strided:
@@ -825,7 +826,7 @@ def _untouched_zeros(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | Non
 _WATCHED = (Role.FLOAT_ARENA, Role.INT_WORKSPACE)
 
 
-def _quiet_inputs(registry: dict[int, Allocation], args: tuple) -> bool | None:
+def _quiet_inputs(registry: dict[int, Allocation], args: tuple[Any, ...]) -> bool | None:
     """Whether a call's positional arguments include a simulated tensor (True) or no tensor (False), when every tensor
     among them is a live simulated storage no check watches (not a float arena, not an int workspace, not freed by the
     ledger); None when the call needs the full path (a host tensor, which may be another case's; a list of tensors; a
@@ -845,7 +846,7 @@ def _quiet_inputs(registry: dict[int, Allocation], args: tuple) -> bool | None:
     return quiet
 
 
-def _tensor_inputs(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+def _tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
     """The tensors a torch call receives: positional, keyword, and one level inside lists and tuples."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -297,8 +297,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return not has_impossible
         if "kvprofile_refused_pair" in fixtures:
             return not has_refused
-        if "kvprofile_pair" in fixtures:
-            return item.function.kvprofile_check not in nonempty
+        if "kvprofile_pair" in fixtures:  # a suite test function: cast only names its type for mypy
+            return cast(pytest.Function, item).function.kvprofile_check not in nonempty
         return False
 
     empty = [it for it in items if unparametrized(it)]
@@ -309,7 +309,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
     order = {c.name: i for i, c in enumerate(CHECKS)}
 
-    def key(pair: tuple[int, pytest.Item]) -> tuple:
+    def key(pair: tuple[int, pytest.Item]) -> tuple[int, ...]:
         index, item = pair
         callspec = getattr(item, "callspec", None)
         checked = None if callspec is None else callspec.params.get("kvprofile_pair")
@@ -317,7 +317,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return (0, index, 0, 0, 0)
         backend, case = checked
         return (1, state.case_index[case.id], state.backend_index[backend.name],
-                order.get(item.function.kvprofile_check, 0), index)
+                order.get(cast(pytest.Function, item).function.kvprofile_check, 0), index)  # a suite test function
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
@@ -367,7 +367,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         _write_json(state.settings.verdict_path, doc)
 
 
-def _write_json(path: str, doc: dict) -> None:
+def _write_json(path: str, doc: dict[str, Any]) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")

@@ -13,9 +13,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.plugin.session import KvprofileSession
 
 PIN_KEY = pytest.StashKey[Any]()
 SELECTION_KEY = pytest.StashKey[Any]()
@@ -23,7 +26,7 @@ CUDA_ERROR_NOT_INITIALIZED = 3
 CPU_TIER_REASON = "GPU tier: pass --kvprofile-gpu on a machine with a CUDA device"
 
 
-def _state(config: pytest.Config) -> Any:
+def _state(config: pytest.Config) -> KvprofileSession | None:
     from pytest_kvprofile.plugin.session import SESSION_KEY
 
     return config.stash.get(SESSION_KEY, None)

@@ -12,5 +12,5 @@ def pytest_kvprofile_backends(config: Any) -> Any:
     """
 
 
-def pytest_kvprofile_update_json(config: Any, report: dict) -> None:
+def pytest_kvprofile_update_json(config: Any, report: dict[str, Any]) -> None:
     """Add fields to the JSON report and the verdict document before they are written (controller only)."""

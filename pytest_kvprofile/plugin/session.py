@@ -86,7 +86,7 @@ class KvprofileSession:
         self._refusals: dict[tuple[str, str], str | None] = {}
         self._results: OrderedDict[tuple[str, str], LifecycleResult] = OrderedDict()
         self.records: list[CheckOutcome] = []
-        self.hardware: dict | None = None
+        self.hardware: dict[str, Any] | None = None  # JSON for the report (gpu.controller_hardware)
         self.device_factory: Any = None  # the GPU tier's CudaDeviceFactory (set by pytest_kvprofile.plugin.gpu)
         self.case_index = {c.id: i for i, c in enumerate(self.cases)}
         self.backend_index = {b.name: i for i, b in enumerate(self.backends)}

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from importlib import metadata
 from typing import Any
 
-from pytest_kvprofile.checks.base import CheckOutcome
+from pytest_kvprofile.checks.base import CheckOutcome, JsonObject
 from pytest_kvprofile.report.summary import legacy_costs, summarize, waste_costs, waste_reason
 
 SCHEMA_VERSION = 1
@@ -33,7 +33,7 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def json_document(session: Any) -> dict:
+def json_document(session: Any) -> JsonObject:
     return {
         "schema": SCHEMA_VERSION,
         "tier": session.tier,
@@ -50,7 +50,7 @@ def json_document(session: Any) -> dict:
     }
 
 
-def _sizing_report(session: Any) -> dict:
+def _sizing_report(session: Any) -> JsonObject:
     """Every layout's exact requirement next to the fixed sizes engines use, with the headline."""
     from pytest_kvprofile.sizing.comparison import report_for_matrix, report_headline, unsized_for_matrix
 
@@ -77,14 +77,14 @@ def _legacy_reason(declared: dict[str, str]) -> str | None:
     return None
 
 
-def waste_budget(budget: Any) -> dict | None:
+def waste_budget(budget: Any) -> JsonObject | None:
     """The run's waste budget as the verdict records it (None: waste is reported, never refused)."""
     if budget is None:
         return None
     return {"amount": budget.amount, "unit": budget.unit, "text": budget.describe()}
 
 
-def verdict_document(session: Any) -> dict:
+def verdict_document(session: Any) -> JsonObject:
     """Per backend: declared support, results per check x case, coverage of its matrix, and whether it may opt in.
 
     A backend's matrix is every runnable case its engine accepts, each with the checks that apply
@@ -133,7 +133,7 @@ def verdict_document(session: Any) -> dict:
     return doc
 
 
-def coverage(planned: dict[str, list[str]], results: list[dict]) -> dict:
+def coverage(planned: dict[str, list[str]], results: list[JsonObject]) -> JsonObject:
     """How much of the backend's matrix the results cover: a case is run when every check planned for it has a
     result."""
     ran = {(r["check"], r["case"]) for r in results}
@@ -148,7 +148,7 @@ def coverage(planned: dict[str, list[str]], results: list[dict]) -> dict:
     }
 
 
-def backend_verdict(entry: dict) -> dict:
+def backend_verdict(entry: JsonObject) -> JsonObject:
     """One backend's verdict from its facts (results, planned matrix, refused layouts, declarations, legacy cost).
 
     The one computation of ``may_opt_in`` and its reasons, for a run's verdict and for a merged one alike.
@@ -196,7 +196,7 @@ class MergeError(ValueError):
     """Verdicts that cannot be merged; the message names the files and the values that differ."""
 
 
-def merge_verdicts(docs: dict[str, dict]) -> dict:
+def merge_verdicts(docs: dict[str, JsonObject]) -> JsonObject:
     """One verdict from the verdicts of several runners of one matrix (xdist shards, the CPU tier, each GPU runner).
 
     ``docs`` maps a source name (its path) to its verdict. Every document must have the same matrix digest,
@@ -218,7 +218,7 @@ def merge_verdicts(docs: dict[str, dict]) -> dict:
         values = {name: doc.get(key) for name, doc in docs.items()}
         if len(set(map(str, values.values()))) > 1:
             raise MergeError(f"the verdicts differ in {key}: " + ", ".join(f"{n}: {v}" for n, v in values.items()))
-    entries: dict[str, list[tuple[str, dict]]] = defaultdict(list)
+    entries: dict[str, list[tuple[str, JsonObject]]] = defaultdict(list)
     for name, doc in docs.items():
         for b in doc.get("backends", []):
             entries[b["name"]].append((name, b))
@@ -249,25 +249,25 @@ def merge_verdicts(docs: dict[str, dict]) -> dict:
     }
 
 
-def _budget_key(doc: dict) -> str:
+def _budget_key(doc: JsonObject) -> str:
     budget = doc.get("waste_budget")
     return "none" if not budget else f"{budget.get('amount')} {budget.get('unit')}"
 
 
-def _budget_text(doc: dict) -> str:
+def _budget_text(doc: JsonObject) -> str:
     budget = doc.get("waste_budget")
     return "no budget" if not budget else str(budget.get("text") or _budget_key(doc))
 
 
-def _merge_backend(found: list[tuple[str, dict]]) -> dict:
+def _merge_backend(found: list[tuple[str, JsonObject]]) -> JsonObject:
     """A backend's facts from several runners, judged again by :func:`backend_verdict`."""
     name, first = found[0]
     planned: dict[str, set[str]] = defaultdict(set)
     refused: dict[str, str] = {}
     declared = dict(first.get("declared_support") or {})
-    results: list[dict] = []
-    costs: list[dict] = []
-    wastes: list[dict] = []
+    results: list[JsonObject] = []
+    costs: list[JsonObject] = []
+    wastes: list[JsonObject] = []
     disagreements: list[str] = []
     for source, b in found:
         for case, checks in (b.get("planned") or {}).items():

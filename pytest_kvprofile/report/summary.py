@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from pytest_kvprofile.checks.base import CheckOutcome
+from pytest_kvprofile.checks.base import CheckOutcome, JsonObject
 from pytest_kvprofile.units import MiB
 
 
-def summarize(records: list[CheckOutcome]) -> list[dict]:
+def summarize(records: list[CheckOutcome]) -> list[JsonObject]:
     """Per backend: cases, checks passed/failed/xfailed, the most failed check and the worst budget."""
     by_backend: dict[str, list[CheckOutcome]] = defaultdict(list)
     for rec in records:
@@ -37,9 +37,9 @@ def summarize(records: list[CheckOutcome]) -> list[dict]:
     return rows
 
 
-def legacy_costs(records: list[CheckOutcome]) -> dict[str, list[dict]]:
+def legacy_costs(records: list[CheckOutcome]) -> dict[str, list[JsonObject]]:
     """Per legacy-path backend, each case's post-KV cost (``checks/post_kv_cost.py``), largest first."""
-    out: dict[str, list[dict]] = defaultdict(list)
+    out: dict[str, list[JsonObject]] = defaultdict(list)
     for rec in records:
         cost = rec.details.legacy_cost
         if rec.backend and cost:
@@ -65,9 +65,9 @@ def legacy_cost_lines(records: list[CheckOutcome]) -> list[str]:
     return lines
 
 
-def waste_costs(records: list[CheckOutcome]) -> dict[str, list[dict]]:
+def waste_costs(records: list[CheckOutcome]) -> dict[str, list[JsonObject]]:
     """Per opted-in backend, each case's workspace waste (``checks/workspace.py``), largest first."""
-    out: dict[str, list[dict]] = defaultdict(list)
+    out: dict[str, list[JsonObject]] = defaultdict(list)
     for rec in records:
         waste = rec.details.waste
         if rec.backend and waste:
@@ -75,7 +75,7 @@ def waste_costs(records: list[CheckOutcome]) -> dict[str, list[dict]]:
     return {b: sorted(costs, key=lambda c: (-c["bytes"], c["case"])) for b, costs in sorted(out.items())}
 
 
-def waste_reason(costs: list[dict]) -> str | None:
+def waste_reason(costs: list[JsonObject]) -> str | None:
     """The verdict's cost line: the worst case's waste in MiB, bytes and KV tokens, or None without waste."""
     if not costs or not costs[0]["bytes"]:
         return None
@@ -107,7 +107,7 @@ def waste_lines(records: list[CheckOutcome]) -> list[str]:
     return lines
 
 
-def table_lines(rows: list[dict]) -> list[str]:
+def table_lines(rows: list[JsonObject]) -> list[str]:
     header = ("backend", "cases", "passed", "failed", "xfailed", "worst check", "fewest KV tokens (case)")
     body = []
     for r in rows:
@@ -122,7 +122,7 @@ def table_lines(rows: list[dict]) -> list[str]:
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in body]
 
 
-def verdict_lines(doc: dict) -> list[str]:
+def verdict_lines(doc: JsonObject) -> list[str]:
     lines = []
     for b in doc["backends"]:
         verdict = "may opt in" if b["may_opt_in"] else "may NOT opt in"
@@ -135,7 +135,7 @@ def verdict_lines(doc: dict) -> list[str]:
     return lines
 
 
-def partial_lines(doc: dict) -> list[str]:
+def partial_lines(doc: JsonObject) -> list[str]:
     """Why a narrowed or interrupted run's verdict cannot opt in: the coverage of each backend's matrix."""
     lines = []
     for b in doc["backends"]:

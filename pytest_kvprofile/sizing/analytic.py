@@ -322,9 +322,10 @@ def decode_cc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool,
         bound = (ceil_div(hq * padded * lay.head_dim_vo * 4, 16) * 16) + hq * padded * 4
     page = env.page_size
     route = "decode_cc_cuda_graph" if cuda_graph else "decode_cc"
+    cands: list[tuple[tuple[int, ...], tuple[int, ...]]]
     if cuda_graph:
-        kv = min(env.max_model_len, 128)
-        cands = [((1,), (kv,))]
+        kv_len = min(env.max_model_len, 128)
+        cands = [((1,), (kv_len,))]
     else:
         reqs = _split_witness(padded, 1, 1, env)
         cands = [(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs))] if reqs else []

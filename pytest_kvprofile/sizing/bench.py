@@ -25,7 +25,7 @@ def _warm_start_seconds(cache: str) -> float:
     return float(out.stdout.strip())
 
 
-def main() -> dict:
+def main() -> dict[str, object]:
     from array import array
 
     from pytest_kvprofile.sizing.analytic import PlanEnvelope
@@ -38,7 +38,7 @@ def main() -> dict:
     from pytest_kvprofile.sizing.requirement import route_results
     from pytest_kvprofile.sizing.search import adversarial_search, oracle_evaluator
 
-    results: dict = {}
+    results: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as cache:
         os.environ["KVPROFILE_CACHE_DIR"] = cache
         t0 = time.perf_counter()

@@ -70,7 +70,7 @@ def for_case(case: Case, *, use_oracle: bool | None = None) -> SizingResult:
     the case (builders and checks ask many times per lifecycle). The routes are planned for the case's KV
     dtype (``sizeof(DTypeKV)``); :class:`UnsizableCase` where the engine plans no FA2 route for it.
     """
-    memo = case.__dict__.setdefault(_MEMO, {})
+    memo: dict[bool | None, SizingResult] = case.__dict__.setdefault(_MEMO, {})
     result = memo.get(use_oracle)
     if result is None:
         refusal = sizable_refusal(case)
@@ -110,7 +110,7 @@ def need_for_routes(case: Case, planned: Iterable[str] | None) -> tuple[int, tup
     one float workspace per micro-batch and plan one after another, so the need is the maximum, not the sum.
     """
     wanted = frozenset(routes(case) if planned is None else planned)
-    memo = case.__dict__.setdefault(_ROUTE_MEMO, {})
+    memo: dict[frozenset[str], tuple[int, tuple[str, ...]]] = case.__dict__.setdefault(_ROUTE_MEMO, {})
     answer = memo.get(wanted)
     if answer is None:
         sized = for_case(case)

@@ -150,7 +150,7 @@ def format_report(rows: list[dict[str, Any]]) -> str:
 
 def distinct_layout_cases(cases: Iterable[Case]) -> list[Case]:
     """The runnable, sizable cases that differ in something sizing reads (gmu never matters), first of each."""
-    out: dict[tuple, Case] = {}
+    out: dict[tuple[object, ...], Case] = {}
     for case in cases:
         if case.skip_reason is None and case.unsized_reason is None:
             out.setdefault(case.layout_key, case)
@@ -160,7 +160,7 @@ def distinct_layout_cases(cases: Iterable[Case]) -> list[Case]:
 def unsized_layouts(cases: Iterable[Case]) -> list[dict[str, str]]:
     """The runnable layouts this suite does not size (``Case.unsized_reason``), first case of each, with why: the
     report names them rather than dropping them."""
-    out: dict[tuple, dict[str, str]] = {}
+    out: dict[tuple[object, ...], dict[str, str]] = {}
     for case in cases:
         if case.skip_reason is None and case.unsized_reason is not None:
             out.setdefault(case.layout_key, {"case": case.id, "reason": case.unsized_reason})

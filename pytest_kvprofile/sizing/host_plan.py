@@ -25,12 +25,15 @@ import ctypes
 import math
 import sys
 import threading
-from types import SimpleNamespace
-from typing import Any, Callable, Protocol, Sequence
+from types import FrameType, SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from pytest_kvprofile.matrix.gpus import smem_optin_for
 from pytest_kvprofile.sizing.oracle import LOAD_MODE, get_oracle
 from pytest_kvprofile.sizing.planner import decode_blocks_per_sm_bound
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = ["HostPlanError", "HostPlanner", "PlanDevice", "SimulatedDeviceUnsupported", "decode_loader",
            "get_host_planner", "mla_loader", "prefill_loader"]
@@ -136,7 +139,7 @@ _local = threading.local()
 def get_host_planner() -> HostPlanner:
     """This thread's planner, building the oracle library on first use (raises OracleUnavailable)."""
     oracle = get_oracle()
-    cached = getattr(_local, "planner", None)
+    cached: tuple[Path, HostPlanner] | None = getattr(_local, "planner", None)
     if cached is not None and cached[0] == oracle.path:
         return cached[1]
     planner = HostPlanner(oracle.path)
@@ -165,6 +168,7 @@ def observe_plans(callback: PlanObserver) -> Callable[[], None]:
 def _note_plan(device: PlanDevice, module_route: str, float_ws: Any, cuda_graph: bool) -> None:
     if not _plan_observers:
         return
+    frame: FrameType | None
     route, frame = module_route, sys._getframe(2)
     for _ in range(8):  # the wrapper whose plan() called the module: its class names the route
         if frame is None:
@@ -197,7 +201,7 @@ def _host_int32(t: Any, what: str) -> Any:
 
 def prefill_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
     """Stands in for ``flashinfer.prefill.get_batch_prefill_module(backend, *args)``."""
-    cache: dict[tuple, SimpleNamespace] = {}
+    cache: dict[tuple[Any, ...], SimpleNamespace] = {}
 
     def get_batch_prefill_module(backend: str, *args: Any) -> SimpleNamespace:
         key = (backend, *args)
@@ -212,7 +216,7 @@ def prefill_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
 
 def decode_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
     """Stands in for ``flashinfer.decode.get_batch_decode_module(*args)``."""
-    cache: dict[tuple, SimpleNamespace] = {}
+    cache: dict[tuple[Any, ...], SimpleNamespace] = {}
 
     def get_batch_decode_module(*args: Any) -> SimpleNamespace:
         if args not in cache:
@@ -226,7 +230,7 @@ def mla_loader(device: PlanDevice) -> Callable[..., Any]:
     """Stands in for ``flashinfer.mla``'s ``get_batch_mla_module(backend, dtype_q, dtype_kv, dtype_o, dtype_idx,
     head_dim_ckv, head_dim_kpe, use_profiler)``: the generated FA2/FA3 backends plan with the same ``MLAPlan``
     (``batch_mla_plan.cu``, ``batch_mla_sm90_plan.cu``); their ``run`` has no host implementation."""
-    cache: dict[tuple, Any] = {}
+    cache: dict[tuple[Any, ...], Any] = {}
 
     def get_batch_mla_module(backend: str, *args: Any) -> Any:
         key = (backend, *args)
@@ -262,13 +266,15 @@ def _mla_module(device: PlanDevice, backend: str) -> Any:
         raise _unsupported(f"FlashInfer batch MLA run() ({backend!r}; its plan() is served)")
 
     raw = SimpleNamespace(plan=plan, run=run)
+    proxy: Callable[[SimpleNamespace], Any] | None  # the adapter class, None on a FlashInfer without one
     try:  # FlashInfer's own adapter stages the planned work lists from the pinned buffer into the int workspace
         from flashinfer.jit.attention.modules import _BatchMLAModuleProxy
+        proxy = _BatchMLAModuleProxy
     except ImportError:
-        _BatchMLAModuleProxy = None
-    if _BatchMLAModuleProxy is None:
+        proxy = None
+    if proxy is None:
         return SimpleNamespace(plan=lambda *a: plan(*a)[0], plan_with_staged_workspace_bytes=plan, run=run)
-    return _BatchMLAModuleProxy(raw)
+    return proxy(raw)
 
 
 def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNamespace:

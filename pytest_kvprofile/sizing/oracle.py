@@ -95,7 +95,7 @@ class Oracle:
         self._ip = ctypes.addressof(self._i)
         self._info = (ctypes.c_int64 * 15)()
         self._device: tuple[int, int, int, int] | None = None
-        self._scratch: dict[str, ctypes.Array] = {}
+        self._scratch: dict[str, ctypes.Array[ctypes.c_char]] = {}
 
     def set_device(self, num_sm: int, cc_major: int = 9, cc_minor: int = 0,
                    smem_optin: int = 101376) -> None:
@@ -116,7 +116,7 @@ class Oracle:
             self._scratch[name] = buf
         return ctypes.addressof(buf), len(buf)
 
-    def prefill_raw(self, qo_indptr: array, kv_indptr: array, heads_q: int, heads_kv: int,
+    def prefill_raw(self, qo_indptr: array[int], kv_indptr: array[int], heads_q: int, heads_kv: int,
                     head_dim_qk: int, head_dim_vo: int, page_size: int, cuda_graph: bool,
                     uniform_q_len: int = 0, fixed_uniform_q_len: bool = False,
                     materialize: bool = False, float_capacity: int = 1 << 40,
@@ -172,7 +172,7 @@ class Oracle:
         return self._f.value, self._i.value
 
 
-def indptrs(qo_lens: Sequence[int], kv_lens: Sequence[int], page_size: int) -> tuple[array, array]:
+def indptrs(qo_lens: Sequence[int], kv_lens: Sequence[int], page_size: int) -> tuple[array[int], array[int]]:
     """``array('i')`` qo (tokens) and kv (pages) indptrs, as FlashInfer's paged wrappers pass them."""
     if len(qo_lens) != len(kv_lens) or not qo_lens:
         raise ValueError("qo_lens and kv_lens must be non-empty and of equal length")
@@ -186,7 +186,7 @@ _local = threading.local()
 
 def get_oracle() -> Oracle:
     """This thread's oracle, building/loading it on first use (raises OracleUnavailable)."""
-    cached = getattr(_local, "oracle", None)
+    cached: tuple[str, Oracle] | None = getattr(_local, "oracle", None)
     key = str(cache_root())
     if cached is not None and cached[0] == key and cached[1].path.is_file():
         return cached[1]

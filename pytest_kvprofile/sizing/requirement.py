@@ -19,6 +19,7 @@ from functools import lru_cache
 from pytest_kvprofile.sizing.analytic import (
     DEFAULT_INT_WORKSPACE,
     Layout,
+    PlanBatch,
     PlanEnvelope,
     RouteResult,
     decode_cc,
@@ -27,7 +28,7 @@ from pytest_kvprofile.sizing.analytic import (
     prefill_graph,
     prefill_nograph,
 )
-from pytest_kvprofile.sizing.oracle import OracleError, OracleUnavailable, get_oracle
+from pytest_kvprofile.sizing.oracle import Oracle, OracleError, OracleUnavailable, get_oracle
 from pytest_kvprofile.sizing.planner import family_of
 
 
@@ -115,11 +116,11 @@ def _validate(heads_q: int, heads_kv: int, head_dim: int, num_sm: int,
         raise ValueError(f"heads_q_decode={heads_q_decode} is not a multiple of heads_kv={heads_kv}")
 
 
-def _confirm(res: RouteResult, envelope: PlanEnvelope, oracle) -> tuple[int, int]:
-    """Oracle float/int bytes on the route's worst batch."""
+def _confirm(res: RouteResult, batch: PlanBatch, envelope: PlanEnvelope, oracle: Oracle) -> tuple[int, int]:
+    """Oracle float/int bytes on the route's worst batch (``batch``: ``res.batch``, known not None)."""
     from pytest_kvprofile.sizing.search import oracle_evaluator
 
-    return oracle_evaluator(oracle, res, envelope)(res.batch)
+    return oracle_evaluator(oracle, res, envelope)(batch)
 
 
 @lru_cache(maxsize=4096)
@@ -165,7 +166,7 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
         fbytes, exact, confirmed = res.float_bytes, res.exact, False
         rnotes = list(res.notes)
         if oracle is not None and res.batch is not None:
-            got_f, _ = _confirm(res, envelope, oracle)
+            got_f, _ = _confirm(res, res.batch, envelope, oracle)
             confirmed = got_f == res.float_bytes if res.exact else got_f <= res.float_bytes
             if not confirmed:
                 rnotes.append(f"oracle carves {got_f} bytes on the worst batch, model said "

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pytest_kvprofile.sizing.analytic import PlanBatch, PlanEnvelope, RouteResult
 from pytest_kvprofile.sizing.planner import ceil_div, decode_plan, prefill_plan
+
+if TYPE_CHECKING:  # typing only: importing the oracle module at runtime is left to callers
+    from pytest_kvprofile.sizing.oracle import Oracle
 
 Evaluator = Callable[[PlanBatch], tuple[int, int]]
 
@@ -113,7 +116,7 @@ def port_evaluator(family: str, result: RouteResult, env: PlanEnvelope) -> Evalu
     return run
 
 
-def oracle_evaluator(oracle, result: RouteResult, env: PlanEnvelope) -> Evaluator:
+def oracle_evaluator(oracle: Oracle, result: RouteResult, env: PlanEnvelope) -> Evaluator:
     """Evaluate batches with the compiled oracle (the installed FlashInfer's own planner)."""
     lay = result.layout
 
