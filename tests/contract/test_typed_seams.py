@@ -82,3 +82,37 @@ def test_a_context_works_on_any_builder_host():
     assert host.noted == [("b", alloc)]
     ctx.free(alloc)
     assert not alloc.alive
+
+
+def test_a_device_keeps_what_it_needs_of_an_allocation_off_the_record():
+    """The allocator's block lives in the device's side table: the ledger record carries its fields only, and a
+    freed record lets the block go."""
+    import dataclasses
+
+    dev = SimDevice(name="t", total_memory=1 << 30)
+    alloc = dev.allocate(1 << 20, owner="o", tag="t")
+    assert set(vars(alloc)) == {f.name for f in dataclasses.fields(alloc)}
+    assert dev._blocks[alloc.id].ptr == alloc.ptr
+    dev.free(alloc)
+    assert alloc.id not in dev._blocks and dev.memory_allocated() == 0
+
+
+def test_both_arena_managers_answer_everything_the_protocol_names():
+    """``ArenaManager`` is what the driver reads of the harness's manager and of vLLM's; neither is probed with
+    getattr, so each must answer every member (vLLM's class is made on vLLM's import: read from its source)."""
+    from pytest_kvprofile.contract import workspace
+    from pytest_kvprofile.lifecycle.driver import RecordingWorkspaceManager
+
+    members = {n for n in vars(workspace.ArenaManager) if not n.startswith("_")} | set(
+        workspace.ArenaManager.__annotations__)
+    assert {"get_workspace", "stale_since", "release", "locked", "retired"} <= members
+    harness = RecordingWorkspaceManager.__new__(RecordingWorkspaceManager)
+    harness.__dict__.update(num_ubatches=1, alignment=256, retired={}, locked=False)
+    assert all(hasattr(harness, m) for m in members), sorted(m for m in members if not hasattr(harness, m))
+    vllm_source = (PACKAGE / "engines" / "vllm_workspace.py").read_text()
+    defined = {n.name for n in ast.walk(ast.parse(vllm_source)) if isinstance(n, ast.FunctionDef)}
+    targets = [t for n in ast.walk(ast.parse(vllm_source)) if isinstance(n, (ast.Assign, ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    defined |= {t.attr for t in targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                and t.value.id == "self"}
+    assert members <= defined | {"get_workspace"}, sorted(members - defined)  # get_workspace: the driver's mixin
