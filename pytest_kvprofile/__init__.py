@@ -2,7 +2,7 @@
 
 The public API is importable without pytest and without initializing CUDA: the contract (support
 declaration, lease, workspace manager, builder protocol, backends), the matrix, the lifecycle and its
-checks, the simulated device and the sizing entry point. The README's "Public API" table lists it;
+checks, the simulated device and the sizing entry point. `docs/reference.md`'s "Public API" table lists it;
 heavy modules (torch, flashinfer, the sizing oracle's compiled library) load lazily.
 """
 

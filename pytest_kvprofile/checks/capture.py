@@ -22,7 +22,7 @@ from pytest_kvprofile.memory.device import own_frame
 def check_no_synthetic_workspace_in_capture(result: LifecycleResult, options: CheckOptions) -> list[str]:
     """Judge every allocation made while a graph is captured by the method it came from, not by its tag.
 
-    Resources allocate nothing in capture (README); a builder's ``dummy_run``, ``warmup`` or any other
+    Resources allocate nothing in capture (docs/protocol.md); a builder's ``dummy_run``, ``warmup`` or any other
     method allocates nothing in capture either. ``build`` plans the captured batch, so a transient it
     also makes for real traffic (the same owner, tag and source line when serving) is plan scratch;
     one it makes only in dummy forwards is synthetic profiling workspace.

@@ -1,7 +1,7 @@
 """Run backends over cases without pytest: the catch table of the mutant catalog, and sweeps.
 
 The pytest suite is the interface for backend authors; this is the same checks as a plain loop,
-for the project's own acceptance tests (the catch table of the README).
+for the project's own acceptance tests (the catch table of docs/checks.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A backend repository writes ``def test_x(kvprofile_case, kvprofile_run): ...`` and gets one item per
 case of the selected matrices, with the suite's case ids, on the CPU tier's simulated device or, with
 ``--kvprofile-gpu``, on the CUDA device. Names carry the ``kvprofile_`` prefix so they never clash
-with a backend's own fixtures. The README's fixture table documents each one.
+with a backend's own fixtures. docs/protocol.md's fixture table documents each one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """One record per catalog entry, and the docs that list them read the same records (issue 34.1): the bug classes
 (``contract/bug_classes.py``) against ``docs/contract.md``, the checks' bug classes against the table, and the
-README's catch table against the mutants (``Backend.bug_class``) and their expected catches (``builtin/catches.py``).
+catch table in ``docs/checks.md`` against the mutants (``Backend.bug_class``) and their expected catches
+(``builtin/catches.py``).
 """
 
 from __future__ import annotations
@@ -59,20 +60,20 @@ def test_every_check_names_known_classes_and_every_class_has_a_check_and_a_mutan
 
 def _catch_table() -> dict[str, list[str]]:
     rows: dict[str, list[str]] = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "checks.md").read_text().splitlines():
         if re.match(r"\| (gpu-)?mutant-", line):
             cols = [c.strip() for c in line.strip().strip("|").split("|")]
             name = cols[0].split()[0]
-            assert name not in rows, f"README's catch table has two rows for {name}"
+            assert name not in rows, f"docs/checks.md's catch table has two rows for {name}"
             rows[name] = cols
     return rows
 
 
-def test_the_readme_catch_table_is_the_catalog():
+def test_the_catch_table_is_the_catalog():
     rows = _catch_table()
     catalog = {b.name: b for b in MUTANT_BACKENDS}
     assert set(EXPECTED_CATCHES) == set(catalog)
-    assert set(catalog) <= set(rows), f"README's catch table lacks {sorted(set(catalog) - set(rows))}"
+    assert set(catalog) <= set(rows), f"docs/checks.md's catch table lacks {sorted(set(catalog) - set(rows))}"
     others = {b.name: b for b in REAL_FLASHINFER_MUTANTS}
     problems = []
     for name, cols in rows.items():
@@ -81,10 +82,11 @@ def test_the_readme_catch_table_is_the_catalog():
             problems.append(f"{name}: no such mutant")
             continue
         if cols[1] != str(backend.bug_class):
-            problems.append(f"{name}: bug class {cols[1]} in the README, {backend.bug_class} in the catalog")
+            problems.append(f"{name}: bug class {cols[1]} in docs/checks.md, {backend.bug_class} in the catalog")
         named = {w for w in re.findall(r"[a-z_]+", cols[2]) if w in CHECK_NAMES}
         if name in EXPECTED_CATCHES and named != EXPECTED_CATCHES[name].checks:
-            problems.append(f"{name}: README names {sorted(named)}, catches.py {sorted(EXPECTED_CATCHES[name].checks)}")
+            expected = sorted(EXPECTED_CATCHES[name].checks)
+            problems.append(f"{name}: docs/checks.md names {sorted(named)}, catches.py {expected}")
         own = {c.name for c in CHECKS if backend.bug_class in c.bugs}
         if not named & own:
             problems.append(f"{name}: its row names no check of bug class {backend.bug_class}")

@@ -1,5 +1,7 @@
-"""The README documents every shipped check, and its two commands are the ones .ci/run uses."""
+"""The docs list every shipped check and the public API, the README stays a ten-minute read that points at every doc,
+and its two commands are the ones .ci/run uses."""
 
+import re
 from pathlib import Path
 
 from pytest_kvprofile.checks.catalog import CHECKS
@@ -7,11 +9,11 @@ from pytest_kvprofile.checks.catalog import CHECKS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_lists_every_check_with_its_bug_classes():
-    readme = (ROOT / "README.md").read_text()
+def test_the_checks_doc_lists_every_check_with_its_bug_classes():
+    doc = (ROOT / "docs" / "checks.md").read_text()
     for check in CHECKS:
-        row = next((ln for ln in readme.splitlines() if ln.startswith(f"| `{check.name}` |")), None)
-        assert row is not None, f"README has no row for {check.name}"
+        row = next((ln for ln in doc.splitlines() if ln.startswith(f"| `{check.name}` |")), None)
+        assert row is not None, f"docs/checks.md has no row for {check.name}"
         assert ", ".join(map(str, check.bugs)) in row, row
 
 
@@ -49,10 +51,22 @@ def test_the_gpu_table_in_docs_matches_the_catalog():
         assert cells[1] == str(gpu.num_sm) and cells[2] == f"{gpu.memory_bytes // 10**9} GB" and cells[4] == cc, row
 
 
-def test_readme_lists_the_public_api():
+def test_the_reference_lists_the_public_api():
     import pytest_kvprofile
 
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Public API"):readme.index("## More")]
+    doc = (ROOT / "docs" / "reference.md").read_text()
+    table = doc[doc.index("## Public API"):]
     missing = [name for name in pytest_kvprofile.__all__ if name != "__version__" and f"`{name}`" not in table]
-    assert not missing, f"README's public API table lacks {missing}"
+    assert not missing, f"docs/reference.md's public API table lacks {missing}"
+
+
+def test_the_readme_is_a_ten_minute_read_that_points_at_every_doc():
+    """What the suite proves, the two commands, pointing it at your builders, the verdict: the reference lives in
+    docs/, each page named in the README's map, and every page the README names exists."""
+    readme = (ROOT / "README.md").read_text()
+    words = len(readme.split())
+    assert words <= 2200, f"README has {words} words: about {words // 220} minutes; move reference material to docs/"
+    named = set(re.findall(r"`(docs/[a-z0-9-]+\.md)`", readme))
+    pages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")}
+    assert named <= pages, f"the README names missing pages {sorted(named - pages)}"
+    assert pages <= named, f"the README's map lacks {sorted(pages - named)}"
