@@ -2,7 +2,7 @@
 
 The public API is importable without pytest and without initializing CUDA: the contract (support
 declaration, lease, workspace manager, builder protocol, backends), the matrix, the lifecycle and its
-checks, the simulated device and the sizing entry point. `docs/reference.md`'s "Public API" table lists it;
+checks, the simulated device and the sizing entry point. the "Public API" table of `docs/reference.md` lists it;
 heavy modules (torch, flashinfer, the sizing oracle's compiled library) load lazily.
 """
 
@@ -27,6 +27,7 @@ from pytest_kvprofile.contract.support import (
 )
 from pytest_kvprofile.contract.workspace import (
     ArenaView,
+    ManagerKind,
     WorkspaceLockedError,
     WorkspaceManager,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "SupportResolution",
     "WorkspaceDeclaration",
     "WorkspaceLockedError",
+    "ManagerKind",
     "WorkspaceManager",
     "__version__",
     "declared_support",

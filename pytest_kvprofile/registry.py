@@ -1,10 +1,13 @@
-"""The backend registry: where backends come from, and what the harness learns of them at configure.
+"""The registry: what a run can name (backends, checks, shared arena managers), and what the harness learns of a
+backend at configure.
 
-Backends are named on the command line or in the ini (``--kvprofile-backend``), returned by the
-``pytest_kvprofile_backends`` hook, installed under the ``pytest_kvprofile.backends`` entry-point
-group, or built in (the correct stubs, the mutant catalog, the real-FlashInfer and vLLM backends).
-Why here, above the contract: built-ins (``builtin/``) and engine adapters (``engines/``) register like any
-third-party backend, through this catalog; the contract they implement knows none of them.
+Everything nameable is added to a :class:`Registry` through the ``pytest_kvprofile_register`` hook: the built-ins
+(``builtin/``, ``engines/``, ``checks/catalog.py``, listed by :func:`builtin_plugins`) implement it as a third
+party's plugin or ``conftest.py`` would, so this module keeps no list of them. Backends are then named on the
+command line or in the ini (``--kvprofile-backend``: a registered name or group, ``package.module:factory``, an
+installed entry point), returned by the ``pytest_kvprofile_backends`` hook, or installed under the
+``pytest_kvprofile.backends`` entry-point group. Why here, above the contract: the contract the built-ins implement
+knows none of them.
 
 When builders are constructed, and why:
 
@@ -26,8 +29,9 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Iterable
 
 from pytest_kvprofile.contract.backends import (
     Backend,
@@ -41,10 +45,86 @@ from pytest_kvprofile.contract.support import (
     builder_name,
     declared_support,
 )
+from pytest_kvprofile.contract.workspace import ManagerKind
 from pytest_kvprofile.lifecycle.parts import model_parts
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.checks.base import Check
 
 ENTRY_POINT_GROUP = "pytest_kvprofile.backends"
 REQUIRED_METHODS = ("reserve_persistent_workspace", "declared_workspace")
+
+
+@dataclass
+class Registry:
+    """Everything a run can name, in the order it was registered: backends by name and named groups of them (the
+    default group runs when nothing is named), checks (the suite makes one test per check), shared arena managers."""
+
+    backends: dict[str, Backend] = field(default_factory=dict)
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    default_group: str | None = None
+    checks: list[Check] = field(default_factory=list)
+    managers: dict[str, ManagerKind] = field(default_factory=dict)
+
+    def add_backends(self, *backends: Backend, group: str | None = None, default: bool = False) -> None:
+        """Make ``backends`` nameable; ``group`` names them together (``--kvprofile-backend stubs``), ``default``
+        makes that group the one a run without named backends uses."""
+        for backend in backends:
+            known = self.backends.get(backend.name)
+            if known is not None and known is not backend:
+                raise BackendError(f"two backends are registered as {backend.name!r} ({known.origin} and "
+                                   f"{backend.origin})")
+            if backend.name in self.groups:
+                raise BackendError(f"backend {backend.name!r} has the name of a registered group")
+            self.backends[backend.name] = backend
+        if group is not None:
+            if group in self.backends:
+                raise BackendError(f"group {group!r} has the name of a registered backend")
+            self.groups.setdefault(group, []).extend(b.name for b in backends)
+            if default:
+                self.default_group = group
+
+    def group(self, name: str) -> list[Backend]:
+        return [self.backends[b] for b in self.groups[name]]
+
+    def add_checks(self, *checks: Check) -> None:
+        """Checks the suite runs after those registered before them; a name is registered once."""
+        names = {c.name for c in self.checks}
+        for check in checks:
+            if check.name in names:
+                raise ValueError(f"two checks are registered as {check.name!r}")
+            names.add(check.name)
+            self.checks.append(check)
+
+    def check(self, name: str) -> Check:
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(f"no check is registered as {name!r} (known: {', '.join(c.name for c in self.checks)})")
+
+    def add_workspace_manager(self, kind: ManagerKind) -> None:
+        if kind.name in self.managers:
+            raise ValueError(f"two workspace managers are registered as {kind.name!r}")
+        self.managers[kind.name] = kind
+
+
+def builtin_plugins() -> tuple[ModuleType, ...]:
+    """The package's own plugins, each implementing ``pytest_kvprofile_register`` for its part, in the order they
+    register (the checks, the built-in backends and the harness's manager, the engine adapters and their manager)."""
+    import pytest_kvprofile.builtin as builtin
+    import pytest_kvprofile.checks.catalog as catalog
+    import pytest_kvprofile.engines as engines
+
+    return (catalog, builtin, engines)
+
+
+def builtin_registry() -> Registry:
+    """The built-ins alone, registered as the plugin registers them (for the CLI, sweeps and benchmarks, which run
+    without pytest's plugin manager)."""
+    registry = Registry()
+    for plugin in builtin_plugins():
+        plugin.pytest_kvprofile_register(registry=registry)
+    return registry
 
 
 def load_factory(spec: str) -> list[Backend]:
@@ -92,7 +172,7 @@ def entry_point_backends() -> list[Backend]:
     return out
 
 
-def _installed(name: str, catalog: dict[str, Backend]) -> list[Backend]:
+def _installed(name: str, registry: Registry) -> list[Backend]:
     """An installed backend by name: a backend an entry point makes (that one alone), or an entry point (all it makes,
     e.g. ``vllm-flashinfer-reserving``'s default and exact arenas when no backend has that name)."""
     from importlib.metadata import entry_points
@@ -114,48 +194,39 @@ def _installed(name: str, catalog: dict[str, Backend]) -> list[Backend]:
         return made[name]
     installed = sorted({b.name for backends in made.values() for b in backends} | set(made))
     raise BackendError(
-        f"--kvprofile-backend {name!r}: not 'package.module:factory', not a built-in backend (stubs, mutants, or one "
-        f"of: {', '.join(catalog)}) and not an installed backend ({', '.join(installed) or 'none installed'}: a "
-        f"package registers them under the {ENTRY_POINT_GROUP!r} entry point group)"
+        f"--kvprofile-backend {name!r}: not 'package.module:factory', not a registered backend "
+        f"({', '.join(registry.groups)}, or one of: {', '.join(registry.backends)}) and not an installed backend "
+        f"({', '.join(installed) or 'none installed'}: a package registers them under the {ENTRY_POINT_GROUP!r} "
+        "entry point group)"
     )
 
 
 def builtin_backends() -> dict[str, Backend]:
-    """Every built-in backend by name: the correct stubs, the mutant catalog, and the backend made of real
-    FlashInfer wrappers (``flashinfer``) with its lazy twin, which run FlashInfer on the simulated GPU."""
-    from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS, REAL_FLASHINFER_MUTANTS
-    from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
-    from pytest_kvprofile.builtin.stubs import ROUTE_STUB_BACKENDS, STUB_BACKENDS, TORCH_STUB_BACKENDS
-    from pytest_kvprofile.engines.vllm_flashinfer import VLLM_BACKENDS  # imports no vLLM: make_builders does
-
-    return {b.name: b for b in (*STUB_BACKENDS, *TORCH_STUB_BACKENDS, *ROUTE_STUB_BACKENDS, *MUTANT_BACKENDS,
-                                *REAL_FLASHINFER_BACKENDS, *REAL_FLASHINFER_MUTANTS, *VLLM_BACKENDS)}
+    """Every built-in backend by name (the registry's, without a plugin manager)."""
+    return builtin_registry().backends
 
 
-def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True) -> list[Backend]:
-    """Backends from the command line/ini and the hook; entry points only when none are named; stubs if none.
+def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True,
+                     registry: Registry | None = None) -> list[Backend]:
+    """Backends from the command line/ini and the hook; entry points only when none are named; the registry's
+    default group (the correct stubs) if none.
 
     Naming backends explicitly narrows the run to them, so an installed entry-point backend does not
     join every session.
     """
-    from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
-    from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
-
+    registry = builtin_registry() if registry is None else registry
     specs = list(specs)
-    catalog = builtin_backends()
     out: list[Backend] = []
     for spec in specs:
         spec = spec.strip()
-        if spec == "stubs":
-            out.extend(STUB_BACKENDS)
-        elif spec == "mutants":
-            out.extend(MUTANT_BACKENDS)
-        elif spec in catalog:
-            out.append(catalog[spec])
+        if spec in registry.groups:
+            out.extend(registry.group(spec))
+        elif spec in registry.backends:
+            out.append(registry.backends[spec])
         elif ":" in spec:
             out.extend(load_factory(spec))
         else:
-            out.extend(_installed(spec, catalog))
+            out.extend(_installed(spec, registry))
     for item in hooked:
         if item is None:
             continue
@@ -163,8 +234,8 @@ def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_poi
         out.extend(coerce_backend(i, "the pytest_kvprofile_backends hook") for i in items)
     if entry_points and not specs:
         out.extend(entry_point_backends())
-    if not out:
-        out = list(STUB_BACKENDS)
+    if not out and registry.default_group is not None:
+        out = registry.group(registry.default_group)
     seen: dict[str, Backend] = {}
     for b in out:
         if b.name in seen and seen[b.name] is not b:
@@ -271,22 +342,16 @@ def _neutral_alone(backend: Backend, neutral: frozenset[str]) -> Backend:
     )
 
 
-def _vllm_workspace_manager(run: Any, device: Any, num_ubatches: int) -> Any:
-    from pytest_kvprofile.engines.vllm_workspace import RecordingVllmWorkspaceManager
-
-    return RecordingVllmWorkspaceManager(run, device, num_ubatches)
-
-
-WORKSPACE_MANAGERS: dict[str, Callable[..., Any] | None] = {"harness": None, "vllm": _vllm_workspace_manager}
-"""The shared arena managers a run may use, by ``--kvprofile-workspace-manager`` name: None is the engine's own."""
-
-
-def with_workspace_manager(backend: Backend, kind: str) -> Backend:
+def with_workspace_manager(backend: Backend, kind: str, registry: Registry | None = None) -> Backend:
     """The backend integrated with ``kind``'s shared arena manager (``EnginePolicy.workspace_manager`` and its
-    ``manager_factory``)."""
-    if backend.policy.workspace_manager == kind and (backend.policy.manager_factory is not None or kind == "harness"):
+    ``manager_factory``), ``kind`` one the registry knows."""
+    if backend.policy.workspace_manager == kind and backend.policy.manager_factory is not None:
+        return backend  # the backend's engine brings its own (a policy's factory needs no registration)
+    managers = (builtin_registry() if registry is None else registry).managers
+    if kind not in managers:
+        raise BackendError(f"unknown workspace manager {kind!r} ({' or '.join(managers)})")
+    factory = managers[kind].for_run
+    if backend.policy.workspace_manager == kind and factory is None:
         return backend
-    if kind not in WORKSPACE_MANAGERS:
-        raise BackendError(f"unknown workspace manager {kind!r} ({' or '.join(WORKSPACE_MANAGERS)})")
-    policy = dataclasses.replace(backend.policy, workspace_manager=kind, manager_factory=WORKSPACE_MANAGERS[kind])
+    policy = dataclasses.replace(backend.policy, workspace_manager=kind, manager_factory=factory)
     return dataclasses.replace(backend, policy=policy)

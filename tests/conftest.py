@@ -33,5 +33,7 @@ def pytest_configure(config: Any) -> None:
     if importlib.util.find_spec("hypothesis") is not None:
         import hypothesis  # noqa: F401
     for module in pkgutil.walk_packages(pytest_kvprofile.__path__, "pytest_kvprofile."):
+        if module.name.rsplit(".", 1)[-1].startswith("test_"):
+            continue  # a packaged suite's tests are made from the run's registry (a plugin's checks): each run's own
         importlib.import_module(module.name)  # each imports its heavy dependencies lazily (tests/acceptance)
 

@@ -3,7 +3,7 @@
 Own-class checks come with collateral ones (a lazily sized workspace also overruns after KV sizing, ...).
 ``tests/builtin/test_mutant_catalog.py`` proves each record against the sweep (exactly, over every default case, in
 its slow sweep; a subset that holds an own-class check, in the plain run), and ``tests/acceptance/test_catalogs.py``
-holds docs/checks.md's catch table to these records.
+holds the catch table of docs/checks.md to these records.
 """
 
 from __future__ import annotations

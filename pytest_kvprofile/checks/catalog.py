@@ -7,6 +7,10 @@ in its own ``CHECKS``; adding a check to a family touches that module only.
 
 from __future__ import annotations
 
+from typing import Protocol
+
+from pluggy import HookimplMarker
+
 from pytest_kvprofile.checks import (
     arena,
     budget,
@@ -24,6 +28,7 @@ from pytest_kvprofile.checks import (
 from pytest_kvprofile.checks.base import Check, CheckOptions, WasteBudget, parse_waste_budget
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 
+hookimpl = HookimplMarker("pytest")
 FAMILIES = (support, leases, reservation, warmup, arena, freed, capture, resources, isolation, budget, workspace,
             int_workspace)
 CHECKS: tuple[Check, ...] = tuple(check for family in FAMILIES for check in family.CHECKS)
@@ -45,6 +50,15 @@ def failing_checks(result: LifecycleResult, options: CheckOptions = CheckOptions
             out[check.name] = violations
     return out
 
+
+class _CheckRegistrar(Protocol):
+    def add_checks(self, *checks: Check) -> None: ...
+
+
+@hookimpl(tryfirst=True)
+def pytest_kvprofile_register(registry: _CheckRegistrar) -> None:
+    """The built-in checks, first and in the order the suite runs them (the plugin's ``Registry``)."""
+    registry.add_checks(*CHECKS)
 
 
 __all__ = ["CHECKS", "CHECKS_BY_NAME", "Check", "CheckOptions", "WasteBudget", "checks_for", "failing_checks",

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 if TYPE_CHECKING:
-    from pytest_kvprofile.contract.workspace import ArenaManager
+    from pytest_kvprofile.contract.workspace import ArenaManager, ManagerKind
     from pytest_kvprofile.matrix.cases import Case
 
 REQUIRED_BUILDER_ATTRS = ("name",)
@@ -174,3 +174,11 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package missing, or a module made unimportable in sys.modules
         return False
+
+
+class BackendRegistrar(Protocol):
+    """What a ``pytest_kvprofile_register`` hook implementation adds backends and shared arena managers through (the
+    plugin's ``Registry``): the built-ins (``builtin/``, ``engines/``) register through it as a third party does."""
+
+    def add_backends(self, *backends: Backend, group: str | None = None, default: bool = False) -> None: ...
+    def add_workspace_manager(self, kind: ManagerKind) -> None: ...

@@ -8,9 +8,9 @@ move; growth after lock is an error that says who asked, for how much, and what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-from pytest_kvprofile.contract.device import Allocation
+from pytest_kvprofile.contract.device import Allocation, Device
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.units import MiB
 
@@ -240,3 +240,25 @@ class ArenaManager(Protocol):
     def release(self) -> None:
         """The end of the run: put back what the manager changed outside itself (an engine's global)."""
     def close(self) -> None: ...
+
+
+def _available() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ManagerKind:
+    """A shared arena manager a run may name (``--kvprofile-workspace-manager``, the ``kvprofile_workspace_manager``
+    fixture's parameter).
+
+    ``for_run``: how a lifecycle run makes it, ``(run, device, num_ubatches) -> ArenaManager`` recording into the run
+    (None: the engine's own, the harness's); ``plain``: ``(device, num_ubatches) -> manager`` for a test's fixture;
+    ``unavailable()``: why it cannot be used in this process (its engine not installed, said with the install), or
+    None; ``gpu_refusal``: why the GPU tier cannot use it, or None when it can.
+    """
+
+    name: str
+    for_run: Callable[..., ArenaManager] | None
+    plain: Callable[[Device, int], Any]
+    unavailable: Callable[[], str | None] = _available
+    gpu_refusal: str | None = None

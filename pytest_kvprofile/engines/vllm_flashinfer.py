@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.engines import _vllm_for_run
 from pytest_kvprofile.engines.adapter import (
     CONTRACT_DECLARATION,
     CONTRACT_RESERVATION,
@@ -101,13 +102,7 @@ def speculative_gate(case: Any) -> str | None:
     return None
 
 
-def _vllm_manager(run: Any, device: Any, num_ubatches: int) -> Any:
-    from pytest_kvprofile.engines.vllm_workspace import RecordingVllmWorkspaceManager
-
-    return RecordingVllmWorkspaceManager(run, device, num_ubatches)
-
-
-VLLM_POLICY = EnginePolicy(workspace_manager="vllm", manager_factory=_vllm_manager, gate=speculative_gate)
+VLLM_POLICY = EnginePolicy(workspace_manager="vllm", manager_factory=_vllm_for_run, gate=speculative_gate)
 """How vLLM's runner integrates its builders: vLLM's own WorkspaceManager as the arena (the pull request's builder
 reserves nothing without it), and its runner's gate."""
 

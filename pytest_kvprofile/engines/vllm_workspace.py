@@ -49,7 +49,6 @@ from pytest_kvprofile.lifecycle.record import Refusal
 
 T = TypeVar("T")
 
-KINDS = ("harness", "vllm")
 VLLM_INSTALL_HINT = "scripts/install_vllm_cpu.sh"
 _WORKSPACE_MODULE = "vllm.v1.worker.workspace"
 _UBATCHING_MODULE = "vllm.v1.worker.ubatching"
@@ -474,13 +473,6 @@ def _observed_class(workspace: Any) -> type:
 _OBSERVED: dict[int, type] = {}
 
 
-def check_kind(kind: str) -> str | None:
-    """A usage problem with ``kind`` (unknown, or vLLM not installed), or None."""
-    if kind not in KINDS:
-        return f"--kvprofile-workspace-manager: unknown manager {kind!r} (known: {', '.join(KINDS)})"
-    if kind == "vllm":
-        return vllm_workspace_unavailable()
-    return None
 
 
 class RecordingVllmWorkspaceManager(_RecordingMixin, VllmWorkspaceManager):

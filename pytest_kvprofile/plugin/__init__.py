@@ -23,13 +23,19 @@ from pytest_kvprofile.plugin.session import (
     KvprofileSession,
     Settings,
     build_session,
+    publish_checks,
 )
+from pytest_kvprofile.registry import Registry
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     import pytest_kvprofile.plugin.hookspecs as hookspecs
+    from pytest_kvprofile.registry import builtin_plugins
 
     pluginmanager.add_hookspecs(hookspecs)
+    for plugin in reversed(builtin_plugins()):  # the hook calls the last registered first: they register in order
+        if not pluginmanager.is_registered(plugin):
+            pluginmanager.register(plugin, f"kvprofile-{plugin.__name__.rsplit('.', 1)[-1]}")
 
 
 SUITES = ("pytest_kvprofile.suite", "pytest_kvprofile.gpu_suite")
@@ -108,9 +114,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="workspace waste per case that fails workspace_covers_planner: MiB ('64'), KV tokens per "
                          "rank ('2000 tok') or a share of the case's KV pool ('1.5%%'); default: none (waste is "
                          "reported, not refused)")
-    group.addoption("--kvprofile-workspace-manager", default=None, choices=("harness", "vllm"),
-                    help="the lifecycle's shared arena for every backend: the harness's WorkspaceManager or vLLM's "
-                         "own vllm.v1.worker.workspace.WorkspaceManager on the simulated device (needs vLLM); "
+    group.addoption("--kvprofile-workspace-manager", default=None, metavar="NAME",
+                    help="the lifecycle's shared arena for every backend: 'harness' (the harness's WorkspaceManager), "
+                         "'vllm' (vLLM's own vllm.v1.worker.workspace.WorkspaceManager on the simulated device; needs "
+                         "vLLM) or a name a plugin registers; "
                          "default: each backend's own (vLLM's manager for vLLM's builders, the harness's for the "
                          "rest)")
     parser.addini("kvprofile", "add the packaged conformance suite to the collection (like --kvprofile)",
@@ -130,7 +137,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   "--kvprofile-workspace-manager); empty: each backend's own", default="")
 
 
-def _settings(config: pytest.Config) -> Settings:
+def _settings(config: pytest.Config, registry: Registry) -> Settings:
     opt = config.option
     gpu = opt.kvprofile_gpu if opt.kvprofile_gpu is not None else config.getini("kvprofile_gpu")
     matrices = opt.kvprofile_matrix or [str(p) for p in config.getini("kvprofile_matrix")]
@@ -146,24 +153,25 @@ def _settings(config: pytest.Config) -> Settings:
         backend_specs=tuple(backends),
         timeout=max(0.0, timeout),
         max_waste=_max_waste(config),
-        workspace_manager=_workspace_manager(config, bool(gpu)),
+        workspace_manager=_workspace_manager(config, bool(gpu), registry),
     )
 
 
-def _workspace_manager(config: pytest.Config, gpu: bool) -> str | None:
+def _workspace_manager(config: pytest.Config, gpu: bool, registry: Registry) -> str | None:
     """``--kvprofile-workspace-manager``, else its ini twin, else None (each backend's own: vLLM's manager for vLLM's
-    builders, the harness's for the rest; the GPU tier always the harness's). A usage error when unknown, when vLLM
-    is not installed (naming the install script) or on the GPU tier (vLLM's manager runs on the simulated device
-    only)."""
-    from pytest_kvprofile.engines.vllm_workspace import check_kind
-
+    builders, the harness's for the rest; the GPU tier always the harness's). A usage error when no registered
+    manager has the name, when it cannot run here (vLLM not installed: naming the install script) or on the GPU tier
+    when it runs on the simulated device only."""
     kind = (config.option.kvprofile_workspace_manager or str(config.getini("kvprofile_workspace_manager"))).strip()
     if not kind:
         return "harness" if gpu else None
-    problem = check_kind(kind)
-    if problem is None and kind == "vllm" and gpu:
-        problem = ("--kvprofile-workspace-manager vllm runs vLLM's manager on the CPU tier's simulated device; "
-                   "the GPU tier uses the harness's manager")
+    entry = registry.managers.get(kind)
+    if entry is None:
+        raise pytest.UsageError(f"--kvprofile-workspace-manager: unknown manager {kind!r} "
+                                f"(known: {', '.join(registry.managers)})")
+    problem = entry.unavailable()
+    if problem is None and gpu and entry.gpu_refusal is not None:
+        problem = f"--kvprofile-workspace-manager {kind} {entry.gpu_refusal}"
     if problem is not None:
         raise pytest.UsageError(problem)
     return kind
@@ -195,7 +203,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvprofile_check(name): a pytest-kvprofile conformance check")
     config.addinivalue_line("markers", "kvprofile_gpu: needs a CUDA device; skipped unless --kvprofile-gpu")
     config.addinivalue_line("filterwarnings", FLASHINFER_IMPORT_WARNINGS)
-    settings = _settings(config)
+    registry = Registry()
+    config.pluginmanager.hook.pytest_kvprofile_register(registry=registry)
+    settings = _settings(config, registry)
     tier = "gpu" if settings.gpu else "cpu"
     if settings.gpu:
         from pytest_kvprofile.gpu.nvml import cuda_device_count
@@ -206,10 +216,11 @@ def pytest_configure(config: pytest.Config) -> None:
                                     "run without it for the CPU tier")
     hooked = config.pluginmanager.hook.pytest_kvprofile_backends(config=config)
     try:
-        session = build_session(settings, hooked, tier)
+        session = build_session(settings, hooked, tier, registry)
     except (MatrixError, BackendError) as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
+    publish_checks(session.checks)
     import pytest_kvprofile.plugin.fixtures as fixtures
 
     if not config.pluginmanager.is_registered(fixtures):
@@ -220,6 +231,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(gpu_hooks, "kvprofile-gpu")
     if _is_controller(config):
         config.pluginmanager.register(Recorder(session), "kvprofile-recorder")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _session(config) is not None:
+        publish_checks(None)
 
 
 def _session(config: pytest.Config) -> KvprofileSession | None:
@@ -246,9 +262,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if session is None:
         return
     if "kvprofile_pair" in metafunc.fixturenames:
-        from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME
-
-        check = CHECKS_BY_NAME[metafunc.function.kvprofile_check]
+        check = session.registry.check(metafunc.function.kvprofile_check)
         params = []
         for backend, case in session.pairs_for(check):
             marks = []
@@ -284,11 +298,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(skip_gpu)
     if state is None or not any(_is_suite_item(it) for it in items):
         return
-    from pytest_kvprofile.checks.catalog import CHECKS
-
     has_impossible = bool(state.skipped_cases)
     has_refused = bool(state.refused_pairs())
-    nonempty = {c.name for c in CHECKS if state.pairs_for(c)}
+    nonempty = {c.name for c in state.checks if state.pairs_for(c)}
 
     def unparametrized(item: pytest.Item) -> bool:
         """A suite test whose matrix slice is empty (pytest would report a meaningless skip)."""
@@ -307,7 +319,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         dropped = set(map(id, empty))
         items[:] = [it for it in items if id(it) not in dropped]
 
-    order = {c.name: i for i, c in enumerate(CHECKS)}
+    order = {c.name: i for i, c in enumerate(state.checks)}
 
     def key(pair: tuple[int, pytest.Item]) -> tuple[int, ...]:
         index, item = pair

@@ -3,7 +3,7 @@
 A backend repository writes ``def test_x(kvprofile_case, kvprofile_run): ...`` and gets one item per
 case of the selected matrices, with the suite's case ids, on the CPU tier's simulated device or, with
 ``--kvprofile-gpu``, on the CUDA device. Names carry the ``kvprofile_`` prefix so they never clash
-with a backend's own fixtures. docs/protocol.md's fixture table documents each one.
+with a backend's own fixtures. The fixture table of docs/protocol.md documents each one.
 """
 
 from __future__ import annotations
@@ -121,19 +121,14 @@ def kvprofile_workspace_manager(request: pytest.FixtureRequest, kvprofile_case: 
     """
     state = _state(request.config)
     kind = getattr(request, "param", None) or state.settings.workspace_manager or "harness"
-    if kind == "vllm":
-        from pytest_kvprofile.engines.vllm_workspace import VllmWorkspaceManager, check_kind
-
-        problem = check_kind(kind)
-        if problem is not None:
-            pytest.skip(problem)
-        manager: Any = VllmWorkspaceManager(kvprofile_device, num_ubatches=kvprofile_case.envelope.num_ubatches)
-    elif kind == "harness":
-        from pytest_kvprofile.contract.workspace import WorkspaceManager
-
-        manager = WorkspaceManager(kvprofile_device, num_ubatches=kvprofile_case.envelope.num_ubatches)
-    else:
-        raise pytest.UsageError(f"kvprofile_workspace_manager: unknown manager {kind!r} (harness or vllm)")
+    entry = state.registry.managers.get(kind)
+    if entry is None:
+        raise pytest.UsageError(f"kvprofile_workspace_manager: unknown manager {kind!r} "
+                                f"({' or '.join(state.registry.managers)})")
+    problem = entry.unavailable()
+    if problem is not None:
+        pytest.skip(problem)
+    manager = entry.plain(kvprofile_device, kvprofile_case.envelope.num_ubatches)
     yield manager
     manager.close()
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.registry import Registry
 
 
 def pytest_kvprofile_backends(config: Any) -> Any:
@@ -14,3 +17,10 @@ def pytest_kvprofile_backends(config: Any) -> Any:
 
 def pytest_kvprofile_update_json(config: Any, report: dict[str, Any]) -> None:
     """Add fields to the JSON report and the verdict document before they are written (controller only)."""
+
+
+def pytest_kvprofile_register(registry: Registry) -> None:
+    """Make backends, checks and shared arena managers nameable in this run: ``registry.add_backends(*backends,
+    group=None)``, ``registry.add_checks(*checks)`` (the suite makes a test of each, after the built-in ones),
+    ``registry.add_workspace_manager(ManagerKind(...))``. Called once at configure, in every process, before the
+    backends are resolved. The package's own backends, checks and managers register through it too."""

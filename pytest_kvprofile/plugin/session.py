@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import pytest
 
 from pytest_kvprofile.checks.base import CheckOutcome
-from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, WasteBudget
+from pytest_kvprofile.checks.catalog import Check, CheckOptions, WasteBudget
 from pytest_kvprofile.contract.backends import (
     Backend,
     check_requirements,
@@ -36,6 +36,8 @@ from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_
 from pytest_kvprofile.registry import (
     BackendProfile,
     PartsOnDevice,
+    Registry,
+    builtin_registry,
     inspect_backend,
     plain_parts,
     resolve_backends,
@@ -75,8 +77,11 @@ class PairPlan:
 class KvprofileSession:
     """Matrices and backends for this run, the per-pair plans, the lifecycle-result cache and the records."""
 
-    def __init__(self, settings: Settings, profiles: list[BackendProfile], matrices: list[Matrix], tier: str):
+    def __init__(self, settings: Settings, profiles: list[BackendProfile], matrices: list[Matrix], tier: str,
+                 registry: Registry | None = None):
         self.settings = settings
+        self.registry = builtin_registry() if registry is None else registry
+        self.checks: tuple[Check, ...] = tuple(self.registry.checks)
         self.profiles = {p.backend.name: p for p in profiles}
         self.backends = [p.backend for p in profiles]
         self.matrices = matrices
@@ -121,7 +126,7 @@ class KvprofileSession:
                 except Exception:  # noqa: BLE001 - every check runs and reports the error
                     path, parts = FACTORY_ERROR, []
                 checks = frozenset(
-                    c.name for c in CHECKS
+                    c.name for c in self.checks
                     if path == FACTORY_ERROR or (c.applies(path) and c.relevant(case, parts))
                 )
             plan = self._plans[key] = PairPlan(path, checks, gate)
@@ -199,7 +204,8 @@ def parts_on_device(tier: str) -> PartsOnDevice:
     return plain_parts if tier == "gpu" else case_parts
 
 
-def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> KvprofileSession:
+def build_session(settings: Settings, hooked: Iterable[Any], tier: str,
+                  registry: Registry | None = None) -> KvprofileSession:
     """Load and validate everything once; raises MatrixError or BackendError with a precise message."""
     from pytest_kvprofile.lifecycle.resources import RESOURCE_KINDS
 
@@ -210,15 +216,34 @@ def build_session(settings: Settings, hooked: Iterable[Any], tier: str) -> Kvpro
                 if res.kind not in RESOURCE_KINDS:
                     raise MatrixError(matrix.path, "resources", f"unknown resource kind {res.kind!r} "
                                       f"(known: {', '.join(RESOURCE_KINDS)})")
-    backends = [with_workspace_manager(b, settings.workspace_manager or b.policy.workspace_manager)
-                for b in resolve_backends(settings.backend_specs, hooked)]
+    registry = builtin_registry() if registry is None else registry
+    backends = [with_workspace_manager(b, settings.workspace_manager or b.policy.workspace_manager, registry)
+                for b in resolve_backends(settings.backend_specs, hooked, registry=registry)]
     for backend in backends:
         check_requirements(backend)
     runnable = [c for m in matrices for c in m.cases if c.skip_reason is None]
     on_device = parts_on_device(tier)
     profiles = [_profile(b, runnable, on_device) for b in backends]
     profiles += [_profile(p.neutral_alone, runnable, on_device) for p in profiles if p.neutral_alone is not None]
-    return KvprofileSession(settings, profiles, matrices, tier)
+    return KvprofileSession(settings, profiles, matrices, tier, registry)
+
+
+_suite_checks: list[tuple[Check, ...]] = []  # the configured sessions' checks in this process, innermost last
+
+
+def publish_checks(checks: tuple[Check, ...] | None) -> None:
+    """The packaged suite makes one test function per check when pytest imports it, at collection, with no config at
+    hand: the configured session publishes its registry's checks here (``None``: unconfigure withdraws them)."""
+    if checks is None:
+        if _suite_checks:
+            _suite_checks.pop()
+    else:
+        _suite_checks.append(checks)
+
+
+def suite_checks() -> tuple[Check, ...]:
+    """The checks of the session configured last in this process, else the built-in ones."""
+    return _suite_checks[-1] if _suite_checks else tuple(builtin_registry().checks)
 
 
 def _profile(backend: Backend, runnable: list[Case], on_device: PartsOnDevice) -> BackendProfile:
@@ -228,4 +253,5 @@ def _profile(backend: Backend, runnable: list[Case], on_device: PartsOnDevice) -
     return BackendProfile(backend, {}, None) if first is None else inspect_backend(backend, first, on_device)
 
 
-__all__ = ["SESSION_KEY", "KvprofileSession", "PairPlan", "Settings", "build_session"]
+__all__ = ["SESSION_KEY", "KvprofileSession", "PairPlan", "Settings", "build_session", "publish_checks",
+           "suite_checks"]

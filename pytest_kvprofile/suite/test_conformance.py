@@ -12,12 +12,11 @@ from typing import Callable
 import pytest
 
 from pytest_kvprofile.checks.base import Check, CheckOutcome
-from pytest_kvprofile.checks.catalog import CHECKS
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.plugin.recorder import RECORD_KEY
-from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession
+from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession, suite_checks
 from pytest_kvprofile.plugin.timeouts import call_with_timeout
 
 
@@ -51,7 +50,7 @@ def _run(session: KvprofileSession, backend: Backend, case: Case, check: Check) 
     return result, check.run(result, session.settings.check_options)
 
 
-for _check in CHECKS:
+for _check in suite_checks():  # the run's registered checks: the built-ins, then any a plugin adds
     globals()[f"test_{_check.name}"] = _make_test(_check)
 
 
