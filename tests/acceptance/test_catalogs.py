@@ -1,7 +1,7 @@
 """One record per catalog entry, and the docs that list them read the same records (issue 34.1): the bug classes
 (``contract/bug_classes.py``) against ``docs/contract.md``, the checks' bug classes against the table, and the
 catch table in ``docs/checks.md`` against the mutants (``Backend.bug_class``) and their expected catches
-(``builtin/catches.py``).
+(``EXPECTED_CATCHES``, declared with each mutant in ``builtin/mutants.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvprofile.builtin.catches import EXPECTED_CATCHES
 from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_MUTANTS
-from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+from pytest_kvprofile.builtin.mutants import EXPECTED_CATCHES, MUTANT_BACKENDS
 from pytest_kvprofile.checks.catalog import CHECKS
 from pytest_kvprofile.contract.bug_classes import BUG_CLASSES, bug_class
 
@@ -86,7 +85,7 @@ def test_the_catch_table_is_the_catalog():
         named = {w for w in re.findall(r"[a-z_]+", cols[2]) if w in CHECK_NAMES}
         if name in EXPECTED_CATCHES and named != EXPECTED_CATCHES[name].checks:
             expected = sorted(EXPECTED_CATCHES[name].checks)
-            problems.append(f"{name}: docs/checks.md names {sorted(named)}, catches.py {expected}")
+            problems.append(f"{name}: docs/checks.md names {sorted(named)}, mutants.py {expected}")
         own = {c.name for c in CHECKS if backend.bug_class in c.bugs}
         if not named & own:
             problems.append(f"{name}: its row names no check of bug class {backend.bug_class}")

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable
 
 import pytest
 
-from pytest_kvprofile.builtin.catches import EXPECTED_CATCHES
 from pytest_kvprofile.builtin.mutants import (
+    EXPECTED_CATCHES,
     MUTANT_BACKENDS,
     WASTE_BUDGET,
     WrongVersionFormulaBuilder,
@@ -39,7 +39,7 @@ GMU_DEPENDENT = "no_post_kv_overrun"
 STUB_BACKENDS = (*CTX_STUB_BACKENDS, *TORCH_STUB_BACKENDS, *ROUTE_STUB_BACKENDS)
 M12 = "mutant-12-wrong-version-formula"
 
-# What each mutant fails over the default matrix: the catch table's columns (builtin/catches.py).
+# What each mutant fails over the default matrix: the catch table's columns (declared with each mutant).
 EXPECTED_FAILURES: dict[str, set[str]] = {name: set(c.checks) for name, c in EXPECTED_CATCHES.items()}
 
 
