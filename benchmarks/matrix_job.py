@@ -9,7 +9,10 @@ their sum, against the target (``--target-min``, 30 minutes for a vLLM backend o
     python benchmarks/matrix_job.py --backend vllm-flashinfer --matrix default --dir /tmp/job [--shards K]
 
 ``--shards K`` runs at most K more shards this time (the job stays resumable); ``PYTHONPATH`` reaches example
-backends, as for pytest.
+backends, as for pytest. Before the first shard the job asks the backend's engine once which layouts it refuses
+(``Backend.refuses_layout``, as collection does; kept in ``DIR/accepted.json``): a shard whose every case is refused
+runs no pytest (it would only collect the matrix to skip all of it) and is reported as such; the merge needs only the
+shards that plan a case.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Shard:
     model: str
     gpu: str
     cases: int
+    accepted: int | None = None  # of ``cases``, those the backend's engine accepts (None: not asked)
 
     @property
     def name(self) -> str:
@@ -72,6 +76,31 @@ def shards(matrix: str) -> list[Shard]:
     return [Shard(m, g, n) for (m, g), n in counts.items() if n]
 
 
+def with_accepted(all_shards: list[Shard], matrix: str, backend_spec: str, out: Path) -> tuple[list[Shard], float]:
+    """The shards with how many of their cases the backend's engine accepts, asked once per job (``accepted.json``)
+    and the seconds asking took (0 when read back)."""
+    import dataclasses
+
+    cache = out / "accepted.json"
+    if cache.is_file():
+        known = json.loads(cache.read_text())
+        return [dataclasses.replace(s, accepted=known["shards"][s.name]) for s in all_shards], 0.0
+    from pytest_kvprofile.contract.backends import layout_refusal
+    from pytest_kvprofile.matrix.schema import load_matrix
+    from pytest_kvprofile.registry import resolve_backends
+
+    t0 = time.perf_counter()
+    backends = resolve_backends([backend_spec], entry_points=False)
+    counts: dict[str, int] = {s.name: 0 for s in all_shards}
+    for case in load_matrix(Path(matrix)).cases:
+        name = f"{case.model.name}--{case.gpu.slug}"
+        if case.skip_reason is None and name in counts and any(layout_refusal(b, case) is None for b in backends):
+            counts[name] += 1
+    seconds = round(time.perf_counter() - t0, 1)
+    cache.write_text(json.dumps({"backend": backend_spec, "seconds": seconds, "shards": counts}))
+    return [dataclasses.replace(s, accepted=counts[s.name]) for s in all_shards], seconds
+
+
 def _children_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -95,12 +124,14 @@ def run_shard(shard: Shard, backend: str, matrix: str, out: Path, workers: int) 
 
 def report(out: Path, backend: str, matrix: str, all_shards: list[Shard], target_min: float) -> str:
     done = [ShardRun(**json.loads(p.read_text())) for p in sorted(out.glob("*.time.json"))]
-    wall, cpu = sum(r.wall_s for r in done), sum(r.cpu_s for r in done)
+    asked = json.loads((out / "accepted.json").read_text())["seconds"] if (out / "accepted.json").is_file() else 0.0
+    wall, cpu = sum(r.wall_s for r in done) + asked, sum(r.cpu_s for r in done) + asked
     cases = sum(r.cases for r in done)
     total = sum(s.cases for s in all_shards)
     lines = [f"# `{backend}` on `{matrix}`: {len(done)} of {len(all_shards)} shards, {cases} of {total} runnable "
              "cases", "",
-             f"Measured wall {wall / 60:.1f} min, CPU {cpu / 60:.1f} min (children included). "
+             f"Measured wall {wall / 60:.1f} min, CPU {cpu / 60:.1f} min (children included; asking the engine which "
+             f"layouts it refuses: {asked:g} s). "
              + (f"Whole matrix: {'met' if wall / 60 <= target_min else 'MISSED'} against {target_min:g} min."
                 if len(done) == len(all_shards) else
                 "Not finished: the whole matrix is not measured yet (resume with the same --dir)."), "",
@@ -123,18 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     matrix = args.matrix if Path(args.matrix).is_file() else str(
         __import__("pytest_kvprofile.matrix.schema", fromlist=["packaged_matrix"]).packaged_matrix(args.matrix))
-    all_shards = shards(matrix)
+    all_shards, _ = with_accepted(shards(matrix), matrix, args.backend, args.dir)
     todo = [s for s in all_shards if not (args.dir / f"{s.name}.time.json").is_file()]
     for shard in todo[:args.shards]:
-        print(f"[job] {shard.name}: {shard.cases} cases", flush=True)
-        run = run_shard(shard, args.backend, matrix, args.dir, args.workers)
+        if shard.accepted == 0:
+            print(f"[job] {shard.name}: {shard.cases} cases, every one refused by the engine: no run", flush=True)
+            run = ShardRun(shard.name, shard.cases, 0.0, 0.0, 0, "not run: the engine refuses every layout")
+        else:
+            print(f"[job] {shard.name}: {shard.cases} cases", flush=True)
+            run = run_shard(shard, args.backend, matrix, args.dir, args.workers)
         (args.dir / f"{shard.name}.time.json").write_text(json.dumps(asdict(run)))
     print(report(args.dir, args.backend, args.matrix, all_shards, args.target_min))
     if all((args.dir / f"{s.name}.time.json").is_file() for s in all_shards):
         from pytest_kvprofile.cli import main as kvprofile
 
-        return kvprofile(["verdict", "merge", *(str(args.dir / f"{s.name}.verdict.json") for s in all_shards),
-                          "-o", str(args.dir / "verdict.json")])
+        verdicts = [str(args.dir / f"{s.name}.verdict.json") for s in all_shards if s.accepted != 0]
+        if not verdicts:
+            print(f"[job] the engine refuses every layout of {args.matrix}: no verdict to merge")
+            return 0
+        return kvprofile(["verdict", "merge", *verdicts, "-o", str(args.dir / "verdict.json")])
     return 0
 
 

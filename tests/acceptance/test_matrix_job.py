@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -40,6 +41,42 @@ def test_a_model_name_that_prefixes_another_is_refused(tmp_path: Path):
                                            "gpus:"))
     with pytest.raises(SystemExit, match="prefix of another model's name"):
         job.shards(str(path))
+
+
+REFUSING = """
+import dataclasses
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+
+
+def backends():
+    return dataclasses.replace(STUB_BACKENDS[0], name="no-h100",
+                               refuses_layout=lambda case: "no H100" if case.gpu.slug == "h100" else None)
+"""
+
+
+def test_a_shard_whose_every_layout_the_engine_refuses_runs_no_pytest(tmp_path: Path, monkeypatch):
+    """The engine is asked once, before the shards; its answer is kept, and such a shard is recorded, not run."""
+    (tmp_path / "refusing_backend.py").write_text(REFUSING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    matrix = tmp_path / "small.yaml"
+    matrix.write_text(SMALL)
+    out = tmp_path / "job"
+    out.mkdir()
+    found, seconds = job.with_accepted(job.shards(str(matrix)), str(matrix), "refusing_backend:backends", out)
+    assert [(s.name, s.cases, s.accepted) for s in found] == [("qwen3-8b--l40s", 1, 1), ("qwen3-8b--h100", 1, 0)]
+    assert seconds >= 0 and json.loads((out / "accepted.json").read_text())["shards"] == {
+        "qwen3-8b--l40s": 1, "qwen3-8b--h100": 0}
+    again, asked = job.with_accepted(job.shards(str(matrix)), str(matrix), "refusing_backend:backends", out)
+    assert again == found and asked == 0.0  # read back, not asked again
+    monkeypatch.setattr(job, "run_shard", lambda *a: pytest.fail("a refused shard must not run"))
+    assert job.main(["--backend", "refusing_backend:backends", "--matrix", str(matrix), "--dir", str(out),
+                     "--shards", "0"]) == 0
+    skipped = [s for s in found if s.accepted == 0]
+    monkeypatch.setattr(job, "shards", lambda m: [dataclasses.replace(s, accepted=None) for s in skipped])
+    assert job.main(["--backend", "refusing_backend:backends", "--matrix", str(matrix), "--dir", str(out)]) == 0
+    run = json.loads((out / "qwen3-8b--h100.time.json").read_text())
+    assert run["wall_s"] == 0.0 and run["summary"].startswith("not run")
+    assert "not run: the engine refuses every layout" in (out / "job.md").read_text()
 
 
 @pytest.mark.slow  # two pytest runs of a few cases each
