@@ -50,6 +50,7 @@ from pytest_kvprofile.lifecycle.parts import model_parts
 
 if TYPE_CHECKING:
     from pytest_kvprofile.checks.base import Check
+    from pytest_kvprofile.matrix.cases import Case
 
 ENTRY_POINT_GROUP = "pytest_kvprofile.backends"
 REQUIRED_METHODS = ("reserve_persistent_workspace", "declared_workspace")
@@ -250,7 +251,7 @@ What the constructor raises is the backend factory's; what entering the context 
 
 
 @contextlib.contextmanager
-def plain_parts(backend: Backend, case: Any) -> Iterator[Callable[[], list[Any]]]:
+def plain_parts(backend: Backend, case: Case) -> Iterator[Callable[[], list[Any]]]:
     """Construction with no device set up (a real GPU, where plain torch calls already reach it)."""
     yield lambda: model_parts(backend, case)
 
@@ -273,7 +274,7 @@ class BackendProfile:
     contract_api: dict[str, str] = dataclasses.field(default_factory=dict)  # part -> the API revision driven
 
 
-def inspect_backend(backend: Backend, case: Any, on_device: PartsOnDevice = plain_parts) -> BackendProfile:
+def inspect_backend(backend: Backend, case: Case, on_device: PartsOnDevice = plain_parts) -> BackendProfile:
     """Construct the builders once on ``case``, on its device (``on_device``), and check what the suite will call
     on them.
 
@@ -331,7 +332,7 @@ def _neutral_alone(backend: Backend, neutral: frozenset[str]) -> Backend:
     """
     make = backend.make_builders
 
-    def make_neutral(case: Any) -> list[Any]:
+    def make_neutral(case: Case) -> list[Any]:
         return [b for b in make(case) if builder_name(b) in neutral]
 
     return Backend(

@@ -30,11 +30,14 @@ import dataclasses
 import re
 import sys
 import threading
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.support import ProfilingSupport
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["CONTRACT_DECLARATION", "CONTRACT_RESERVATION", "EngineAdapter", "EngineBuildError", "EngineUnavailable",
            "Patches", "ReservationApi", "ReservingAdapter", "UnusableContract", "contract_methods", "declared_support",
@@ -267,7 +270,7 @@ class EngineAdapter:
     builder_label = "the engine's metadata builder"  # "vLLM's FlashInferMetadataBuilder", in messages
     build_error: type[EngineBuildError] = EngineBuildError
 
-    def __init__(self, case: Any, builder_cls: type | None = None) -> None:
+    def __init__(self, case: Case, builder_cls: type | None = None) -> None:
         self.case = case
         self.builder_cls = builder_cls
         self.engine_config: Any = None
@@ -411,7 +414,7 @@ class ReservingAdapter(EngineAdapter):
 
     api: ReservationApi
 
-    def __init__(self, case: Any, builder_cls: type | None = None) -> None:
+    def __init__(self, case: Case, builder_cls: type | None = None) -> None:
         super().__init__(case, builder_cls)
         self.profiled: tuple[int, ...] | None = None  # the arena's size per micro-batch at the end of the window
         self.warmed = False

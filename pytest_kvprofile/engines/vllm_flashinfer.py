@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
@@ -62,6 +62,9 @@ from pytest_kvprofile.engines.vllm_standins import (
 )
 from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
+
 __all__ = ["DECLARATION_NAMES", "REVISIONS", "VLLM_BACKENDS", "VLLM_POLICY", "ReservationApi", "ReservingVllmBuilder",
            "VllmAdapter", "VllmBuildError", "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal",
            "make_vllm_builders", "map_support", "reservation_api", "speculative_gate"]
@@ -80,7 +83,7 @@ REVISIONS = (CURRENT, EARLIER, HARNESS_NAMES)
 DECLARATION_NAMES = tuple(dict.fromkeys(r.declaration for r in REVISIONS))
 
 
-def reservation_api(builder_cls: type, case: Any = None) -> ReservationApi | None:
+def reservation_api(builder_cls: type, case: Case | None = None) -> ReservationApi | None:
     """The revision of the pull request's API ``builder_cls`` carries, or None (every released vLLM): then the
     adapter declares nothing. A class that looks taught but cannot be driven raises ``UnusableContract``
     (``engines/adapter.py``, :func:`find_revision`); its REQUIRED declaration is asked on ``case``."""
@@ -93,7 +96,7 @@ def reservation_api(builder_cls: type, case: Any = None) -> ReservationApi | Non
     return find_revision(builder_cls, REVISIONS, "vLLM builder class", declared)
 
 
-def speculative_gate(case: Any) -> str | None:
+def speculative_gate(case: Case) -> str | None:
     """vLLM's runner takes the profiling path only without speculative decoding and elastic EP
     (``requires_persistent_attention_workspace_profiling``): an MTP case is a legacy-path case."""
     if case.mtp:
@@ -160,7 +163,7 @@ class VllmFlashInferBuilder(VllmAdapter):
     builder_label = "vLLM's FlashInferMetadataBuilder"
     shares_workspace = False
 
-    def __init__(self, case: Any, builder_cls: type | None = None) -> None:
+    def __init__(self, case: Case, builder_cls: type | None = None) -> None:
         check_expressible(case)
         super().__init__(case, builder_cls)
         self.inputs: Any = None
@@ -250,14 +253,14 @@ class ReservingVllmBuilder(ReservingAdapter, VllmFlashInferBuilder):
     declaration is vLLM's classmethod on the case's config and KV spec; ``reserve_persistent_workspace`` makes
     the builders inside the window and runs vLLM's reservation; the lease keeps them alive."""
 
-    def __init__(self, case: Any, builder_cls: type, api: ReservationApi) -> None:
+    def __init__(self, case: Case, builder_cls: type, api: ReservationApi) -> None:
         super().__init__(case, builder_cls)
         self.api = api
 
     def declaration_args(self) -> tuple[Any, ...]:
         return self.config(), kv_cache_spec(self.case)
 
-    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
         """vLLM's builders own their float workspace; the int workspace is FlashInfer's default per wrapper."""
         return WorkspaceDeclaration(float_bytes=0, int_bytes=FLASHINFER_INT_WORKSPACE_BYTES)
 
@@ -278,7 +281,7 @@ class RunnerInputs:
     The capture sizes are vLLM's (its config may adjust the case's); decode batches are padded to them.
     """
 
-    def __init__(self, case: Any, vllm_config: Any) -> None:
+    def __init__(self, case: Case, vllm_config: Any) -> None:
         from vllm.v1.utils import CpuGpuBuffer
 
         env = case.envelope
@@ -354,7 +357,7 @@ def _int64() -> Any:
     return torch.int64
 
 
-def make_vllm_builders(case: Any, v2: bool = False, builder_cls: type | None = None) -> list[Any]:
+def make_vllm_builders(case: Case, v2: bool = False, builder_cls: type | None = None) -> list[Any]:
     """The adapter for ``case``: a reserving one when vLLM's builder class declares reservation, otherwise the
     V1 (or V2) integration that declares nothing. Imports vLLM (with the stand-in platform current)."""
     check_expressible(case)
@@ -365,11 +368,11 @@ def make_vllm_builders(case: Any, v2: bool = False, builder_cls: type | None = N
     return [(VllmFlashInferV2Builder if v2 else VllmFlashInferBuilder)(case, builder_cls)]
 
 
-def _make_v1(case: Any) -> list[Any]:
+def _make_v1(case: Case) -> list[Any]:
     return make_vllm_builders(case)
 
 
-def _make_v2(case: Any) -> list[Any]:
+def _make_v2(case: Case) -> list[Any]:
     return make_vllm_builders(case, v2=True)
 
 
@@ -382,7 +385,7 @@ def _version() -> str:
         return ""
 
 
-def engine_refusal(case: Any) -> str | None:
+def engine_refusal(case: Case) -> str | None:
     """Why vLLM (or this adapter, for MLA and other layouts ``FlashInferMetadataBuilder`` does not serve) refuses
     ``case``, from vLLM's own config validation on the stand-in platform; None when it accepts the layout."""
     try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
@@ -33,18 +33,21 @@ from pytest_kvprofile.engines.adapter import declared_support, module_standin
 from pytest_kvprofile.engines.vllm_config import UnexpressibleCase, model_dtype
 from pytest_kvprofile.engines.vllm_flashinfer import DECLARATION_NAMES, VllmAdapter
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
+
 __all__ = ["GDN_LAYER_MODULE", "VllmGdnBuilder", "gdn_groups", "gdn_resolver_standin", "mamba_spec"]
 
 GDN_LAYER_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _RESOLVER_FUNCTIONS = ("_resolve_gdn_prefill_backend", "_aiter_flydsl_unsupported_reasons")
 
 
-def check_hybrid(case: Any) -> None:
+def check_hybrid(case: Case) -> None:
     if not case.model.hybrid:
         raise UnexpressibleCase(f"case {case.id}: {case.model.name} has no GDN layers (not a hybrid model)")
 
 
-def gdn_groups(case: Any) -> list[list[str]]:
+def gdn_groups(case: Case) -> list[list[str]]:
     """The GDN layers' KV-cache groups, as vLLM's uniform-page-size grouping makes them: groups of as many layers
     as the model has full-attention layers, in layer order."""
     size = max(1, len(case.model.attention_layers))
@@ -52,7 +55,7 @@ def gdn_groups(case: Any) -> list[list[str]]:
     return [names[i:i + size] for i in range(0, len(names), size)]
 
 
-def mamba_spec(case: Any) -> Any:
+def mamba_spec(case: Case) -> Any:
     """The rank's GDN state spec, as Qwen3-Next's layer declares it (``MambaStateShapeCalculator``): the conv
     state and the recurrent state, sharded over TP, one block per request (``mamba_cache_mode="none"``), one
     speculative block per MTP token."""
@@ -61,9 +64,12 @@ def mamba_spec(case: Any) -> Any:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     model = case.model
+    heads_k, heads_v, head_dim = model.linear_heads_k, model.linear_heads_v, model.linear_head_dim
+    if heads_k is None or heads_v is None or head_dim is None:
+        raise ValueError(f"{model.name} has no GDN layers (linear_heads_k, linear_heads_v, linear_head_dim): "
+                         f"case {case.id} has no state for vLLM's GDN builder")
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
-        case.tp, model.linear_heads_k, model.linear_heads_v, model.linear_head_dim, model.linear_head_dim,
-        model.linear_conv_kernel, case.mtp)
+        case.tp, heads_k, heads_v, head_dim, head_dim, model.linear_conv_kernel, case.mtp)
     dtype = getattr(torch, model_dtype(case))  # the state follows the model's dtype, not a quantized KV cache
     dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(dtype, "auto", "auto")
     return MambaSpec(block_size=case.envelope.max_model_len, shapes=shapes, dtypes=dtypes,
@@ -137,7 +143,7 @@ class VllmGdnBuilder(VllmAdapter):
     name = "vllm-gdn"
     builder_label = "vLLM's GDNAttentionMetadataBuilder"
 
-    def __init__(self, case: Any, runner: Any, builder_cls: type | None = None) -> None:
+    def __init__(self, case: Case, runner: Any, builder_cls: type | None = None) -> None:
         check_hybrid(case)
         super().__init__(case, builder_cls)
         self.runner = runner
@@ -156,7 +162,7 @@ class VllmGdnBuilder(VllmAdapter):
             return declared_support(self._cls(), DECLARATION_NAMES, lambda: (self.config(), mamba_spec(self.case)),
                                     ProfilingSupport.NEUTRAL)
 
-    def declared_workspace(self, case: Any) -> WorkspaceDeclaration:
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
         """No float arena and no int workspace: GDN plans no FlashInfer wrapper."""
         return WorkspaceDeclaration(float_bytes=0, int_bytes=0)
 

@@ -25,11 +25,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.engines.vllm_flashinfer import VLLM_POLICY, engine_refusal, make_vllm_builders
 from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT, import_vllm_flashinfer
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["PersistentWorkspaceProfilingSupport", "backends", "pull_request_builder"]
 
@@ -217,7 +220,7 @@ def pull_request_builder(plan: bool) -> type:
 
 
 def _make(plan: bool) -> Any:
-    def make_builders(case: Any) -> list[Any]:
+    def make_builders(case: Case) -> list[Any]:
         return make_vllm_builders(case, builder_cls=pull_request_builder(plan))
 
     return make_builders

@@ -7,12 +7,15 @@ Cases come from the session's matrices, filtered to the GPU under test (sizing i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_kvprofile.gpu.cuda_device import MEM_GET_INFO_TOLERANCE
 from pytest_kvprofile.units import MiB
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import Case
 
 pytestmark = pytest.mark.kvprofile_gpu
 
@@ -200,7 +203,7 @@ def test_workspace_size_api_agrees(route_probe: Any) -> None:
 
 # -- the lifecycle with real FlashInfer wrappers ---------------------------------------------------
 
-def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Any, gpu_device_factory: Any,
+def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Case, gpu_device_factory: Any,
                                                      record_property: Any) -> None:
     from pytest_kvprofile.checks.catalog import checks_for
     from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends
@@ -223,13 +226,13 @@ def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Any, gpu_device_
     assert failures == {}
 
 
-def _stub_builders(case: Any) -> list[Any]:
+def _stub_builders(case: Case) -> list[Any]:
     from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder
 
     return [FlashInferLikeBuilder(case)]
 
 
-def test_lazy_mutant_is_caught_on_cuda(gpu_case: Any, gpu_device_factory: Any) -> None:
+def test_lazy_mutant_is_caught_on_cuda(gpu_case: Case, gpu_device_factory: Any) -> None:
     from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME
     from pytest_kvprofile.gpu.flashinfer_builders import gpu_mutant_backends
     from pytest_kvprofile.lifecycle.driver import run_lifecycle
@@ -243,7 +246,7 @@ def test_lazy_mutant_is_caught_on_cuda(gpu_case: Any, gpu_device_factory: Any) -
 
 # -- real kernels in real graphs ----------------------------------------------------------------
 
-def test_captured_flashinfer_decode_replays_with_stable_arena(gpu_case: Any, record_property: Any) -> None:
+def test_captured_flashinfer_decode_replays_with_stable_arena(gpu_case: Case, record_property: Any) -> None:
     """The decode path as an engine captures it: FlashInfer's run() inside torch.cuda.graph for the
     largest and smallest decode captures of the case (``Envelope.decode_captures``: tokens, largest
     first), replayed with new inputs (and re-planned KV), each output against the float32 reference,
