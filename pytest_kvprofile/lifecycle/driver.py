@@ -91,6 +91,7 @@ from pytest_kvprofile.memory.budget import (
     tokens_for,
 )
 from pytest_kvprofile.memory.device import Allocation, Device, DeviceOutOfMemory, ForeignUse
+from pytest_kvprofile.memory.host_memory import return_freed_host_memory
 
 if TYPE_CHECKING:
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
@@ -1033,6 +1034,7 @@ def run_lifecycle(backend: Any, case: Case, device_factory: Callable[[Case], Dev
                   observers: Sequence[WindowObserver] = ()) -> LifecycleResult:
     """Build the backend's builders for ``case`` on a fresh device and drive them through every phase;
     ``observers`` (``lifecycle/window.py``) measure the profiling window beside the harness."""
+    return_freed_host_memory()  # what earlier runs' simulated devices freed, so a long sweep does not grow
     target = ProbeTarget(backend, case, device_factory)
     return LifecycleRun(target, device_factory(case), observers).run()
 
