@@ -725,6 +725,15 @@ class _PlainFlashInfer(FlashInferLikeBuilder):
     """The correct stub, used where the bug lives in the engine integration rather than the builder."""
 
 
+_OVERFLOWS_ITS_ARENA = (
+    "arena_not_grown_after_lock", "arena_stable_after_closing", "captured_memory_stays", "int_workspace_per_wrapper",
+    "no_post_kv_overrun", "no_synthetic_workspace_in_capture", "no_use_after_free",
+    "persistent_memory_visible_at_closing", "resource_capacity_honoured", "ubatch_arenas_disjoint", "warmup_idempotent",
+    "workspace_covers_planner",
+)
+"""What a float workspace sized too small fails: the arena grows when a batch overflows it, so every check of the arena
+and of what it holds follows, besides the sizing check."""
+
 MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-01-lazy-workspace", 1, LazyWorkspaceBuilder,
             catches=("no_post_kv_overrun", "persistent_memory_visible_at_closing")),
@@ -792,12 +801,7 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-11b-fixed-default-view", 11, FixedDefaultViewBuilder,
             catches=("no_post_kv_overrun", "workspace_covers_planner")),
     _mutant("mutant-12-wrong-version-formula", 12, WrongVersionFormulaBuilder,
-            catches=(
-                "arena_not_grown_after_lock", "arena_stable_after_closing", "captured_memory_stays",
-                "int_workspace_per_wrapper", "no_post_kv_overrun", "no_synthetic_workspace_in_capture",
-                "no_use_after_free", "persistent_memory_visible_at_closing", "resource_capacity_honoured",
-                "ubatch_arenas_disjoint", "warmup_idempotent", "workspace_covers_planner",
-            )),
+            catches=_OVERFLOWS_ITS_ARENA),
     _mutant("mutant-14a-global-after-kv-sizing", 14, GlobalAfterKvSizingBuilder,
             catches=("no_post_kv_overrun", "no_state_outlives_case", "persistent_memory_visible_at_closing")),
     _mutant("mutant-14b-global-per-engine", 14, GlobalPerEngineBuilder,
@@ -1003,19 +1007,9 @@ MUTANT_CHECK_OPTIONS: dict[str, CheckOptions] = {
 }
 MUTANT_BACKENDS = MUTANT_BACKENDS + (
     _mutant("mutant-11c-short-native-route", 11, ShortNativeRouteBuilder,
-            catches=(
-                "arena_not_grown_after_lock", "arena_stable_after_closing", "captured_memory_stays",
-                "int_workspace_per_wrapper", "no_post_kv_overrun", "no_synthetic_workspace_in_capture",
-                "no_use_after_free", "persistent_memory_visible_at_closing", "resource_capacity_honoured",
-                "ubatch_arenas_disjoint", "warmup_idempotent", "workspace_covers_planner",
-            )),
+            catches=_OVERFLOWS_ITS_ARENA),
     _mutant("mutant-11d-torch-short-native-route", 11, TorchShortNativeRouteBuilder,
-            catches=(
-                "arena_not_grown_after_lock", "arena_stable_after_closing", "captured_memory_stays",
-                "int_workspace_per_wrapper", "no_post_kv_overrun", "no_synthetic_workspace_in_capture",
-                "no_use_after_free", "persistent_memory_visible_at_closing", "resource_capacity_honoured",
-                "ubatch_arenas_disjoint", "warmup_idempotent", "workspace_covers_planner",
-            )),
+            catches=_OVERFLOWS_ITS_ARENA),
     *BUDGET_MUTANT_BACKENDS,
 )
 
