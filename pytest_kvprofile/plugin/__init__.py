@@ -204,7 +204,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvprofile_gpu: needs a CUDA device; skipped unless --kvprofile-gpu")
     config.addinivalue_line("filterwarnings", FLASHINFER_IMPORT_WARNINGS)
     registry = Registry()
-    config.pluginmanager.hook.pytest_kvprofile_register(registry=registry)
+    try:
+        config.pluginmanager.hook.pytest_kvprofile_register(registry=registry)
+    except (BackendError, ValueError) as exc:  # a name registered twice, by the package and a plugin or two plugins
+        raise pytest.UsageError(f"pytest_kvprofile_register: {exc}") from None
     settings = _settings(config, registry)
     tier = "gpu" if settings.gpu else "cpu"
     if settings.gpu:

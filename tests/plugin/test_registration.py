@@ -125,3 +125,14 @@ def test_the_registry_keeps_no_list_of_built_ins():
     assert [p.__name__ for p in builtin_plugins()] == ["pytest_kvprofile.checks.catalog", "pytest_kvprofile.builtin",
                                                       "pytest_kvprofile.engines"]
     assert all(callable(getattr(p, "pytest_kvprofile_register", None)) for p in builtin_plugins())
+
+
+def test_a_name_registered_twice_is_one_usage_error_naming_the_hook(pytester, suite_args):
+    pytester.makeconftest(
+        "from pytest_kvprofile.checks.catalog import CHECKS\n"
+        "def pytest_kvprofile_register(registry):\n"
+        "    registry.add_checks(CHECKS[0])\n")
+    result = pytester.runpytest(*suite_args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*pytest_kvprofile_register: two checks are registered as '{CHECKS[0].name}'*"])
+    assert "Traceback" not in result.stderr.str()
