@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import pytest
 
-from pytest_kvprofile.sizing.oracle import (
+from pytest_kvprofile.attention.oracle import (
     Oracle,
     cache_root,
     ensure_built,

@@ -346,7 +346,7 @@ def oracle(b: Bench, timeout: float) -> None:
 # -- 4b: FlashInfer's own wrappers on the simulated GPU ---------------------------------------------------
 
 _HOST_PLANNER_START = ("import time; t=time.perf_counter(); "
-                       "from pytest_kvprofile.sizing.host_plan import get_host_planner; get_host_planner(); "
+                       "from pytest_kvprofile.attention.host_plan import get_host_planner; get_host_planner(); "
                        "print(time.perf_counter()-t)")
 
 

@@ -186,6 +186,7 @@ def _case(args: argparse.Namespace) -> Any:
 def _cmd_size(args: argparse.Namespace) -> int:
     if args.report is not None:
         return _cmd_report(args)
+    from pytest_kvprofile.attention.oracle import OracleError
     from pytest_kvprofile.sizing.case import (
         compute_capability,
         decode_tensor_cores,
@@ -194,7 +195,6 @@ def _cmd_size(args: argparse.Namespace) -> int:
         plan_envelope,
         routes,
     )
-    from pytest_kvprofile.sizing.oracle import OracleError
 
     case = _case(args)
     heads, model = case.heads, case.model

@@ -167,7 +167,7 @@ printf '[pytest]\naddopts = -p no:cacheprovider\n' > "$OUT/pytest.ini"
 set +e
 (cd "$OUT" && timeout "$TEST_LEFT" "$PY" -m pytest -c "$OUT/pytest.ini" --rootdir "$OUT" "${PLUGIN[@]}" --kvprofile-gpu \
     --pyargs pytest_kvprofile.suite pytest_kvprofile.gpu_suite --kvprofile-matrix "$OUT/matrix.yaml" \
-    --kvprofile-backend stubs --kvprofile-backend pytest_kvprofile.gpu.flashinfer_builders:gpu_backends \
+    --kvprofile-backend stubs --kvprofile-backend flashinfer \
     --kvprofile-json "$OUT/report.json" --kvprofile-verdict "$OUT/verdict.json" --junitxml "$OUT/junit.xml" \
     --durations 20 -rfEs -q "${EXTRA[@]}" 2>&1 | tee "$OUT/pytest.log")
 RC=${PIPESTATUS[0]}

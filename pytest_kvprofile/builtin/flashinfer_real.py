@@ -1,8 +1,9 @@
-"""The built-in ``flashinfer`` backend: FlashInfer's own wrappers on the simulated GPU, and its lazy twin.
+"""The built-in ``flashinfer`` backend: FlashInfer's own wrappers, on the simulated GPU and on a real one, and its
+mutants.
 
 Why: the stubs model what FlashInfer allocates; this backend *is* FlashInfer. Its wrappers allocate their
 int workspaces, pinned mirrors and ``kv_lens`` buffers themselves, ``plan()`` runs FlashInfer's planner
-(compiled for the host, ``sizing/host_plan.py``) against the float workspace, which is a view of the shared
+(compiled for the host, ``attention/host_plan.py``) against the float workspace, which is a view of the shared
 arena, and overflows with FlashInfer's own error if the arena is short. So every lifecycle check judges
 FlashInfer's real allocation behaviour, on CPU. It is a torch-mode backend: the driver serves its plain
 ``torch`` "cuda" calls from the run's device and ``simulated_gpu_on`` answers FlashInfer's device queries
@@ -16,6 +17,13 @@ it inside the profiling window and plans each non-graph wrapper once there at th
 (so the device copies ``plan()`` keeps exist at their largest before the closing measurement);
 ``LazyRealFlashInferBuilder`` is the historical engine: everything appears on the first ``plan()``, after
 KV sizing (bug class 1).
+
+The same builders serve the GPU tier. A ``CudaDevice`` attributes no plain ``torch`` call, so there (a
+``TensorDevice``) the builder makes every buffer of its own through ``ctx.allocate`` (each wrapper's int workspace,
+the page-table buffers) so the ledger sees them, and its warmup runs FlashInfer's kernels on a split-KV batch and
+compares them with the float32 reference (``attention/reference.py``): a wrong workspace pointer or an overflowed
+float workspace fails loudly instead of passing silently. Nothing is planned inside a real capture (``plan()`` copies
+host metadata and synchronizes; an engine plans before it captures).
 """
 
 from __future__ import annotations
@@ -24,16 +32,20 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
+from pytest_kvprofile.attention.reference import PagedLayout, paged_layout, scratch_bytes
+from pytest_kvprofile.attention.wrappers import Route, run_checked
 from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.device import Allocation, TensorDevice
 from pytest_kvprofile.contract.protocol import (
     Batch,
     BoundWorkspace,
     BuilderContext,
     WorkspaceDeclaration,
 )
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case
-from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 if TYPE_CHECKING:
     from pytest_kvprofile.matrix.cases import Case
@@ -47,6 +59,7 @@ __all__ = [
     "SharedIntWorkspaceRealBuilder",
 ]
 
+WARMUP_KV_LEN = 4096  # the GPU tier's checked warmup: long enough that one decode request is split across CTAs
 
 
 @dataclass
@@ -62,6 +75,8 @@ class Slot:
     prefill: Any = None
     decode: Any = None
     graph: dict[int, Any] = field(default_factory=dict)  # captured decode step's requests -> wrapper
+    # wrapper role -> its int workspace, where the builder allocated it through the context (a TensorDevice)
+    int_workspaces: dict[str, tuple[Allocation, Any]] = field(default_factory=dict)
 
     def wrappers(self) -> list[tuple[str, Any]]:
         out = [("prefill", self.prefill), ("decode", self.decode)]
@@ -83,6 +98,8 @@ class RealFlashInferBuilder:
         self.case = case
         self.slots: dict[int, Slot] = {}
         self.tensor_cores = decode_tensor_cores(case)
+        self.errors: list[float] = []  # the relative errors of the GPU tier's checked warmup runs
+        self._owned: list[tuple[BuilderContext, Allocation]] = []  # what it allocated through a context
 
     # -- sizing ----------------------------------------------------------------------------------
     def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
@@ -118,22 +135,18 @@ class RealFlashInferBuilder:
     def _new_slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
         """Everything one micro-batch needs, on the arena: FlashInfer allocates its own buffers here."""
         import flashinfer
-        import torch
 
         arena = ctx.get_workspace(self.float_bytes(), ubatch)
-        if arena.tensor is None:
-            raise TypeError(f"{self.name} runs FlashInfer's wrappers on the arena tensor: use Backend(torch_mode=True) "
-                            "on a simulated device (or a CUDA device)")
-        ws, reqs = arena.tensor, self._max_reqs()
+        ws, reqs = self._arena_tensor(ctx, arena), self._max_reqs()
         prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
         decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=self.tensor_cores,
                                                                backend="fa2")
         slot = Slot(
             ubatch, arena,
-            qo_indptr=torch.zeros(reqs + 1, dtype=torch.int32, device="cuda"),
-            kv_indptr=torch.zeros(reqs + 1, dtype=torch.int32, device="cuda"),
-            kv_indices=torch.arange(self._max_pages(), dtype=torch.int32, device="cuda"),
-            last_page_len=torch.zeros(reqs, dtype=torch.int32, device="cuda"),
+            qo_indptr=self._int32(ctx, reqs + 1, f"qo_indptr [ubatch {ubatch}]"),
+            kv_indptr=self._int32(ctx, reqs + 1, f"kv_indptr [ubatch {ubatch}]"),
+            kv_indices=self._int32(ctx, self._max_pages(), f"kv_indices [ubatch {ubatch}]", arange=True),
+            last_page_len=self._int32(ctx, reqs, f"last_page_len [ubatch {ubatch}]"),
             prefill=prefill, decode=decode,
         )
         for capture in self.case.envelope.decode_captures(self.case.mtp):
@@ -142,15 +155,80 @@ class RealFlashInferBuilder:
                 ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, backend="fa2",
                 paged_kv_indptr_buffer=slot.kv_indptr[:n + 1], paged_kv_indices_buffer=slot.kv_indices,
                 paged_kv_last_page_len_buffer=slot.last_page_len[:n])
-        need = for_case(self.case).int_bytes
-        if need > FLASHINFER_INT_WORKSPACE_BYTES:
-            for _, w in slot.wrappers():
-                w.reset_workspace_buffer(ws, torch.empty(need, dtype=torch.uint8, device="cuda"))
+        self._give_int_workspaces(ctx, slot)
         return slot
 
+    def _give_int_workspaces(self, ctx: BuilderContext, slot: Slot) -> None:
+        """In torch mode FlashInfer's own 8 MiB int workspace stays unless the case needs more; on a TensorDevice
+        every wrapper gets its own int workspace through the context, so the ledger sees it."""
+        import torch
+
+        need = for_case(self.case).int_bytes
+        device = self._tensor_device(ctx)
+        ws = self._arena_tensor(ctx, slot.arena)
+        if device is not None:
+            nbytes = max(FLASHINFER_INT_WORKSPACE_BYTES, need)
+            for role, w in slot.wrappers():
+                alloc = self._allocate(ctx, nbytes, f"{role} int workspace [ubatch {slot.ubatch}]",
+                                       Role.INT_WORKSPACE)
+                slot.int_workspaces[role] = (alloc, device.tensor(alloc))
+                w.reset_workspace_buffer(ws, slot.int_workspaces[role][1])
+        elif need > FLASHINFER_INT_WORKSPACE_BYTES:
+            for _, w in slot.wrappers():
+                w.reset_workspace_buffer(ws, torch.empty(need, dtype=torch.uint8, device="cuda"))
+
+    # -- the device's tensors ----------------------------------------------------------------------
+    @staticmethod
+    def _tensor_device(ctx: BuilderContext) -> TensorDevice | None:
+        """The GPU tier's device, whose allocations are tensors; None in torch mode (plain torch calls)."""
+        return ctx.device if isinstance(ctx.device, TensorDevice) else None
+
+    def _arena_tensor(self, ctx: BuilderContext, arena: Any) -> Any:
+        if arena.tensor is not None:
+            return arena.tensor
+        device = self._tensor_device(ctx)
+        if device is None:
+            raise TypeError(f"{self.name} runs FlashInfer's wrappers on the arena tensor: use Backend(torch_mode=True) "
+                            "on a simulated device (or a CUDA device)")
+        return device.view(arena.ptr, arena.nbytes)
+
+    def _allocate(self, ctx: BuilderContext, nbytes: int, tag: str, role: Role = Role.OTHER) -> Allocation:
+        alloc = ctx.allocate(nbytes, tag, role=role)
+        self._owned.append((ctx, alloc))
+        return alloc
+
+    def _int32(self, ctx: BuilderContext, n: int, tag: str, *, arange: bool = False) -> Any:
+        """A page-table buffer of ``n`` int32 on the device: a plain torch call in torch mode, a ledger allocation
+        on a TensorDevice."""
+        import torch
+
+        device = self._tensor_device(ctx)
+        if device is None:
+            if arange:
+                return torch.arange(n, dtype=torch.int32, device="cuda")
+            return torch.zeros(n, dtype=torch.int32, device="cuda")
+        t = device.tensor(self._allocate(ctx, 4 * n, tag)).view(torch.int32)
+        if arange:
+            t.copy_(torch.arange(n, dtype=torch.int32))
+        else:
+            t.zero_()
+        return t
+
     def _materialize(self, ctx: BuilderContext) -> dict[int, Slot]:
-        """The missing micro-batches' slots, not yet kept: a failure part-way drops them all with the exception."""
-        return {ub: self._new_slot(ctx, ub) for ub in range(ctx.num_ubatches) if ub not in self.slots}
+        """The missing micro-batches' slots, not yet kept: a failure part-way drops them all with the exception (and
+        frees what they allocated through the context)."""
+        mark = len(self._owned)
+        try:
+            return {ub: self._new_slot(ctx, ub) for ub in range(ctx.num_ubatches) if ub not in self.slots}
+        except BaseException:
+            self._free_owned(mark)
+            raise
+
+    def _free_owned(self, mark: int = 0) -> None:
+        for ctx, alloc in self._owned[mark:]:
+            if alloc.alive:
+                ctx.free(alloc)
+        del self._owned[mark:]
 
     def _slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
         slot = self.slots.get(ubatch)
@@ -194,8 +272,13 @@ class RealFlashInferBuilder:
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
         """Build (and prime) every wrapper now, so the closing measurement sees all of FlashInfer's memory.
         The builder keeps them after the lease is released: they are the serving wrappers."""
+        mark = len(self._owned)
         made = self._materialize(ctx)
-        self._prime(list(made.values()))
+        try:
+            self._prime(list(made.values()))
+        except BaseException:
+            self._free_owned(mark)
+            raise
         self.slots.update(made)  # all or nothing: a reservation that raised above keeps none of them
         return ctx.lease(list(made.values()))
 
@@ -204,14 +287,50 @@ class RealFlashInferBuilder:
         for ub, slot in self.slots.items():
             arena = ctx.get_workspace(self.float_bytes(), ub)
             if (arena.ptr, arena.nbytes) != (slot.arena.ptr, slot.arena.nbytes):
-                for _, w in slot.wrappers():
-                    w.reset_workspace_buffer(arena.tensor, w._int_workspace_buffer)
+                ws = self._arena_tensor(ctx, arena)
+                for role, w in slot.wrappers():
+                    own = slot.int_workspaces.get(role)
+                    w.reset_workspace_buffer(ws, own[1] if own is not None else w._int_workspace_buffer)
                 slot.arena = arena
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        """On a real GPU (a TensorDevice), run each micro-batch's prefill and decode kernels on a split-KV batch and
+        compare them with the float32 reference; the test data is allocated through the context and freed before
+        returning, also when a step fails. In torch mode there is no kernel to run: nothing happens."""
+        if self._tensor_device(ctx) is None or self.errors:
+            return
+        heads, env = self.case.heads, self.case.envelope
+        kv_len = min(env.max_model_len, WARMUP_KV_LEN)
+        errors = []
+        for ub, slot in sorted(self.slots.items()):
+            u = 1 + self.case.mtp
+            decode = paged_layout([u], [max(kv_len, u)], env.page_size)
+            prefill = paged_layout([min(64, kv_len), 1], [kv_len, kv_len], env.page_size)
+            errors.append(self._check(ctx, "prefill", slot.prefill, prefill, heads.heads_q, ub))
+            errors.append(self._check(ctx, "decode", slot.decode, decode, heads.heads_q_decode, ub))
+        self.errors = errors
+
+    def _check(self, ctx: BuilderContext, route: Route, wrapper: Any, layout: PagedLayout, heads_q: int,
+               ubatch: int) -> float:
+        """One plan + run + reference comparison, with the test tensors' bytes in the ledger."""
+        device = self._tensor_device(ctx)
+        assert device is not None
+        heads_kv, dim, dim_vo = self.case.heads.heads_kv, self.case.model.head_dim, self.case.model.dim_vo
+        scratch = ctx.allocate(scratch_bytes(layout, heads_q, heads_kv, dim, dim_vo),
+                               f"{route} warmup test data [ubatch {ubatch}]")
+        try:
+            buf = device.tensor(scratch)
+            return run_checked(route, wrapper, layout, heads_q, heads_kv, dim, dim_vo, buf.device, seed=ubatch,
+                               buffer=buf)
+        finally:
+            ctx.free(scratch)
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
         """``plan()`` the batch on its wrapper: a captured decode step on its CUDA-graph wrapper (its buffers are
         the slot's, so nothing is allocated during capture), any other decode batch on the decode wrapper, the
         rest on the prefill wrapper (a graph-eligible batch of a size no graph was captured for runs eagerly)."""
+        if ctx.capturing and self._tensor_device(ctx) is not None:
+            return
         slot = self._slot(ctx, batch.ubatch)
         qo, kv = self._lens(batch)
         graph = slot.graph.get(batch.num_reqs) if batch.cuda_graph and batch.kind == "decode" else None
@@ -227,14 +346,20 @@ class RealFlashInferBuilder:
         out = []
         for ub, slot in sorted(self.slots.items()):
             for role, w in slot.wrappers():
-                ptr, nbytes = _ledger_range(w._float_workspace_buffer, slot.arena)
-                int_ptr, int_nbytes = _ledger_range(w._int_workspace_buffer)
+                own = slot.int_workspaces.get(role)
+                if own is not None:  # a TensorDevice: the ledger's own entries
+                    ptr, nbytes = slot.arena.ptr, slot.arena.nbytes
+                    int_ptr, int_nbytes = own[0].ptr, own[0].nbytes
+                else:
+                    ptr, nbytes = _ledger_range(w._float_workspace_buffer, slot.arena)
+                    int_ptr, int_nbytes = _ledger_range(w._int_workspace_buffer)
                 out.append(BoundWorkspace(ub, f"{role} float workspace", ptr, nbytes, int_ptr, int_nbytes))
         return out
 
     def close(self) -> None:
         """Drop the wrappers (and so their device buffers) once the run's figures are recorded."""
         self.slots.clear()
+        self._free_owned()
 
 
 class LazyRealFlashInferBuilder(RealFlashInferBuilder):
@@ -261,9 +386,13 @@ class SharedIntWorkspaceRealBuilder(RealFlashInferBuilder):
 
     def _new_slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
         slot = super()._new_slot(ctx, ubatch)
-        shared = slot.prefill._int_workspace_buffer
-        for _, w in slot.wrappers()[1:]:
-            w.reset_workspace_buffer(slot.arena.tensor, shared)
+        own = slot.int_workspaces.get("prefill")
+        shared = own[1] if own is not None else slot.prefill._int_workspace_buffer
+        ws = self._arena_tensor(ctx, slot.arena)
+        for role, w in slot.wrappers()[1:]:
+            w.reset_workspace_buffer(ws, shared)
+            if own is not None:
+                slot.int_workspaces[role] = own
         return slot
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from pytest_kvprofile.attention.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.builtin.process_state import (
     AFTER_KV,
     PER_ENGINE,
@@ -34,7 +35,6 @@ from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderCon
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError
 from pytest_kvprofile.sizing.case import for_case, vllm_default_float_bytes
-from pytest_kvprofile.sizing.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:

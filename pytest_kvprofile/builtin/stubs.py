@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pytest_kvprofile.attention.facts import (
+    FLASHINFER_INT_WORKSPACE_BYTES,
+    VLLM_DEFAULT_FLOAT_BYTES,
+)
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -23,10 +27,6 @@ from pytest_kvprofile.sizing.case import (
     need_for_routes,
     routes,
     vllm_default_float_bytes,
-)
-from pytest_kvprofile.sizing.facts import (
-    FLASHINFER_INT_WORKSPACE_BYTES,
-    VLLM_DEFAULT_FLOAT_BYTES,
 )
 from pytest_kvprofile.units import MiB
 

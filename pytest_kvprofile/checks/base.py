@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.units import MiB
 
@@ -144,7 +145,7 @@ class Check:
     name: str
     rule: str
     path: str  # which lifecycle path it applies to
-    needs: str  # the last phase it reads
+    needs: Phase  # the last phase it reads
     bugs: tuple[int, ...]
     fn: CheckFn
     relevant: Callable[[Case, list[Builder]], bool] = _always  # False: the check has nothing to look at here
@@ -160,7 +161,7 @@ class Check:
         return self.fn(result, options)
 
 
-def aborted_before(result: LifecycleResult, phase: str) -> str | None:
+def aborted_before(result: LifecycleResult, phase: Phase) -> str | None:
     """Why the phases this check needs never ran (a builder or engine error), or None."""
     if result.aborted_in is None:
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import pytest_kvprofile.lifecycle.phases as lc
+from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.units import bytes_text, size_text
 
@@ -24,13 +25,13 @@ def alive_at_end(a: Any) -> bool:
     return a.freed_phase is None or a.freed_phase == lc.TEARDOWN
 
 
-def alive_at(a: Any, phase: str) -> bool:
+def alive_at(a: Any, phase: Phase) -> bool:
     """Alive at the end of ``phase``: made in it or before, freed after it or never (``teardown`` is after all)."""
     made, limit = lc.PHASE_INDEX.get(a.phase, -1), lc.PHASE_INDEX[phase]
     return 0 <= made <= limit and (a.freed_phase is None or lc.PHASE_INDEX.get(a.freed_phase, -1) > limit)
 
 
-def live_device_bytes(result: LifecycleResult, owner: str, at_phase: str) -> int:
+def live_device_bytes(result: LifecycleResult, owner: str, at_phase: Phase) -> int:
     """Device bytes owned by ``owner`` alive at the end of ``at_phase``."""
     return sum(a.nbytes for a in result.allocations
                if a.owner == owner and a.kind == "device" and alive_at(a, at_phase))

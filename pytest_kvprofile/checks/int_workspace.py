@@ -16,13 +16,14 @@ from pytest_kvprofile.checks.evidence import fmt_alloc, grouped, resource_names
 from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
+from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.memory.device import Allocation
 from pytest_kvprofile.units import bytes_text, size_text
 
 # Phases at whose end the serving wrappers exist and plan: from the rebind after KV sizing to the end. (Between
 # the lease release and the rebind a builder may legally hold wrappers it has dropped the int workspaces of.)
-SERVING_STATE = (lc.REBIND, lc.WARMUP, lc.CAPTURE, lc.LOCK, lc.SERVING, lc.WARMUP_REPEAT)
+SERVING_STATE: tuple[Phase, ...] = (lc.REBIND, lc.WARMUP, lc.CAPTURE, lc.LOCK, lc.SERVING, lc.WARMUP_REPEAT)
 LAST = lc.PHASE_INDEX[lc.WARMUP_REPEAT]
 
 
@@ -88,7 +89,7 @@ def _sizes(result: LifecycleResult, name: str, decl: WorkspaceDeclaration, need:
     return out
 
 
-def _wrappers(result: LifecycleResult, name: str, phase: str, own_floats: list[Allocation]) -> list[BoundWorkspace]:
+def _wrappers(result: LifecycleResult, name: str, phase: Phase, own_floats: list[Allocation]) -> list[BoundWorkspace]:
     """The wrappers a builder reports at the end of ``phase`` that plan into the float arena or into a float
     workspace of its own: each one needs its own int workspace."""
     rec = result.phase(phase)
@@ -174,7 +175,7 @@ def located_int_workspaces(result: LifecycleResult, name: str, mine: list[Alloca
     return list(out.values())
 
 
-def _behind(w: BoundWorkspace, phase: str, candidates: list[Allocation]) -> Allocation | None:
+def _behind(w: BoundWorkspace, phase: Phase, candidates: list[Allocation]) -> Allocation | None:
     """Of the builder's ``candidates``, the latest made by the end of ``phase`` whose range holds the int workspace
     ``w`` reports (the ledger reuses a freed address, so the latest is the one the wrapper took); None when the
     address is none of the builder's (a host address, say: nothing to judge)."""

@@ -47,8 +47,8 @@ def check_warmup_retryable(result: LifecycleResult, options: CheckOptions) -> li
 
     names = result.builder_names()
     allocated = {(a.phase, a.owner) for a in result.allocations if result.alloc_origin.get(a.id) == "warmup"}
-    plan = tuple((state, i, name) for state in (lc.PROFILE_WARMUP, lc.WARMUP) for i, name in enumerate(names)
-                 if (state, name) in allocated)
+    warmups: tuple[lc.Phase, ...] = (lc.PROFILE_WARMUP, lc.WARMUP)
+    plan = tuple((state, i, name) for state in warmups for i, name in enumerate(names) if (state, name) in allocated)
     return warmup_retry_violations(result.probe, plan)
 
 

@@ -72,11 +72,14 @@ class BoundWorkspace:
     int_nbytes: int = 0
 
 
+BatchKind = Literal["prefill", "decode", "mixed"]  # what a forward step carries
+
+
 @dataclass(frozen=True)
 class Batch:
     """The shape of one forward step, as far as attention planning cares."""
 
-    kind: str  # "prefill", "decode" or "mixed"
+    kind: BatchKind
     num_reqs: int
     num_tokens: int
     cuda_graph: bool = False

@@ -136,7 +136,7 @@ def _hybrid_keys(model: Any) -> dict[str, Any]:
 
 
 def _cache_root() -> Path:
-    from pytest_kvprofile.sizing.oracle_build import cache_root
+    from pytest_kvprofile.attention.oracle_build import cache_root
 
     return cache_root() / "vllm-hf-configs"
 

@@ -27,6 +27,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
@@ -60,7 +61,6 @@ from pytest_kvprofile.engines.vllm_standins import (
     import_vllm_flashinfer,
     vllm_standins,
 )
-from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 if TYPE_CHECKING:
     from pytest_kvprofile.matrix.cases import Case

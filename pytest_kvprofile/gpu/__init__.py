@@ -6,9 +6,8 @@ workers' device pinning. Heavy imports live inside the functions that need them.
 
 Modules: ``topology`` (what GPUs there are, NVML + torch), ``pinning`` (one xdist worker per GPU),
 ``selection`` (which matrix cases fit the GPU under test), ``cuda_device`` (the Device interface on
-``torch.cuda``), ``reference`` (the float32 paged attention and test data the kernels are checked
-against), ``wrappers`` (every FlashInfer call: wrappers, plan/run arguments, a captured decode
-replayed in a CUDA graph), ``flashinfer_builders`` (the real FlashInfer builders and their lazy
-mutant), ``sizing_probe`` (plan() with exactly the oracle's bytes), ``matrix_gen`` (a one-GPU matrix
-for the detected device). The pytest side is ``pytest_kvprofile.plugin.gpu``.
+``torch.cuda``), ``sizing_probe`` (plan() with exactly the oracle's bytes), ``matrix_gen`` (a one-GPU matrix
+for the detected device). The pytest side is ``pytest_kvprofile.plugin.gpu``. The float32 reference and every
+call into FlashInfer are FlashInfer's (``pytest_kvprofile.attention``); the real-wrapper builders are the built-in
+``flashinfer`` backend's (``pytest_kvprofile.builtin.flashinfer_real``), one for both tiers.
 """

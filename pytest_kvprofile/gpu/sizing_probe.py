@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pytest_kvprofile.gpu.reference import paged_layout
-from pytest_kvprofile.gpu.wrappers import make_wrapper, plan_args, run_checked
+from pytest_kvprofile.attention.reference import paged_layout
+from pytest_kvprofile.attention.wrappers import Route, make_wrapper, plan_args, run_checked
 from pytest_kvprofile.sizing.case import for_case
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class RouteProbe:
 
     case_id: str
     route: str  # the sizing route: prefill, prefill_cuda_graph, decode_tc, decode_cc_cuda_graph, ...
-    wrapper: str  # "prefill" or "decode"
+    wrapper: Route
     tensor_cores: bool
     cuda_graph: bool
     heads_q: int

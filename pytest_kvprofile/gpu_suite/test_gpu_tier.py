@@ -205,11 +205,11 @@ def test_workspace_size_api_agrees(route_probe: Any) -> None:
 
 def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Case, gpu_device_factory: Any,
                                                      record_property: Any) -> None:
+    from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS
     from pytest_kvprofile.checks.catalog import checks_for
-    from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends
     from pytest_kvprofile.lifecycle.driver import run_lifecycle
 
-    backend = gpu_backends()[0]
+    backend = REAL_FLASHINFER_BACKENDS[0]
     result = run_lifecycle(backend, gpu_case, device_factory=gpu_device_factory)
     sim = run_lifecycle(backend.__class__(name="sim", make_builders=_stub_builders), gpu_case)
     gpu_device_factory.release(result)
@@ -233,11 +233,11 @@ def _stub_builders(case: Case) -> list[Any]:
 
 
 def test_lazy_mutant_is_caught_on_cuda(gpu_case: Case, gpu_device_factory: Any) -> None:
+    from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_MUTANTS
     from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME
-    from pytest_kvprofile.gpu.flashinfer_builders import gpu_mutant_backends
     from pytest_kvprofile.lifecycle.driver import run_lifecycle
 
-    result = run_lifecycle(gpu_mutant_backends()[0], gpu_case, device_factory=gpu_device_factory)
+    result = run_lifecycle(REAL_FLASHINFER_MUTANTS[0], gpu_case, device_factory=gpu_device_factory)
     gpu_device_factory.release(result)
     violations = CHECKS_BY_NAME["persistent_memory_visible_at_closing"].run(result)
     assert violations, "the lazy FlashInfer builder's post-KV wrappers went unnoticed on real hardware"
@@ -253,8 +253,8 @@ def test_captured_flashinfer_decode_replays_with_stable_arena(gpu_case: Case, re
     on an arena whose pointer and size must not move across replays."""
     import torch
 
-    from pytest_kvprofile.gpu.reference import paged_layout
-    from pytest_kvprofile.gpu.wrappers import capture_decode_replays
+    from pytest_kvprofile.attention.reference import paged_layout
+    from pytest_kvprofile.attention.wrappers import capture_decode_replays
     from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case
 
     captures = gpu_case.envelope.decode_captures(gpu_case.mtp)

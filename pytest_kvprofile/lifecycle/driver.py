@@ -22,6 +22,7 @@ from pytest_kvprofile.contract.backends import EnginePolicy, engine_gate
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import (
     Batch,
+    BatchKind,
     BoundWorkspace,
     Builder,
     BuilderContext,
@@ -63,6 +64,7 @@ from pytest_kvprofile.lifecycle.phases import (
     TEARDOWN,
     WARMUP,
     WARMUP_REPEAT,
+    Phase,
 )
 from pytest_kvprofile.lifecycle.record import (
     LEGACY,
@@ -215,10 +217,10 @@ class LifecycleRun:
                     ]
                     self.result.post_kv_peak_cached = _cached_blocks(self.device)
 
-    def _enter(self, phase: str) -> None:
+    def _enter(self, phase: Phase) -> None:
         self.device.phase = phase
 
-    def _record_phase(self, phase: str) -> None:
+    def _record_phase(self, phase: Phase) -> None:
         bound: list[BoundRecord] = []
         for b in self.builders:
             fn = getattr(b, "bound_workspaces", None)
@@ -434,9 +436,9 @@ class LifecycleRun:
         if not getattr(self.backend, "torch_mode", False) or not isinstance(self.device, SimDevice):
             yield  # on a real CUDA device plain torch calls already reach it
             return
+        from pytest_kvprofile.attention.host_plan import observe_plans
         from pytest_kvprofile.memory.simulated_gpu import simulated_gpu_on
         from pytest_kvprofile.memory.torch_mode import SimulatedCuda
-        from pytest_kvprofile.sizing.host_plan import observe_plans
 
         if self._sim is None:
             self._sim = SimulatedCuda(self.device, self._part_owner)
@@ -912,7 +914,7 @@ class LifecycleRun:
             reqs, tokens = len(qo), sum(qo)
             if 0 < reqs <= env.max_num_seqs and reqs <= tokens <= env.max_num_batched_tokens:
                 # routes: decode_tc, decode_cc_cuda_graph, ...
-                kind = "decode" if route.startswith("decode") else "prefill"
+                kind: BatchKind = "decode" if route.startswith("decode") else "prefill"
                 out.append(Batch(kind, reqs, tokens, cuda_graph=bool(graph)))
         return out
 

@@ -46,11 +46,11 @@ class _ProbeRun(LifecycleRun):
     to the moment it asks one builder to reserve (``stop_before_reserving``: the arena and the earlier builders'
     leases are in place)."""
 
-    stop_at = lc.PROFILE_WARMUP
+    stop_at: lc.Phase = lc.PROFILE_WARMUP
     stop_before_reserving: str | None = None
     reached = False
 
-    def _enter(self, phase: str) -> None:
+    def _enter(self, phase: lc.Phase) -> None:
         super()._enter(phase)
         if lc.PHASE_INDEX[phase] >= lc.PHASE_INDEX[self.stop_at]:
             self.reached = phase == self.stop_at and self.stop_before_reserving is None
@@ -100,7 +100,7 @@ def run_after_failed_reservation(target: ProbeTarget, fail_builder: str, fail_at
 
 
 @contextlib.contextmanager
-def _fresh(target: ProbeTarget, state: str, reserving: str | None = None) -> Iterator[_ProbeRun | None]:
+def _fresh(target: ProbeTarget, state: lc.Phase, reserving: str | None = None) -> Iterator[_ProbeRun | None]:
     """New builders on a new device, driven up to ``state`` (or to ``reserving``'s reservation); None when the
     engine never reaches it (no warmup inside the window, a builder it never asks to reserve). The backend's
     device mode stays active for the block."""
@@ -124,7 +124,7 @@ Step = Callable[[Callable[[_ProbeRun], T]], "T | object"]
 
 
 @contextlib.contextmanager
-def _prefix(target: ProbeTarget, state: str, reserving: str | None = None) -> Iterator[Step[Any]]:
+def _prefix(target: ProbeTarget, state: lc.Phase, reserving: str | None = None) -> Iterator[Step[Any]]:
     """Steps that each start from the state :func:`_fresh` reaches: ``step(fn)`` is ``fn(run)`` on that state, or
     ``_UNREACHED``. On the simulated device, when ``KVPROFILE_PROBE_FORK`` opts in for this backend
     (``forked.worth_forking``), the state is built once and each step runs in a child forked from it
@@ -164,7 +164,7 @@ def _persistent(device: Any, owner: str) -> Counter[tuple[str, int]]:
     return Counter((a.tag, a.nbytes) for a in device.live_allocations() if a.owner == owner and a.kind == "device")
 
 
-def warmup_retry_violations(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[str]:
+def warmup_retry_violations(target: ProbeTarget, plan: tuple[tuple[lc.Phase, int, str], ...]) -> list[str]:
     """For each ``(state, builder index, name)`` of ``plan``, fail that builder's warmup in that state at every
     allocation and retry. The plan lists the states in which the main run saw the builder's warmup allocate (a
     warmup that allocates nothing there has no fault point to inject).
@@ -183,7 +183,7 @@ def warmup_retry_violations(target: ProbeTarget, plan: tuple[tuple[str, int, str
 
 
 @functools.lru_cache(maxsize=256)
-def _probe_simulated(backend: Any, case: Case, plan: tuple[tuple[str, int, str], ...]) -> tuple[str, ...]:
+def _probe_simulated(backend: Any, case: Case, plan: tuple[tuple[lc.Phase, int, str], ...]) -> tuple[str, ...]:
     return tuple(_probe(ProbeTarget(backend, case, make_device), plan))
 
 
@@ -193,7 +193,7 @@ def _clean_warmup(index: int, name: str, run: _ProbeRun) -> tuple[int, Counter[t
     return count, _persistent(run.device, name)
 
 
-def _probe(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[str]:
+def _probe(target: ProbeTarget, plan: tuple[tuple[lc.Phase, int, str], ...]) -> list[str]:
     out: list[str] = []
     for state, index, name in plan:
         with _prefix(target, state) as step:
@@ -215,14 +215,14 @@ def _probe(target: ProbeTarget, plan: tuple[tuple[str, int, str], ...]) -> list[
     return out
 
 
-def _warmup_fault(index: int, name: str, k: int, expected: Counter[tuple[str, int]], state: str,
+def _warmup_fault(index: int, name: str, k: int, expected: Counter[tuple[str, int]], state: lc.Phase,
                   run: _ProbeRun) -> list[str]:
     """:func:`_fail_and_retry` as a probe step."""
     return _fail_and_retry(run, index, name, k, expected, state)
 
 
 def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Counter[tuple[str, int]],
-                    state: str) -> list[str]:
+                    state: lc.Phase) -> list[str]:
     """Fail warmup at its allocation ``k`` in ``state``, then retry; report leaks and a half-built result."""
     b, dev = run.builders[index], run.device
     where = "inside the profiling window" if state == lc.PROFILE_WARMUP else "after KV sizing"

@@ -16,6 +16,7 @@ from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclarat
 from pytest_kvprofile.contract.support import SupportResolution, builder_name
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.module_state import ModuleHeld, SecondEngine
+from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import Budget, ProfileWindow
 from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
@@ -36,7 +37,7 @@ class BoundRecord:
 class PhaseRecord:
     """The device and the arena at the end of one phase."""
 
-    name: str
+    name: Phase
     allocated: int
     reserved: int
     arena: tuple[ArenaView, ...]

@@ -6,7 +6,7 @@ the :class:`SimDevice` ledger (``memory/torch_mode.py``), ``torch.version.cuda``
 per-process device caches (``get_device_properties``, ``get_compute_capability``,
 ``is_sm90a_supported``, ...) are cleared on entry and exit so they answer this GPU and no other, and
 FlashInfer's batch prefill/decode and batch MLA JIT loaders return host modules whose ``plan()`` is
-FlashInfer's own planner compiled for the host (``sizing/host_plan.py``; MLA's ``run()`` is refused).
+FlashInfer's own planner compiled for the host (``attention/host_plan.py``; MLA's ``run()`` is refused).
 Any other JIT build raises :class:`SimulatedDeviceUnsupported` naming the module, instead of invoking
 nvcc for a GPU.
 """
@@ -22,10 +22,10 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from pytest_kvprofile.attention.host_plan import SimulatedDeviceUnsupported  # the host modules raise it too
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
 from pytest_kvprofile.memory.device import SimDevice
-from pytest_kvprofile.sizing.host_plan import SimulatedDeviceUnsupported  # the host modules raise it too
 
 __all__ = [
     "SIMULATED_CUDA_VERSION", "SimulatedDeviceUnsupported", "clear_flashinfer_caches", "loaded_modules",
@@ -135,7 +135,7 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
     import flashinfer.jit.core
     import flashinfer.prefill
 
-    from pytest_kvprofile.sizing import host_plan
+    from pytest_kvprofile.attention import host_plan
 
     originals: dict[str, Callable[..., Any]] = {
         "get_batch_prefill_module": flashinfer.prefill.get_batch_prefill_module,
@@ -160,7 +160,7 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
             f"FlashInfer JIT module {getattr(spec, 'name', spec)!r} has no host implementation on the simulated "
             f"{device.name}: only the batch prefill (FA2, paged and ragged) and batch decode (CUDA-core and "
             "tensor-core) modules, and the batch MLA module's plan() (FA2/FA3), are served "
-            "(pytest_kvprofile.sizing.host_plan)")
+            "(pytest_kvprofile.attention.host_plan)")
 
     patches.set(flashinfer.jit.core.JitSpec, "build_and_load", build_and_load)
     _patch_wrapper_roles(patches)

@@ -357,7 +357,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     state = _session(session.config)
     if state is None or not state.settings.timeout:
         return
-    from pytest_kvprofile.sizing.oracle import OracleError, ensure_built
+    from pytest_kvprofile.attention.oracle import OracleError, ensure_built
 
     try:
         ensure_built()

@@ -164,16 +164,12 @@ def kvprofile_flashinfer_builders(request: pytest.FixtureRequest, kvprofile_case
 
     CPU tier: the built-in ``flashinfer`` backend's builders, which run FlashInfer's own wrappers on the
     simulated GPU (``kvprofile_run`` serves their torch calls); MLA cases are skipped with the reason
-    (FlashInfer's MLA planner is not served there). GPU tier: the ``gpu-flashinfer`` builders.
+    (FlashInfer's MLA planner is not served there). GPU tier: the same builders on the CUDA device, whose warmup
+    checks FlashInfer's kernels against the float32 reference; MLA cases are skipped there too.
     """
-    state = _state(request.config)
-    if state.device_factory is not None:
-        from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends
-
-        return list(gpu_backends()[0].make_builders(kvprofile_case))
     if kvprofile_case.model.attention == "mla":
-        pytest.skip("kvprofile_flashinfer_builders: MLA runs FlashInfer's MLA planner, which the CPU tier's "
-                    "simulated GPU does not serve")
+        pytest.skip("kvprofile_flashinfer_builders: MLA runs FlashInfer's MLA wrapper, which these builders do not "
+                    "build (and the CPU tier's simulated GPU does not serve)")
     from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS
 
     return list(REAL_FLASHINFER_BACKENDS[0].make_builders(kvprofile_case))

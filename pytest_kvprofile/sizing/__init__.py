@@ -5,12 +5,18 @@
 | `for_case`, `plan_envelope`, `decode_tensor_cores`, `routes` | `case` | the one computation of what a matrix case needs |
 | `required_workspace`, `SizingResult`, `RouteSizing`, `route_results`, `installed_flashinfer_version` | `requirement` | the requirement for any per-rank layout and envelope |
 | `PlanEnvelope`, `PlanBatch`, `DEFAULT_INT_WORKSPACE` | `analytic` | the batches one `plan()` can see; closed-form worst cases |
-| `OracleError`, `OracleUnavailable`, `get_oracle`, `oracle_available` | `oracle` | FlashInfer's own planner compiled for the host |
+| `OracleError`, `OracleUnavailable`, `get_oracle`, `oracle_available` | `attention.oracle` | FlashInfer's own planner compiled for the host (re-exported) |
 | `sizing_report`, `report_for_matrix`, `format_report` | `comparison` | the requirement next to the fixed sizes in use |
 """  # noqa: E501 - markdown table rows cannot wrap
 
 from __future__ import annotations
 
+from pytest_kvprofile.attention.oracle import (
+    OracleError,
+    OracleUnavailable,
+    get_oracle,
+    oracle_available,
+)
 from pytest_kvprofile.sizing.analytic import (
     DEFAULT_INT_WORKSPACE,
     PlanBatch,
@@ -26,12 +32,6 @@ from pytest_kvprofile.sizing.comparison import (
     format_report,
     report_for_matrix,
     sizing_report,
-)
-from pytest_kvprofile.sizing.oracle import (
-    OracleError,
-    OracleUnavailable,
-    get_oracle,
-    oracle_available,
 )
 from pytest_kvprofile.sizing.requirement import (
     RouteSizing,

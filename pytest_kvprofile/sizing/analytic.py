@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
-from pytest_kvprofile.sizing.planner import (
+from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
+from pytest_kvprofile.attention.planner import (
     FAMILY_07,
     PlannerDevice,
     PlanSize,

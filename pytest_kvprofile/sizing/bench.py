@@ -16,7 +16,7 @@ import time
 
 def _warm_start_seconds(cache: str) -> float:
     code = ("import time; t=time.perf_counter(); "
-            "from pytest_kvprofile.sizing.oracle import get_oracle; o=get_oracle(); "
+            "from pytest_kvprofile.attention.oracle import get_oracle; o=get_oracle(); "
             "o.set_device(142); o.prefill([100],[4480],heads_q=32,heads_kv=8,head_dim=128,"
             "page_size=16,cuda_graph=False); print(time.perf_counter()-t)")
     env = {**os.environ, "KVPROFILE_CACHE_DIR": cache}
@@ -28,13 +28,13 @@ def _warm_start_seconds(cache: str) -> float:
 def main() -> dict[str, object]:
     from array import array
 
-    from pytest_kvprofile.sizing.analytic import PlanEnvelope
-    from pytest_kvprofile.sizing.oracle import (
+    from pytest_kvprofile.attention.oracle import (
         build_info,
         ensure_built,
         get_oracle,
         indptrs,
     )
+    from pytest_kvprofile.sizing.analytic import PlanEnvelope
     from pytest_kvprofile.sizing.requirement import route_results
     from pytest_kvprofile.sizing.search import adversarial_search, oracle_evaluator
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
+from pytest_kvprofile.attention.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.sizing.analytic import PlanEnvelope
-from pytest_kvprofile.sizing.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.sizing.requirement import SizingResult, required_workspace
 
 DECODE_TC_MIN_GROUP = 4  # vLLM plans decode on tensor cores from a GQA group of 4 (and always under MTP)

@@ -1,16 +1,22 @@
-"""FlashInfer's and the engines' fixed sizes, each defined once (design brief §4 and §7).
+"""FlashInfer's and the engines' fixed sizes, still importable here for backends written against earlier releases.
 
-Why one module: the 8 MiB int workspace and the engines' default float workspaces are read by the sizing, the
-stubs, the real-FlashInfer backend, the vLLM adapter and the GPU builders; a second definition could drift.
+Each is defined once, in ``pytest_kvprofile/attention/facts.py`` (FlashInfer's home in this package).
 """
 
 from __future__ import annotations
 
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.attention.facts import (
+    FLASHINFER_INT_WORKSPACE_BYTES,
+    FLASHINFER_RECOMMENDED_FLOAT_BYTES,
+    SGLANG_FLOAT_BYTES,
+    TENSORRT_LLM_FLOAT_BYTES,
+    VLLM_DEFAULT_FLOAT_BYTES,
+)
 
-# what every FlashInfer wrapper allocates for its int workspace (and pinned mirror)
-FLASHINFER_INT_WORKSPACE_BYTES = 8 * MiB
-FLASHINFER_RECOMMENDED_FLOAT_BYTES = 128 * MiB  # FlashInfer's recommended flat float workspace
-VLLM_DEFAULT_FLOAT_BYTES = 394 * MiB  # VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE; also vLLM's trtllm-gen workspace
-SGLANG_FLOAT_BYTES = 384 * MiB
-TENSORRT_LLM_FLOAT_BYTES = 320 * MiB  # per attention metadata object
+__all__ = [
+    "FLASHINFER_INT_WORKSPACE_BYTES",
+    "FLASHINFER_RECOMMENDED_FLOAT_BYTES",
+    "SGLANG_FLOAT_BYTES",
+    "TENSORRT_LLM_FLOAT_BYTES",
+    "VLLM_DEFAULT_FLOAT_BYTES",
+]

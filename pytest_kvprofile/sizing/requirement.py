@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from pytest_kvprofile.attention.oracle import Oracle, OracleError, OracleUnavailable, get_oracle
+from pytest_kvprofile.attention.planner import family_of
 from pytest_kvprofile.sizing.analytic import (
     DEFAULT_INT_WORKSPACE,
     Layout,
@@ -28,8 +30,6 @@ from pytest_kvprofile.sizing.analytic import (
     prefill_graph,
     prefill_nograph,
 )
-from pytest_kvprofile.sizing.oracle import Oracle, OracleError, OracleUnavailable, get_oracle
-from pytest_kvprofile.sizing.planner import family_of
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class SizingResult:
 
 def installed_flashinfer_version() -> str:
     """The installed flashinfer-python version (read from metadata; FlashInfer is not imported)."""
-    from pytest_kvprofile.sizing.oracle import flashinfer_install
+    from pytest_kvprofile.attention.oracle import flashinfer_install
 
     return flashinfer_install().version
 

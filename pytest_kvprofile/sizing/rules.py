@@ -7,13 +7,13 @@ shown to catch them.
 
 from __future__ import annotations
 
-from pytest_kvprofile.sizing.facts import (
+from pytest_kvprofile.attention.facts import (
     FLASHINFER_RECOMMENDED_FLOAT_BYTES,
     SGLANG_FLOAT_BYTES,
     TENSORRT_LLM_FLOAT_BYTES,
     VLLM_DEFAULT_FLOAT_BYTES,
 )
-from pytest_kvprofile.sizing.planner import ceil_div
+from pytest_kvprofile.attention.planner import ceil_div
 from pytest_kvprofile.units import MiB
 
 FIXED_SIZES: dict[str, int] = {

@@ -10,11 +10,11 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from pytest_kvprofile.attention.planner import ceil_div, decode_plan, prefill_plan
 from pytest_kvprofile.sizing.analytic import PlanBatch, PlanEnvelope, RouteResult
-from pytest_kvprofile.sizing.planner import ceil_div, decode_plan, prefill_plan
 
 if TYPE_CHECKING:  # typing only: importing the oracle module at runtime is left to callers
-    from pytest_kvprofile.sizing.oracle import Oracle
+    from pytest_kvprofile.attention.oracle import Oracle
 
 Evaluator = Callable[[PlanBatch], tuple[int, int]]
 

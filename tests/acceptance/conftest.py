@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvprofile.sizing.oracle import oracle_available
+from pytest_kvprofile.attention.oracle import oracle_available
 
 
 @pytest.fixture(autouse=True)

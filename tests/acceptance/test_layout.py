@@ -70,6 +70,7 @@ def _graph() -> dict[str, set[str]]:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("units",),
     ("matrix",),
+    ("attention",),  # FlashInfer's home: its facts, planner, host build, host modules, reference, every call into it
     ("contract", "sizing"),  # the contract a backend implements; the sizing model (FlashInfer's planners)
     ("memory",),  # the device model, torch mode, simulated_gpu (serving FlashInfer's loaders from sizing's host plans)
     ("lifecycle",),  # the reference engine (and the resources a matrix names)
@@ -103,14 +104,14 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.engines.vllm_workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",
     "pytest_kvprofile.gpu.cuda_device": "the GPU tier only: the CPU tier and plugin import never load CUDA",
     "pytest_kvprofile.gpu.nvml": "counts GPUs through NVML only when asked (--kvprofile-gpu, pinning)",
-    "pytest_kvprofile.gpu.reference": "the GPU tier's float32 reference, run on CUDA only",
+    "pytest_kvprofile.attention.reference": "the GPU tier's float32 reference, run on CUDA only",
     "pytest_kvprofile.gpu.sizing_probe": "plans on a real GPU, GPU tier only",
     "pytest_kvprofile.gpu.topology": "describes real devices (NVML, torch.cuda), GPU tier only",
-    "pytest_kvprofile.gpu.wrappers": "every call into FlashInfer on a real GPU, GPU tier only",
+    "pytest_kvprofile.attention.wrappers": "every call into FlashInfer on a real GPU, GPU tier only",
     "pytest_kvprofile.gpu_suite.test_gpu_tier": "the GPU tier's test module, collected only with --kvprofile-gpu",
     "pytest_kvprofile.memory.simulated_gpu": "torch.version and FlashInfer are patched on entering simulated_gpu only",
     "pytest_kvprofile.memory.torch_mode": "torch mode is torch; loaded only by what enters it",
-    "pytest_kvprofile.sizing.host_plan": "host modules run on simulated tensors; the sizing model needs neither",
+    "pytest_kvprofile.attention.host_plan": "host modules run on simulated tensors; the sizing model needs neither",
     "pytest_kvprofile.sizing.plot": "the sizing figure only (matplotlib is optional)",
 }
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, Wrapper
 from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, failing_checks
@@ -21,7 +22,6 @@ from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.sizing.case import routes
-from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES
 
 LEASE = "lease_released_before_graph_profiling"
 

@@ -314,7 +314,7 @@ class FakeFlashInfer:
                 self.float_buf, self.int_buf = float_buf, int_buf
 
             def _layout(self, args: tuple, kw: dict) -> Any:
-                from pytest_kvprofile.gpu.reference import paged_layout
+                from pytest_kvprofile.attention.reference import paged_layout
 
                 if self.route == "prefill":
                     qo, kv_indptr, indices, last = (a.tolist() for a in args[:4])
@@ -346,7 +346,7 @@ class FakeFlashInfer:
                 self.layout = lay
 
             def run(self, q: Any, kv: Any, out: Any = None) -> Any:
-                from pytest_kvprofile.gpu.reference import reference_attention
+                from pytest_kvprofile.attention.reference import reference_attention
 
                 assert self.layout is not None, "run() before plan()"
                 k, v = kv

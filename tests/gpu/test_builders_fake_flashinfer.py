@@ -8,9 +8,10 @@ import sys
 import pytest
 from gpu_fakes import FakeFlashInfer, HybridCuda, HybridTorch
 
+from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS, REAL_FLASHINFER_MUTANTS
 from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, checks_for
+from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
-from pytest_kvprofile.gpu.flashinfer_builders import gpu_backends, gpu_mutant_backends
 from pytest_kvprofile.gpu.sizing_probe import (
     SHORT_BY,
     api_workspace_size,
@@ -54,25 +55,31 @@ def fake_fi(monkeypatch):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_correct_builder_passes_every_check(fake_fi, case):
     factory = _factory(case)
-    result = run_lifecycle(gpu_backends()[0], case, device_factory=factory)
+    result = run_lifecycle(REAL_FLASHINFER_BACKENDS[0], case, device_factory=factory)
     assert not result.errors, result.errors[0].describe()
     builder = result.builders[0]
-    assert builder.warmed and len(builder.errors) == 4 and max(builder.errors) < 1e-2
+    assert len(builder.errors) == 4 and max(builder.errors) < 1e-2, "the warmup checked prefill and decode per ubatch"
     alive = [w for w in (ref() for ref in fake_fi.made) if w is not None]
-    assert len(alive) == 4 and len(fake_fi.made) == 8, "the profiling wrappers went with the lease"
+    per_ubatch = 2 + len(case.envelope.decode_captures(case.mtp))  # prefill, decode, one per captured step
+    assert len(alive) == len(fake_fi.made) == 2 * per_ubatch, "built once, inside the window, and kept"
     float_bufs = {w.float_buf.data_ptr() for w in alive}
-    assert len(float_bufs) == 2, "one arena per micro-batch, shared by that micro-batch's prefill and decode"
+    assert len(float_bufs) == 2, "one arena per micro-batch, shared by that micro-batch's wrappers"
+    int_bufs = {w.int_buf.data_ptr() for w in alive}
+    assert len(int_bufs) == len(alive), "every wrapper has its own int workspace, allocated through the context"
+    int_allocs = [a for a in result.allocations if "int workspace" in a.tag]
+    assert len(int_allocs) == len(alive) and {a.role for a in int_allocs} == {Role.INT_WORKSPACE}
     # The warmup-retry probe re-runs the whole warmup on fresh devices (seconds on CPU); its logic does
     # not depend on MTP, so it runs for the first case only.
     assert _failures(result, skip=("warmup_retryable",) if case.mtp else ()) == {}
     factory.release(result)
-    assert builder.wrappers == {} and factory.last is None
+    assert builder.slots == {} and factory.last is None
+    assert not [a for a in result.allocations if a.alive and a.owner == builder.name], "close() freed its buffers"
 
 
 def test_a_corrupted_kernel_output_fails_the_warmup(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", FakeFlashInfer(corrupt=True))
-    result = run_lifecycle(gpu_backends()[0], CASES[0], device_factory=_factory(CASES[0]))
-    assert result.aborted_in == "profile_warmup"
+    result = run_lifecycle(REAL_FLASHINFER_BACKENDS[0], CASES[0], device_factory=_factory(CASES[0]))
+    assert result.aborted_in == "warmup"  # the engine's warmup after KV sizing: kernels run on the final arena
     assert result.errors[0].exc_type == "AttentionMismatch"
     assert "differs from the float32 reference" in result.errors[0].message
     live = [a for a in result.allocations if a.alive and "warmup test data" in a.tag]
@@ -81,7 +88,7 @@ def test_a_corrupted_kernel_output_fails_the_warmup(monkeypatch):
 
 def test_lazy_builder_is_caught(fake_fi):
     case = CASES[0]
-    result = run_lifecycle(gpu_mutant_backends()[0], case, device_factory=_factory(case))
+    result = run_lifecycle(REAL_FLASHINFER_MUTANTS[0], case, device_factory=_factory(case))
     assert not result.errors, result.errors[0].describe()
     violations = CHECKS_BY_NAME["persistent_memory_visible_at_closing"].run(result)
     assert violations and "invisible to KV sizing" in violations[0] and "int workspace" in violations[0]

@@ -22,7 +22,7 @@ def test_gpu_flag_without_cuda_is_a_usage_error(pytester):
 
 @pytest.mark.parametrize("module", [
     "pytest_kvprofile.gpu.topology", "pytest_kvprofile.gpu.pinning", "pytest_kvprofile.gpu.cuda_device",
-    "pytest_kvprofile.gpu.flashinfer_builders", "pytest_kvprofile.gpu.sizing_probe",
+    "pytest_kvprofile.builtin.flashinfer_real", "pytest_kvprofile.gpu.sizing_probe",
     "pytest_kvprofile.gpu.matrix_gen", "pytest_kvprofile.plugin.gpu", "pytest_kvprofile.gpu_suite.test_gpu_tier",
 ])
 def test_gpu_modules_import_without_cuda(module):

@@ -87,18 +87,15 @@ def test_the_checker_rejects_a_wrong_keyword_and_a_missing_name() -> None:
 
 
 def test_builders_probe_and_graph_replay_call_flashinfer_as_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_kvprofile.gpu.flashinfer_builders import (
-        gpu_backends,
-        gpu_mutant_backends,
-    )
-    from pytest_kvprofile.gpu.reference import paged_layout
+    from pytest_kvprofile.attention.reference import paged_layout
+    from pytest_kvprofile.attention.wrappers import capture_decode_replays
+    from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS, REAL_FLASHINFER_MUTANTS
     from pytest_kvprofile.gpu.sizing_probe import (
         SHORT_BY,
         api_workspace_size,
         expect_overflow,
         route_probes,
     )
-    from pytest_kvprofile.gpu.wrappers import capture_decode_replays
     from pytest_kvprofile.lifecycle.driver import run_lifecycle
     from pytest_kvprofile.matrix.schema import load_matrix_text
 
@@ -111,7 +108,7 @@ def test_builders_probe_and_graph_replay_call_flashinfer_as_installed(monkeypatc
     for case in cases:
         fake = FakeFlashInfer()
         monkeypatch.setitem(sys.modules, "flashinfer", Checked(fake, flashinfer, "flashinfer", calls))
-        for backend in (gpu_backends()[0], *gpu_mutant_backends()[: case.mtp == 0]):
+        for backend in (*REAL_FLASHINFER_BACKENDS, *REAL_FLASHINFER_MUTANTS[: 2 * (case.mtp == 0)]):
             cuda = HybridCuda(total=case.gpu.memory_bytes, nontorch=case.nontorch_bytes)
             torch_mod = HybridTorch(cuda)
             torch_mod.cuda = Checked(cuda, CUDA, "torch.cuda", calls)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvprofile.attention.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.builtin.flashinfer_real import RealFlashInferBuilder
 from pytest_kvprofile.checks.catalog import CheckOptions, WasteBudget, failing_checks
 from pytest_kvprofile.checks.workspace import case_waste, check_workspace_covers_planner
@@ -20,7 +21,6 @@ from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.sizing.case import need_for_routes
-from pytest_kvprofile.sizing.facts import VLLM_DEFAULT_FLOAT_BYTES
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # FlashInfer's cutlass-dsl imports
 CASE = "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from pytest_kvprofile.attention.planner import FAMILY_06, FAMILY_07, family_of
 from pytest_kvprofile.sizing import PlanEnvelope, required_workspace, route_results
 from pytest_kvprofile.sizing.analytic import Layout, prefill_graph, prefill_nograph
-from pytest_kvprofile.sizing.planner import FAMILY_06, FAMILY_07, family_of
 from pytest_kvprofile.sizing.search import adversarial_search, oracle_evaluator, port_evaluator
 from pytest_kvprofile.units import MiB
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvprofile import Backend, Batch, BuilderContext, ProfilingSupport, WorkspaceDeclaration
+from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES, VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.engines.batches import window_batches
 from pytest_kvprofile.engines.vllm_flashinfer import VllmFlashInferBuilder, engine_refusal
 from pytest_kvprofile.engines.vllm_gdn import VllmGdnBuilder
 from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT
 from pytest_kvprofile.sizing import for_case
-from pytest_kvprofile.sizing.facts import FLASHINFER_INT_WORKSPACE_BYTES, VLLM_DEFAULT_FLOAT_BYTES
 
 __version__ = "0.1.0"
 PREFILL_BYTES_PER_ELEM = 16  # vLLM's FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from pytest_kvprofile.sizing import oracle as oracle_mod
-from pytest_kvprofile.sizing import oracle_build
+from pytest_kvprofile.attention import oracle as oracle_mod
+from pytest_kvprofile.attention import oracle_build
 
 
 @pytest.fixture

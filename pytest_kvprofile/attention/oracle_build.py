@@ -35,7 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from pytest_kvprofile.sizing.planner import FAMILY_06_MATERIALIZE, FAMILY_07, family_of
+from pytest_kvprofile.attention.planner import FAMILY_06_MATERIALIZE, FAMILY_07, family_of
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("oracle.cu", "cuda_stubs.cpp")

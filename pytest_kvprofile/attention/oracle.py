@@ -19,7 +19,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Sequence
 
-from pytest_kvprofile.sizing.oracle_build import (
+from pytest_kvprofile.attention.oracle_build import (
     DIGEST_NAME,
     INSTALL_HINT,
     LIB_NAME,
@@ -36,7 +36,7 @@ from pytest_kvprofile.sizing.oracle_build import (
     flashinfer_install,
     sha256,
 )
-from pytest_kvprofile.sizing.planner import FAMILY_06_MATERIALIZE
+from pytest_kvprofile.attention.planner import FAMILY_06_MATERIALIZE
 
 __all__ = [
     "DIGEST_NAME",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pytest_kvprofile.gpu.reference import (
+from pytest_kvprofile.attention.reference import (
     BF16_TOLERANCE,
     AttentionMismatch,
     PagedLayout,
@@ -24,7 +24,9 @@ from pytest_kvprofile.gpu.reference import (
     reference_attention,
 )
 
-__all__ = ["ReplayRecord", "capture_decode_replays", "make_wrapper", "plan_args", "run_checked"]
+Route = Literal["prefill", "decode"]  # the paged wrapper a call makes or plans: BatchPrefill... or BatchDecode...
+
+__all__ = ["ReplayRecord", "Route", "capture_decode_replays", "make_wrapper", "plan_args", "run_checked"]
 
 
 def _int32(values: Sequence[int]) -> Any:
@@ -34,7 +36,7 @@ def _int32(values: Sequence[int]) -> Any:
     return torch.tensor(list(values), dtype=torch.int32)
 
 
-def make_wrapper(route: str, float_buffer: Any, int_buffer: Any, *, tensor_cores: bool, cuda_graph: bool = False,
+def make_wrapper(route: Route, float_buffer: Any, int_buffer: Any, *, tensor_cores: bool, cuda_graph: bool = False,
                  layout: PagedLayout | None = None) -> Any:
     """A FlashInfer paged wrapper on ``float_buffer`` (uint8 CUDA tensor), FA2 backend, NHD layout.
 
@@ -73,7 +75,7 @@ def make_wrapper(route: str, float_buffer: Any, int_buffer: Any, *, tensor_cores
     return w
 
 
-def plan_args(route: str, layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int,
+def plan_args(route: Route, layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int,
               head_dim_vo: int, kv_data_type: str = "bfloat16") -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Positional and keyword arguments of ``plan()`` (and ``workspace_size()``) for a layout; ``kv_data_type`` is
     the torch dtype name of the KV cache (``KvDtype.torch``: the planner sees its size)."""
@@ -98,7 +100,7 @@ def plan_args(route: str, layout: PagedLayout, heads_q: int, heads_kv: int, head
     return (kv_indptr, kv_indices, last, heads_q, heads_kv, head_dim, layout.page_size), kw
 
 
-def run_checked(route: str, wrapper: Any, layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int,
+def run_checked(route: Route, wrapper: Any, layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int,
                 head_dim_vo: int, device: Any, *, plan: bool = True, seed: int = 0,
                 tolerance: float = BF16_TOLERANCE, buffer: Any = None) -> float:
     """Plan (unless already planned), run on random paged data, compare with the float32

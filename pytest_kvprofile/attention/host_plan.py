@@ -28,9 +28,10 @@ import threading
 from types import FrameType, SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+from pytest_kvprofile.attention.oracle import LOAD_MODE, get_oracle
+from pytest_kvprofile.attention.planner import decode_blocks_per_sm_bound
+from pytest_kvprofile.attention.reference import attend
 from pytest_kvprofile.matrix.gpus import smem_optin_for
-from pytest_kvprofile.sizing.oracle import LOAD_MODE, get_oracle
-from pytest_kvprofile.sizing.planner import decode_blocks_per_sm_bound
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -65,7 +66,7 @@ class PlanDevice(Protocol):
 
 def _unsupported(what: str) -> Exception:
     return SimulatedDeviceUnsupported(f"{what} is not supported on the simulated device "
-                                      "(pytest_kvprofile.sizing.host_plan)")
+                                      "(pytest_kvprofile.attention.host_plan)")
 
 
 class HostPlanner:
@@ -379,47 +380,29 @@ def _decode_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleName
 def paged_reference(q: Any, k_cache: Any, v_cache: Any, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
                     last_page_len: Any, o: Any, lse: Any, *, causal: bool, layout: int, window_left: int,
                     logits_soft_cap: float, sm_scale: float | None) -> None:
-    """Float32 attention over a paged KV cache into ``o`` (NHD layout 0, HND layout 1), as the kernel computes it:
-    GQA head mapping, the causal mask aligned to the end of each request's KV, sliding window, soft cap."""
-    import torch
-
+    """Float32 attention over a paged KV cache into ``o`` (NHD layout 0, HND layout 1), request by request through
+    ``reference.attend``, the one reference both tiers use."""
     if lse is not None:
         raise _unsupported("return_lse in run()")
     qo = [int(x) for x in qo_indptr.tolist()]
     kvp = [int(x) for x in kv_indptr.tolist()]
     idx = kv_indices.tolist()
     last = last_page_len.tolist()
-    heads_q, head_dim = int(q.shape[-2]), int(q.shape[-1])
+    head_dim = int(q.shape[-1])
     if layout == 1:
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     page_size, heads_kv = int(k_cache.shape[1]), int(k_cache.shape[2])
-    group = heads_q // heads_kv
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     for b in range(len(qo) - 1):
         pages = idx[kvp[b]:kvp[b + 1]]
         kv_len = (len(pages) - 1) * page_size + int(last[b]) if pages else 0
-        qb = q[qo[b]:qo[b + 1]].float()
-        n_q = qb.shape[0]
-        if n_q == 0:
+        if qo[b + 1] == qo[b]:
             continue
         if kv_len <= 0:
             o[qo[b]:qo[b + 1]] = 0
             continue
-        k = k_cache[pages].reshape(-1, heads_kv, k_cache.shape[-1])[:kv_len].float()
-        v = v_cache[pages].reshape(-1, heads_kv, v_cache.shape[-1])[:kv_len].float()
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        logits = torch.einsum("qhd,khd->hqk", qb, k) * scale
-        if logits_soft_cap and logits_soft_cap > 0:
-            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-        qpos = torch.arange(n_q).unsqueeze(1) + (kv_len - n_q)
-        kpos = torch.arange(kv_len).unsqueeze(0)
-        mask = torch.zeros(n_q, kv_len, dtype=torch.bool)
-        if causal:
-            mask |= kpos > qpos
-        if window_left is not None and window_left >= 0:
-            mask |= kpos < qpos - window_left
-        logits = logits.masked_fill(mask.unsqueeze(0), float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-        out = torch.einsum("hqk,khd->qhd", probs, v)
+        k = k_cache[pages].reshape(-1, heads_kv, k_cache.shape[-1])[:kv_len]
+        v = v_cache[pages].reshape(-1, heads_kv, v_cache.shape[-1])[:kv_len]
+        out = attend(q[qo[b]:qo[b + 1]], k, v, kv_len, scale=scale, causal=causal, window_left=window_left,
+                     logits_soft_cap=logits_soft_cap)
         o[qo[b]:qo[b + 1]] = out.to(o.dtype)

@@ -161,7 +161,7 @@ def test_plan_info_is_the_planners_for_the_simulated_sm_count():
     """The same batch plans differently on 142 and 132 SMs, and as the sizing oracle plans it for each."""
     import flashinfer
 
-    from pytest_kvprofile.sizing.oracle import get_oracle, indptrs
+    from pytest_kvprofile.attention.oracle import get_oracle, indptrs
 
     qo_lens, kv_lens, page, hq, hkv, hd = [7], [60000], 16, 32, 1, 128
     infos = {}

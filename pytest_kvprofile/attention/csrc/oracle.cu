@@ -4,7 +4,7 @@
 // cuda_stubs.cpp (a separate host-only translation unit), so the library links without libcudart
 // and the SM count / compute capability are whatever the caller sets through kvp_set_device().
 //
-// Build-time switches (set by pytest_kvprofile/sizing/oracle.py from the installed version):
+// Build-time switches (set by pytest_kvprofile/attention/oracle.py from the installed version):
 //   KVP_HAS_COUNT_ONLY  PrefillPlanWorkspaceSize / DecodePlanWorkspaceSize exist (>= 0.6.15)
 //   KVP_HAS_UNIFORM_Q   PrefillPlan takes (num_colocated_ctas, uniform_q_len, fixed_uniform_q_len)
 //   KVP_HAS_KV_DTYPE_BYTES  PrefillPlan takes a trailing kv_dtype_bytes (sizeof(DTypeKV), as the JIT module passes
@@ -277,7 +277,7 @@ int kvp_decode_plan_size(const int32_t* kv_indptr, int batch_size, int num_qo_he
 // ---------------------------------------------------------------------------------------------
 // Host plan(): the materializing planners on real host buffers, as FlashInfer's JIT plan()
 // functions call them (batch_prefill.cu BatchPrefillWithKVCachePlan, batch_decode.cu
-// BatchDecodeWithPagedKVCachePlan), for the simulated device's wrappers (sizing/host_plan.py).
+// BatchDecodeWithPagedKVCachePlan), for the simulated device's wrappers (attention/host_plan.py).
 // The device the planners see is set for the call and the previous one restored, so the sizing
 // oracle sharing this library keeps its own.
 

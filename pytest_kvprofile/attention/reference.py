@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvprofile.contract.protocol import Batch
-
 __all__ = [
     "BF16_TOLERANCE",
+    "attend",
     "AttentionMismatch",
     "PagedLayout",
     "attention_error",
@@ -27,7 +26,6 @@ __all__ = [
     "random_inputs",
     "reference_attention",
     "scratch_bytes",
-    "synthetic_lens",
 ]
 
 BF16_TOLERANCE = 2e-2  # relative (Frobenius) error of bf16 attention against a float32 reference
@@ -87,20 +85,6 @@ def paged_layout(qo_lens: Sequence[int], kv_lens: Sequence[int], page_size: int,
                        indices, last, physical)
 
 
-def synthetic_lens(batch: Batch, max_model_len: int, q_per_decode: int = 1) -> tuple[list[int], list[int]]:
-    """Query and KV lengths for a lifecycle Batch: prefill spreads its tokens over its requests
-    (KV = its own tokens); decode requests carry ``q_per_decode`` tokens over a 1024-token context."""
-    n = max(1, batch.num_reqs)
-    if batch.kind == "decode":
-        qo = [q_per_decode] * n
-        kv = [min(max_model_len, max(q_per_decode, 1024))] * n
-        return qo, kv
-    tokens = max(batch.num_tokens, n)
-    base, extra = divmod(tokens, n)
-    qo = [min(max_model_len, base + (1 if i < extra else 0)) for i in range(n)]
-    return qo, list(qo)
-
-
 def checked_requests(layout: PagedLayout, limit: int = CHECK_REQUESTS) -> list[int]:
     """The requests a check compares: all of a small batch, else the first and last ``limit // 2``."""
     n = layout.batch_size
@@ -108,6 +92,34 @@ def checked_requests(layout: PagedLayout, limit: int = CHECK_REQUESTS) -> list[i
         return list(range(n))
     half = limit // 2
     return sorted(set(range(half)) | set(range(n - half, n)))
+
+
+def attend(q: Any, k: Any, v: Any, kv_len: int, *, scale: float, causal: bool = True, window_left: int = -1,
+           logits_soft_cap: float = 0.0) -> Any:
+    """Float32 attention of one request's last ``q.shape[0]`` query rows over its first ``kv_len`` KV rows, as
+    FlashInfer's kernels compute it: GQA heads mapped by group, the causal mask aligned to the end of the KV, the
+    sliding window, the soft cap. ``q`` is [rows, H_q, D]; ``k``/``v`` [kv_len, H_kv, D]; returns [rows, H_q, D_vo].
+
+    The one reference both tiers compare against: the simulated device's ``run()`` (``host_plan.py``) and the GPU
+    tier's checked kernels (``reference_attention``)."""
+    import torch
+
+    rows, heads_q = int(q.shape[0]), int(q.shape[1])
+    group = heads_q // int(k.shape[1])
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if logits_soft_cap and logits_soft_cap > 0:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    pos_q = torch.arange(rows, device=q.device).unsqueeze(1) + (kv_len - rows)
+    pos_k = torch.arange(kv_len, device=q.device).unsqueeze(0)
+    mask = torch.zeros(rows, kv_len, dtype=torch.bool, device=q.device)
+    if causal:
+        mask |= pos_k > pos_q
+    if window_left is not None and window_left >= 0:
+        mask |= pos_k < pos_q - window_left
+    logits = logits.masked_fill(mask.unsqueeze(0), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1).nan_to_num(0.0), v)
 
 
 def reference_attention(q: Any, k_pages: Any, v_pages: Any, layout: PagedLayout, *, sm_scale: float | None = None,
@@ -119,29 +131,18 @@ def reference_attention(q: Any, k_pages: Any, v_pages: Any, layout: PagedLayout,
     """
     import torch
 
-    heads_q, dim = int(q.shape[1]), int(q.shape[2])
-    heads_kv = int(k_pages.shape[2])
-    group = heads_q // heads_kv
+    heads_kv, dim = int(k_pages.shape[2]), int(q.shape[2])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(dim)
     out: dict[int, Any] = {}
     for r in (requests if requests is not None else range(layout.batch_size)):
         q_len, kv_len = layout.qo_lens[r], layout.kv_lens[r]
         take = min(rows, q_len)
         q0 = layout.qo_indptr[r] + q_len - take
-        qr = q[q0:q0 + take].float()  # [take, Hq, D]
         idx = torch.tensor(layout.kv_indices[layout.kv_indptr[r]:layout.kv_indptr[r + 1]], dtype=torch.long,
                            device=k_pages.device)
-        k = k_pages.index_select(0, idx).reshape(-1, heads_kv, k_pages.shape[-1])[:kv_len].float()
-        v = v_pages.index_select(0, idx).reshape(-1, heads_kv, v_pages.shape[-1])[:kv_len].float()
-        k = k.repeat_interleave(group, dim=1)  # [kv, Hq, D]
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qr, k) * scale
-        # Row i of the request is query position q_len - take + i; it sees kv positions <= kv_len - q_len + that.
-        pos_q = torch.arange(q_len - take, q_len, device=q.device) + (kv_len - q_len)
-        pos_k = torch.arange(kv_len, device=q.device)
-        mask = pos_k[None, :] > pos_q[:, None]
-        scores = scores.masked_fill(mask[None], float("-inf"))
-        out[r] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        k = k_pages.index_select(0, idx).reshape(-1, heads_kv, k_pages.shape[-1])[:kv_len]
+        v = v_pages.index_select(0, idx).reshape(-1, heads_kv, v_pages.shape[-1])[:kv_len]
+        out[r] = attend(q[q0:q0 + take], k, v, kv_len, scale=scale)
     return out
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvprofile.sizing import oracle as oracle_mod
-from pytest_kvprofile.sizing import oracle_build
-from pytest_kvprofile.sizing.planner import (
+from pytest_kvprofile.attention import oracle as oracle_mod
+from pytest_kvprofile.attention import oracle_build
+from pytest_kvprofile.attention.planner import (
     PlannerDevice,
     ceil_div,
     decode_plan,
@@ -154,7 +154,7 @@ def test_group_writable_library_is_refused(oracle_cache, tmp_path, monkeypatch):
 
 def _build_in_child(cache: str, queue) -> None:
     os.environ["KVPROFILE_CACHE_DIR"] = cache
-    from pytest_kvprofile.sizing import oracle_build as ob
+    from pytest_kvprofile.attention import oracle_build as ob
 
     calls = []
     real = ob._compile
@@ -229,7 +229,7 @@ const char* cudaGetErrorString(int e) { return "fake cudart"; }
 ISOLATION_CHILD = r"""
 import ctypes, json, os, sys
 ctypes.CDLL(sys.argv[1], mode=os.RTLD_GLOBAL)  # what a CUDA torch does with libcudart before we load
-from pytest_kvprofile.sizing.oracle import get_oracle
+from pytest_kvprofile.attention.oracle import get_oracle
 o = get_oracle()
 out = {}
 for sm in (8, 132):
