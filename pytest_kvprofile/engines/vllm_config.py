@@ -24,8 +24,9 @@ __all__ = ["STANDIN_ARCHITECTURE", "UnexpressibleCase", "hf_config", "hf_config_
            "standin_model_registered"]
 
 STANDIN_ARCHITECTURE = "KvprofileStandinForCausalLM"
-_DTYPES = ("bf16", "fp16", "auto")  # a model of this dtype over a KV cache of it (torch names: matrix/kv_dtypes.py)
-_QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")  # a bf16 model over a quantized cache (--kv-cache-dtype)
+# The stand-in model's own dtypes (torch names): an unquantized KV cache is the model's dtype; a quantized one (its
+# KvDtype says so, matrix/kv_dtypes.py) sits under a bf16 model, as vLLM's --kv-cache-dtype puts it.
+_MODEL_TORCH_DTYPES = ("bfloat16", "float16")
 
 
 class UnexpressibleCase(ValueError):
@@ -45,9 +46,10 @@ def check_expressible(case: Case) -> None:
     refusal = _fp8_query_refusal(case) or _nvfp4_fa2_refusal(case)
     if refusal is not None:
         raise UnexpressibleCase(refusal)
-    if model.kv_dtype not in _DTYPES and model.kv_dtype not in _QUANTIZED:
-        raise UnexpressibleCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
-                                f"(model dtypes {', '.join(_DTYPES)}; quantized caches {', '.join(_QUANTIZED)})")
+    if not model.kv.quantized and model.kv.torch not in _MODEL_TORCH_DTYPES:
+        raise UnexpressibleCase(f"case {case.id}: KV dtype {model.kv_dtype!r} ({model.kv.torch}) is not expressed by "
+                                f"this adapter: its stand-in model is {' or '.join(_MODEL_TORCH_DTYPES)}, under any "
+                                "quantized cache of matrix/kv_dtypes.py")
     if case.gpu.compute_capability == (9, 0) and not model.kv.quantized:
         raise UnexpressibleCase(
             f"case {case.id}: with a {model.kv_dtype} KV cache on {case.gpu.name} (SM90) FlashInfer's 'auto' backend "
@@ -196,8 +198,8 @@ def standin_model_registered() -> Iterator[None]:
 def model_dtype(case: Case) -> Literal["bfloat16", "float16"]:
     """The model's dtype: the KV dtype where the cache is unquantized, bf16 under a quantized cache."""
     kv = case.model.kv
-    # cast: KvDtype.torch is a str, and for _DTYPES' entries (matrix/kv_dtypes.py) it is "bfloat16" or "float16"
-    return cast('Literal["bfloat16", "float16"]', kv.torch) if kv.name in _DTYPES else "bfloat16"
+    # cast: KvDtype.torch is a str; check_expressible lets an unquantized cache through only in _MODEL_TORCH_DTYPES
+    return cast('Literal["bfloat16", "float16"]', kv.torch) if not kv.quantized else "bfloat16"
 
 
 def cache_dtype(case: Case) -> str:
