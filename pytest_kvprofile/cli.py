@@ -12,9 +12,13 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 from pytest_kvprofile.units import MiB
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.checks.base import JsonObject
+    from pytest_kvprofile.matrix.cases import Case, Envelope, Matrix
 
 
 def _default_matrix() -> Path:
@@ -43,7 +47,7 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     """A one-line usage error with argparse's exit status."""
     print(f"kvprofile size: error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -95,13 +99,13 @@ def _kv_dtype_names() -> tuple[str, ...]:
     return kv_dtype_names()
 
 
-def _envelope(args: argparse.Namespace, base: Any) -> Any:
+def _envelope(args: argparse.Namespace, base: Envelope) -> Envelope:
     """The matrix's envelope with the command line's overrides."""
     import dataclasses
 
     from pytest_kvprofile.matrix.schema import MatrixError, parse_envelope
 
-    raw: dict[str, Any] = {}
+    raw: dict[str, object] = {}
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
         value = getattr(args, key)
         raw[key] = value if value is not None else getattr(base, key)
@@ -122,14 +126,14 @@ def _envelope(args: argparse.Namespace, base: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_matrix(path: str, mtime_ns: int, size: int) -> Any:
+def _load_matrix(path: str, mtime_ns: int, size: int) -> Matrix:
     """A matrix loaded once per file version (callers that size many cases in one process)."""
     from pytest_kvprofile.matrix.schema import load_matrix
 
     return load_matrix(path)
 
 
-def _case(args: argparse.Namespace) -> Any:
+def _case(args: argparse.Namespace) -> Case:
     """The case the check would size: model, GPU and layout from the arguments, envelope from the matrix."""
     import dataclasses
 
@@ -309,7 +313,7 @@ def _add_verdict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def _cmd_verdict_merge(args: argparse.Namespace) -> int:
     from pytest_kvprofile.report.documents import MergeError, merge_verdicts
 
-    docs: dict[str, dict[str, Any]] = {}  # Any: parsed JSON
+    docs: dict[str, JsonObject] = {}  # parsed JSON
     for path in args.verdicts:
         try:
             doc = json.loads(Path(path).read_text(encoding="utf-8"))

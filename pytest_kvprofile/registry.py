@@ -50,6 +50,7 @@ from pytest_kvprofile.lifecycle.parts import model_parts
 
 if TYPE_CHECKING:
     from pytest_kvprofile.checks.base import Check
+    from pytest_kvprofile.contract.protocol import Builder
     from pytest_kvprofile.matrix.cases import Case
 
 ENTRY_POINT_GROUP = "pytest_kvprofile.backends"
@@ -145,7 +146,7 @@ def load_factory(spec: str) -> list[Backend]:
     return call_factory(factory, spec)
 
 
-def call_factory(factory: Any, origin: str) -> list[Backend]:
+def call_factory(factory: object, origin: str) -> list[Backend]:
     if not callable(factory):
         raise BackendError(f"backend {origin!r}: {factory!r} is not callable")
     try:
@@ -207,7 +208,7 @@ def builtin_backends() -> dict[str, Backend]:
     return builtin_registry().backends
 
 
-def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_points: bool = True,
+def resolve_backends(specs: Iterable[str], hooked: Iterable[object] = (), entry_points: bool = True,
                      registry: Registry | None = None) -> list[Backend]:
     """Backends from the command line/ini and the hook; entry points only when none are named; the registry's
     default group (the correct stubs) if none.
@@ -245,13 +246,13 @@ def resolve_backends(specs: Iterable[str], hooked: Iterable[Any] = (), entry_poi
     return list(seen.values())
 
 
-PartsOnDevice = Callable[[Backend, Any], AbstractContextManager[Callable[[], list[Any]]]]
+PartsOnDevice = Callable[[Backend, "Case"], AbstractContextManager[Callable[[], list["Builder"]]]]
 """Constructs a backend's parts for a case on the case's device: a context manager yielding the constructor.
 What the constructor raises is the backend factory's; what entering the context raises is the harness's."""
 
 
 @contextlib.contextmanager
-def plain_parts(backend: Backend, case: Case) -> Iterator[Callable[[], list[Any]]]:
+def plain_parts(backend: Backend, case: Case) -> Iterator[Callable[[], list[Builder]]]:
     """Construction with no device set up (a real GPU, where plain torch calls already reach it)."""
     yield lambda: model_parts(backend, case)
 
@@ -293,6 +294,7 @@ def inspect_backend(backend: Backend, case: Case, on_device: PartsOnDevice = pla
         return _profile(backend, parts)
 
 
+# Any: Builders, read for an adapter's optional contract_api too, which the protocol does not name
 def _profile(backend: Backend, parts: list[Any]) -> BackendProfile:
     """The declarations of constructed parts, the protocol check and the NEUTRAL-alone derivation."""
     validate_builders(backend, [p for p in parts if not isinstance(p, ResourceAdapter)])
@@ -332,7 +334,7 @@ def _neutral_alone(backend: Backend, neutral: frozenset[str]) -> Backend:
     """
     make = backend.make_builders
 
-    def make_neutral(case: Case) -> list[Any]:
+    def make_neutral(case: Case) -> list[Builder]:
         return [b for b in make(case) if builder_name(b) in neutral]
 
     return Backend(

@@ -26,7 +26,7 @@ import math
 import sys
 import threading
 from types import FrameType, SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, Sequence, TypeAlias
 
 from pytest_kvprofile.attention.oracle import LOAD_MODE, get_oracle
 from pytest_kvprofile.attention.planner import decode_blocks_per_sm_bound
@@ -35,6 +35,11 @@ from pytest_kvprofile.matrix.gpus import smem_optin_for
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from torch import Tensor
+
+# an argument of FlashInfer's JIT module loaders (dtypes, head dims, flags), read by position as FlashInfer passes it
+ModuleArg: TypeAlias = Any
 
 __all__ = ["HostPlanError", "HostPlanner", "PlanDevice", "SimulatedDeviceUnsupported", "decode_loader",
            "get_host_planner", "mla_loader", "prefill_loader"]
@@ -72,7 +77,7 @@ def _unsupported(what: str) -> Exception:
 class HostPlanner:
     """ctypes binding of the host ``plan()`` entry points of the oracle library."""
 
-    def __init__(self, lib_path: Any) -> None:
+    def __init__(self, lib_path: Path | str) -> None:
         lib = ctypes.CDLL(str(lib_path), mode=LOAD_MODE)
         lib.kvp_last_error.restype = ctypes.c_char_p
         lib.kvp_host_prefill_plan.argtypes = [
@@ -148,7 +153,8 @@ def get_host_planner() -> HostPlanner:
     return planner
 
 
-PlanObserver = Callable[[Any, str, Any, bool], None]  # (the device planned on, route, float workspace, graph)
+# (the device planned on, route, float workspace, graph)
+PlanObserver = Callable[[PlanDevice, str, "Tensor", bool], None]
 _plan_observers: list[PlanObserver] = []
 
 
@@ -166,7 +172,7 @@ def observe_plans(callback: PlanObserver) -> Callable[[], None]:
     return stop
 
 
-def _note_plan(device: PlanDevice, module_route: str, float_ws: Any, cuda_graph: bool) -> None:
+def _note_plan(device: PlanDevice, module_route: str, float_ws: Tensor, cuda_graph: bool) -> None:
     if not _plan_observers:
         return
     frame: FrameType | None
@@ -188,11 +194,11 @@ def _device_tuple(device: PlanDevice) -> tuple[int, int, int, int]:
     return (device.num_sm, cc[0], cc[1], smem_optin_for(cc))  # type: ignore[arg-type]
 
 
-def _nbytes(t: Any) -> int:
+def _nbytes(t: Tensor) -> int:
     return int(t.numel()) * int(t.element_size())
 
 
-def _host_int32(t: Any, what: str) -> Any:
+def _host_int32(t: Tensor, what: str) -> Tensor:
     import torch
 
     if t.dtype != torch.int32:
@@ -202,9 +208,9 @@ def _host_int32(t: Any, what: str) -> Any:
 
 def prefill_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
     """Stands in for ``flashinfer.prefill.get_batch_prefill_module(backend, *args)``."""
-    cache: dict[tuple[Any, ...], SimpleNamespace] = {}
+    cache: dict[tuple[object, ...], SimpleNamespace] = {}
 
-    def get_batch_prefill_module(backend: str, *args: Any) -> SimpleNamespace:
+    def get_batch_prefill_module(backend: str, *args: ModuleArg) -> SimpleNamespace:
         key = (backend, *args)
         if key not in cache:
             if backend != "fa2":
@@ -217,9 +223,9 @@ def prefill_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
 
 def decode_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
     """Stands in for ``flashinfer.decode.get_batch_decode_module(*args)``."""
-    cache: dict[tuple[Any, ...], SimpleNamespace] = {}
+    cache: dict[tuple[object, ...], SimpleNamespace] = {}
 
-    def get_batch_decode_module(*args: Any) -> SimpleNamespace:
+    def get_batch_decode_module(*args: ModuleArg) -> SimpleNamespace:
         if args not in cache:
             cache[args] = _decode_module(device, args)
         return cache[args]
@@ -227,13 +233,13 @@ def decode_loader(device: PlanDevice) -> Callable[..., SimpleNamespace]:
     return get_batch_decode_module
 
 
-def mla_loader(device: PlanDevice) -> Callable[..., Any]:
+def mla_loader(device: PlanDevice) -> Callable[..., object]:
     """Stands in for ``flashinfer.mla``'s ``get_batch_mla_module(backend, dtype_q, dtype_kv, dtype_o, dtype_idx,
     head_dim_ckv, head_dim_kpe, use_profiler)``: the generated FA2/FA3 backends plan with the same ``MLAPlan``
     (``batch_mla_plan.cu``, ``batch_mla_sm90_plan.cu``); their ``run`` has no host implementation."""
-    cache: dict[tuple[Any, ...], Any] = {}
+    cache: dict[tuple[object, ...], object] = {}
 
-    def get_batch_mla_module(backend: str, *args: Any) -> Any:
+    def get_batch_mla_module(backend: str, *args: ModuleArg) -> object:
         key = (backend, *args)
         if key not in cache:
             if backend not in ("fa2", "fa3"):
@@ -244,10 +250,10 @@ def mla_loader(device: PlanDevice) -> Callable[..., Any]:
     return get_batch_mla_module
 
 
-def _mla_module(device: PlanDevice, backend: str) -> Any:
+def _mla_module(device: PlanDevice, backend: str) -> object:
     dev = _device_tuple(device)
 
-    def plan(float_ws: Any, int_ws: Any, pinned_ws: Any, qo_indptr: Any, kv_indptr: Any, kv_len: Any,
+    def plan(float_ws: Tensor, int_ws: Tensor, pinned_ws: Tensor, qo_indptr: Tensor, kv_indptr: Tensor, kv_len: Tensor,
              num_heads: int, head_dim_o: int, causal: bool) -> tuple[list[int], int]:
         qo = _host_int32(qo_indptr, "qo_indptr")
         kv = _host_int32(kv_indptr, "kv_indptr")
@@ -263,11 +269,11 @@ def _mla_module(device: PlanDevice, backend: str) -> Any:
         except HostPlanError as exc:
             raise RuntimeError(str(exc)) from None
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: object, **kwargs: object) -> NoReturn:
         raise _unsupported(f"FlashInfer batch MLA run() ({backend!r}; its plan() is served)")
 
     raw = SimpleNamespace(plan=plan, run=run)
-    proxy: Callable[[SimpleNamespace], Any] | None  # the adapter class, None on a FlashInfer without one
+    proxy: Callable[[SimpleNamespace], object] | None  # the adapter class, None on a FlashInfer without one
     try:  # FlashInfer's own adapter stages the planned work lists from the pinned buffer into the int workspace
         from flashinfer.jit.attention.modules import _BatchMLAModuleProxy
         proxy = _BatchMLAModuleProxy
@@ -278,12 +284,12 @@ def _mla_module(device: PlanDevice, backend: str) -> Any:
     return proxy(raw)
 
 
-def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNamespace:
+def _prefill_module(device: PlanDevice, module_args: Sequence[ModuleArg]) -> SimpleNamespace:
     pos_encoding = int(module_args[6]) if len(module_args) > 6 else 0
     kv_bytes = _kv_dtype_bytes(module_args)
     dev = _device_tuple(device)
 
-    def plan(float_ws: Any, int_ws: Any, pinned_ws: Any, qo_indptr: Any, kv_indptr: Any, kv_lens: Any,
+    def plan(float_ws: Tensor, int_ws: Tensor, pinned_ws: Tensor, qo_indptr: Tensor, kv_indptr: Tensor, kv_lens: Tensor,
              total_num_rows: int, batch_size: int, heads_q: int, heads_kv: int, page_size: int, cuda_graph: bool,
              head_dim_qk: int, head_dim_vo: int, causal: bool, window_left: int, fixed_split_size: int = -1,
              disable_split_kv: bool = False, num_colocated_ctas: int = 0, uniform_q_len: int = 0,
@@ -301,11 +307,13 @@ def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNam
         except HostPlanError as exc:
             raise RuntimeError(str(exc)) from None
 
-    def paged_run(float_ws: Any, int_ws: Any, plan_info: Any, q: Any, k_cache: Any, v_cache: Any, qo_indptr: Any,
-                  kv_indptr: Any, kv_indices: Any, last_page_len: Any, o: Any, lse: Any, mask_mode: int, layout: int,
-                  window_left: int, enable_pdl: bool, custom_mask: Any = None, mask_indptr: Any = None,
-                  alibi: Any = None, prefix_len: Any = None, token_pos: Any = None, max_item_len: Any = None,
-                  logits_soft_cap: float = 0.0, sm_scale: float | None = None, *rest: Any) -> Any:
+    def paged_run(float_ws: Tensor, int_ws: Tensor, plan_info: object, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  qo_indptr: Tensor, kv_indptr: Tensor, kv_indices: Tensor, last_page_len: Tensor, o: Tensor,
+                  lse: Tensor | None, mask_mode: int, layout: int, window_left: int, enable_pdl: bool,
+                  custom_mask: Tensor | None = None, mask_indptr: Tensor | None = None, alibi: Tensor | None = None,
+                  prefix_len: Tensor | None = None, token_pos: Tensor | None = None,
+                  max_item_len: Tensor | None = None, logits_soft_cap: float = 0.0, sm_scale: float | None = None,
+                  *rest: object) -> Tensor:
         if custom_mask is not None or prefix_len is not None or token_pos is not None:
             raise _unsupported("a custom mask or prefix/item positions in run()")
         if pos_encoding:
@@ -315,10 +323,10 @@ def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNam
                         logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
         return o
 
-    def ragged_run(*args: Any, **kwargs: Any) -> Any:
+    def ragged_run(*args: object, **kwargs: object) -> NoReturn:
         raise _unsupported("run() of the ragged prefill wrapper (its plan() is served)")
 
-    def workspace_size(*args: Any, **kwargs: Any) -> Any:
+    def workspace_size(*args: object, **kwargs: object) -> NoReturn:
         raise _unsupported("workspace_size() (use pytest_kvprofile.sizing.for_case)")
 
     def prewarm(variant: str = "independent") -> None:
@@ -328,20 +336,21 @@ def _prefill_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNam
                            prewarm_paged_kv_stride_variant=prewarm)
 
 
-def _kv_dtype_bytes(module_args: Sequence[Any]) -> int:
+def _kv_dtype_bytes(module_args: Sequence[ModuleArg]) -> int:
     """``sizeof(DTypeKV)`` of the module FlashInfer asked for: its arguments are (q, kv, o dtypes, ...), as
     ``get_batch_prefill_module`` receives them; the JIT module passes it to the planner."""
     kv = module_args[1] if len(module_args) > 1 else None
     return int(getattr(kv, "itemsize", 2)) or 2
 
 
-def _decode_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleNamespace:
+def _decode_module(device: PlanDevice, module_args: Sequence[ModuleArg]) -> SimpleNamespace:
     pos_encoding = int(module_args[6]) if len(module_args) > 6 else 0
     dev = _device_tuple(device)
 
-    def plan(float_ws: Any, int_ws: Any, pinned_ws: Any, indptr: Any, batch_size: int, heads_q: int,
+    def plan(float_ws: Tensor, int_ws: Tensor, pinned_ws: Tensor, indptr: Tensor, batch_size: int, heads_q: int,
              heads_kv: int, page_size: int, cuda_graph: bool, window_left: int, logits_soft_cap: float,
-             head_dim_qk: int, head_dim_vo: int, empty_q: Any = None, empty_kv: Any = None) -> list[int]:
+             head_dim_qk: int, head_dim_vo: int, empty_q: Tensor | None = None,
+             empty_kv: Tensor | None = None) -> list[int]:
         if head_dim_qk != head_dim_vo:
             raise RuntimeError("CUDA cores template only supports equal head dim for QK and VO, please use tensor "
                                "cores template for different head dim")
@@ -358,9 +367,10 @@ def _decode_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleName
         except HostPlanError as exc:
             raise RuntimeError(str(exc)) from None
 
-    def run(float_ws: Any, int_ws: Any, plan_info: Any, q: Any, k_cache: Any, v_cache: Any, kv_indptr: Any,
-            kv_indices: Any, last_page_len: Any, o: Any, lse: Any, layout: int, window_left: int, enable_pdl: bool,
-            alibi: Any = None, logits_soft_cap: float = 0.0, sm_scale: float | None = None, *rest: Any) -> Any:
+    def run(float_ws: Tensor, int_ws: Tensor, plan_info: object, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+            kv_indptr: Tensor, kv_indices: Tensor, last_page_len: Tensor, o: Tensor, lse: Tensor | None, layout: int,
+            window_left: int, enable_pdl: bool, alibi: Tensor | None = None, logits_soft_cap: float = 0.0,
+            sm_scale: float | None = None, *rest: object) -> Tensor:
         if pos_encoding:
             raise _unsupported(f"pos_encoding_mode {pos_encoding} in run()")
         import torch
@@ -371,14 +381,15 @@ def _decode_module(device: PlanDevice, module_args: Sequence[Any]) -> SimpleName
                         sm_scale=sm_scale)
         return o
 
-    def workspace_size(*args: Any, **kwargs: Any) -> Any:
+    def workspace_size(*args: object, **kwargs: object) -> NoReturn:
         raise _unsupported("workspace_size() (use pytest_kvprofile.sizing.for_case)")
 
     return SimpleNamespace(plan=plan, workspace_size=workspace_size, run=run)
 
 
-def paged_reference(q: Any, k_cache: Any, v_cache: Any, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
-                    last_page_len: Any, o: Any, lse: Any, *, causal: bool, layout: int, window_left: int,
+def paged_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, qo_indptr: Tensor, kv_indptr: Tensor,
+                    kv_indices: Tensor, last_page_len: Tensor, o: Tensor, lse: Tensor | None, *, causal: bool,
+                    layout: int, window_left: int,
                     logits_soft_cap: float, sm_scale: float | None) -> None:
     """Float32 attention over a paged KV cache into ``o`` (NHD layout 0, HND layout 1), request by request through
     ``reference.attend``, the one reference both tiers use."""

@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from pytest_kvprofile.attention.planner import FAMILY_06_MATERIALIZE, FAMILY_07, family_of
 
@@ -306,7 +305,7 @@ def ensure_built(force: bool = False) -> Path:
     return keydir / LIB_NAME
 
 
-def build_info(lib_path: Path) -> dict[str, Any]:  # Any: parsed JSON (strings, numbers, a list)
+def build_info(lib_path: Path) -> dict[str, object]:  # parsed JSON (strings, numbers, a list)
     """The build sidecar (compiler, command, build time) of a built library."""
     meta = lib_path.parent / META_NAME
     return json.loads(meta.read_text()) if meta.is_file() else {}

@@ -12,7 +12,11 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 __all__ = [
     "BF16_TOLERANCE",
@@ -94,8 +98,8 @@ def checked_requests(layout: PagedLayout, limit: int = CHECK_REQUESTS) -> list[i
     return sorted(set(range(half)) | set(range(n - half, n)))
 
 
-def attend(q: Any, k: Any, v: Any, kv_len: int, *, scale: float, causal: bool = True, window_left: int = -1,
-           logits_soft_cap: float = 0.0) -> Any:
+def attend(q: Tensor, k: Tensor, v: Tensor, kv_len: int, *, scale: float, causal: bool = True, window_left: int = -1,
+           logits_soft_cap: float = 0.0) -> Tensor:
     """Float32 attention of one request's last ``q.shape[0]`` query rows over its first ``kv_len`` KV rows, as
     FlashInfer's kernels compute it: GQA heads mapped by group, the causal mask aligned to the end of the KV, the
     sliding window, the soft cap. ``q`` is [rows, H_q, D]; ``k``/``v`` [kv_len, H_kv, D]; returns [rows, H_q, D_vo].
@@ -122,8 +126,9 @@ def attend(q: Any, k: Any, v: Any, kv_len: int, *, scale: float, causal: bool = 
     return torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1).nan_to_num(0.0), v)
 
 
-def reference_attention(q: Any, k_pages: Any, v_pages: Any, layout: PagedLayout, *, sm_scale: float | None = None,
-                        requests: Sequence[int] | None = None, rows: int = CHECK_ROWS) -> dict[int, Any]:
+def reference_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, layout: PagedLayout, *,
+                        sm_scale: float | None = None, requests: Sequence[int] | None = None,
+                        rows: int = CHECK_ROWS) -> dict[int, Tensor]:
     """Float32 causal (bottom-right aligned) attention over a paged NHD cache, for the last
     ``rows`` query rows of each request in ``requests``: {request: [rows, H_q, D_vo]}.
 
@@ -133,7 +138,7 @@ def reference_attention(q: Any, k_pages: Any, v_pages: Any, layout: PagedLayout,
 
     heads_kv, dim = int(k_pages.shape[2]), int(q.shape[2])
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(dim)
-    out: dict[int, Any] = {}
+    out: dict[int, Tensor] = {}
     for r in (requests if requests is not None else range(layout.batch_size)):
         q_len, kv_len = layout.qo_lens[r], layout.kv_lens[r]
         take = min(rows, q_len)
@@ -146,7 +151,7 @@ def reference_attention(q: Any, k_pages: Any, v_pages: Any, layout: PagedLayout,
     return out
 
 
-def attention_error(out: Any, reference: dict[int, Any], layout: PagedLayout, rows: int = CHECK_ROWS) -> float:
+def attention_error(out: Tensor, reference: dict[int, Tensor], layout: PagedLayout, rows: int = CHECK_ROWS) -> float:
     """Largest relative Frobenius error over the checked requests (``out`` is [total_q, H_q, D_vo])."""
     worst = 0.0
     for r, ref in reference.items():
@@ -177,7 +182,7 @@ def scratch_bytes(layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: in
 
 
 def random_inputs(layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int,
-                  device: Any, seed: int = 0, buffer: Any = None) -> dict[str, Any]:
+                  device: torch.device | str, seed: int = 0, buffer: Tensor | None = None) -> dict[str, Tensor]:
     """bf16 q, paged K/V (``layout.num_physical_pages`` pages) and an output tensor, filled with
     N(0, 1) (out with zeros). With ``buffer`` (a uint8 tensor of at least ``scratch_bytes``), all
     four are carved out of it, so the ledger's one allocation is the test data's real footprint."""
@@ -185,7 +190,7 @@ def random_inputs(layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: in
 
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    out: dict[str, Any] = {}
+    out: dict[str, Tensor] = {}
     offset = 0
     for name, shape in input_shapes(layout, heads_q, heads_kv, head_dim, head_dim_vo).items():
         nbytes = 2 * math.prod(shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from pytest_kvprofile.attention.reference import (
     BF16_TOLERANCE,
@@ -24,20 +24,31 @@ from pytest_kvprofile.attention.reference import (
     reference_attention,
 )
 
+if TYPE_CHECKING:
+    import torch
+    from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
+    from torch import Tensor
+
+    PagedWrapper: TypeAlias = BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper
+
+# plan()'s positional and keyword arguments (tensors, head counts, dtypes, by position): their types are FlashInfer's
+# signature, which tests/gpu/test_signatures.py checks against the installed FlashInfer
+PlanArgs: TypeAlias = tuple[tuple[Any, ...], dict[str, Any]]
+
 Route = Literal["prefill", "decode"]  # the paged wrapper a call makes or plans: BatchPrefill... or BatchDecode...
 
 __all__ = ["ReplayRecord", "Route", "capture_decode_replays", "make_wrapper", "plan_args", "run_checked"]
 
 
-def _int32(values: Sequence[int]) -> Any:
+def _int32(values: Sequence[int]) -> Tensor:
     """Host int32 metadata: plan() reads it on the host and copies it into its own device buffers."""
     import torch
 
     return torch.tensor(list(values), dtype=torch.int32)
 
 
-def make_wrapper(route: Route, float_buffer: Any, int_buffer: Any, *, tensor_cores: bool, cuda_graph: bool = False,
-                 layout: PagedLayout | None = None) -> Any:
+def make_wrapper(route: Route, float_buffer: Tensor, int_buffer: Tensor | None, *, tensor_cores: bool,
+                 cuda_graph: bool = False, layout: PagedLayout | None = None) -> PagedWrapper:
     """A FlashInfer paged wrapper on ``float_buffer`` (uint8 CUDA tensor), FA2 backend, NHD layout.
 
     FA2 is named explicitly because it is the planner the sizing oracle runs; ``auto`` may choose
@@ -49,7 +60,7 @@ def make_wrapper(route: Route, float_buffer: Any, int_buffer: Any, *, tensor_cor
     import torch
 
     dev = float_buffer.device
-    graph_kw: dict[str, Any] = {}
+    graph_kw: dict[str, Tensor] = {}
     if cuda_graph:
         if layout is None:
             raise ValueError("a CUDA-graph wrapper needs the batch layout to size its buffers")
@@ -63,7 +74,7 @@ def make_wrapper(route: Route, float_buffer: Any, int_buffer: Any, *, tensor_cor
             graph_kw = dict(paged_kv_indptr_buffer=torch.empty(b + 1, dtype=torch.int32, device=dev),
                             paged_kv_indices_buffer=torch.empty(len(layout.kv_indices), dtype=torch.int32, device=dev),
                             paged_kv_last_page_len_buffer=torch.empty(b, dtype=torch.int32, device=dev))
-    w: Any  # a prefill or a decode wrapper: both plan() and run() alike here
+    w: PagedWrapper
     if route == "prefill":
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(float_buffer, "NHD", use_cuda_graph=cuda_graph,
                                                            backend="fa2", **graph_kw)
@@ -76,7 +87,7 @@ def make_wrapper(route: Route, float_buffer: Any, int_buffer: Any, *, tensor_cor
 
 
 def plan_args(route: Route, layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int,
-              head_dim_vo: int, kv_data_type: str = "bfloat16") -> tuple[tuple[Any, ...], dict[str, Any]]:
+              head_dim_vo: int, kv_data_type: str = "bfloat16") -> PlanArgs:
     """Positional and keyword arguments of ``plan()`` (and ``workspace_size()``) for a layout; ``kv_data_type`` is
     the torch dtype name of the KV cache (``KvDtype.torch``: the planner sees its size)."""
     import torch
@@ -94,15 +105,15 @@ def plan_args(route: Route, layout: PagedLayout, heads_q: int, heads_kv: int, he
         raise ValueError(f"a decode batch has one query length per request, got {sorted(set(layout.qo_lens))}")
     if head_dim_vo != head_dim:
         raise ValueError("the decode wrapper takes one head_dim; MLA-shaped layouts are prefill-only here")
-    kw: dict[str, Any] = dict(dtypes)
+    kw: dict[str, torch.dtype | int] = dict(dtypes)
     if q_len > 1:
         kw["q_len_per_req"] = q_len
     return (kv_indptr, kv_indices, last, heads_q, heads_kv, head_dim, layout.page_size), kw
 
 
-def run_checked(route: Route, wrapper: Any, layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int,
-                head_dim_vo: int, device: Any, *, plan: bool = True, seed: int = 0,
-                tolerance: float = BF16_TOLERANCE, buffer: Any = None) -> float:
+def run_checked(route: Route, wrapper: PagedWrapper, layout: PagedLayout, heads_q: int, heads_kv: int, head_dim: int,
+                head_dim_vo: int, device: torch.device | str, *, plan: bool = True, seed: int = 0,
+                tolerance: float = BF16_TOLERANCE, buffer: Tensor | None = None) -> float:
     """Plan (unless already planned), run on random paged data, compare with the float32
     reference; returns the relative error, raises AttentionMismatch past ``tolerance``."""
     if plan:
@@ -134,7 +145,7 @@ class ReplayRecord:
     replanned: bool
 
 
-def capture_decode_replays(arena: Any, layout: PagedLayout, *, heads_q: int, heads_kv: int, head_dim: int,
+def capture_decode_replays(arena: Tensor, layout: PagedLayout, *, heads_q: int, heads_kv: int, head_dim: int,
                            tensor_cores: bool, replays: int = 4, tolerance: float = BF16_TOLERANCE,
                            seed: int = 0) -> list[ReplayRecord]:
     """Capture a CUDA-graph decode wrapper's ``run()`` in ``torch.cuda.graph`` on ``arena`` (the float

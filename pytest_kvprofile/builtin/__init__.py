@@ -4,18 +4,19 @@ real FlashInfer wrappers with its mutants, and the DMA output workspace resource
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pluggy import HookimplMarker
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.backends import BackendRegistrar
     from pytest_kvprofile.contract.device import Device
+    from pytest_kvprofile.contract.workspace import WorkspaceManager
 
 hookimpl = HookimplMarker("pytest")
 
 
-def _harness_manager(device: Device, num_ubatches: int) -> Any:
+def _harness_manager(device: Device, num_ubatches: int) -> WorkspaceManager:
     from pytest_kvprofile.contract.workspace import WorkspaceManager
 
     return WorkspaceManager(device, num_ubatches=num_ubatches)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.attention.reference import PagedLayout, paged_layout, scratch_bytes
@@ -48,7 +48,17 @@ from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.sizing.case import decode_tensor_cores, for_case
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pytest_kvprofile.attention.wrappers import PagedWrapper
+    from pytest_kvprofile.contract.lease import Lease
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.contract.workspace import ArenaView
     from pytest_kvprofile.matrix.cases import Case
+
+# a slot's FlashInfer wrapper (prefill, decode): made with the slot, None only as the dataclass default, so read
+# without a None check
+SlotWrapper: TypeAlias = Any
 
 __all__ = [
     "FLASHINFER_INT_WORKSPACE_BYTES",
@@ -67,18 +77,18 @@ class Slot:
     """One micro-batch's wrappers, the arena view they share and the metadata buffers they plan from."""
 
     ubatch: int
-    arena: Any  # the ArenaView whose tensor is every wrapper's float workspace
-    qo_indptr: Any
-    kv_indptr: Any
-    kv_indices: Any
-    last_page_len: Any
-    prefill: Any = None
-    decode: Any = None
-    graph: dict[int, Any] = field(default_factory=dict)  # captured decode step's requests -> wrapper
+    arena: ArenaView  # its tensor is every wrapper's float workspace
+    qo_indptr: Tensor
+    kv_indptr: Tensor
+    kv_indices: Tensor
+    last_page_len: Tensor
+    prefill: SlotWrapper = None
+    decode: SlotWrapper = None
+    graph: dict[int, PagedWrapper] = field(default_factory=dict)  # captured decode step's requests -> wrapper
     # wrapper role -> its int workspace, where the builder allocated it through the context (a TensorDevice)
-    int_workspaces: dict[str, tuple[Allocation, Any]] = field(default_factory=dict)
+    int_workspaces: dict[str, tuple[Allocation, Tensor]] = field(default_factory=dict)
 
-    def wrappers(self) -> list[tuple[str, Any]]:
+    def wrappers(self) -> list[tuple[str, PagedWrapper]]:
         out = [("prefill", self.prefill), ("decode", self.decode)]
         out += [(f"cuda-graph decode bs={n}", w) for n, w in sorted(self.graph.items())]
         return [(role, w) for role, w in out if w is not None]
@@ -183,7 +193,7 @@ class RealFlashInferBuilder:
         """The GPU tier's device, whose allocations are tensors; None in torch mode (plain torch calls)."""
         return ctx.device if isinstance(ctx.device, TensorDevice) else None
 
-    def _arena_tensor(self, ctx: BuilderContext, arena: Any) -> Any:
+    def _arena_tensor(self, ctx: BuilderContext, arena: ArenaView) -> Tensor:
         if arena.tensor is not None:
             return arena.tensor
         device = self._tensor_device(ctx)
@@ -197,7 +207,7 @@ class RealFlashInferBuilder:
         self._owned.append((ctx, alloc))
         return alloc
 
-    def _int32(self, ctx: BuilderContext, n: int, tag: str, *, arange: bool = False) -> Any:
+    def _int32(self, ctx: BuilderContext, n: int, tag: str, *, arange: bool = False) -> Tensor:
         """A page-table buffer of ``n`` int32 on the device: a plain torch call in torch mode, a ledger allocation
         on a TensorDevice."""
         import torch
@@ -237,7 +247,7 @@ class RealFlashInferBuilder:
                                "was not called")
         return slot
 
-    def _plan(self, slot: Slot, wrapper: Any, route: str, qo: list[int], kv: list[int]) -> None:
+    def _plan(self, slot: Slot, wrapper: PagedWrapper, route: str, qo: list[int], kv: list[int]) -> None:
         """Write the batch's page table into the slot's device buffers and ``plan()`` ``wrapper`` on them."""
         import torch
 
@@ -269,7 +279,7 @@ class RealFlashInferBuilder:
             self._plan(slot, slot.decode, "decode", *self._lens(Batch("decode", reqs, reqs * (1 + self.case.mtp))))
 
     # -- the protocol ----------------------------------------------------------------------------
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         """Build (and prime) every wrapper now, so the closing measurement sees all of FlashInfer's memory.
         The builder keeps them after the lease is released: they are the serving wrappers."""
         mark = len(self._owned)
@@ -310,7 +320,7 @@ class RealFlashInferBuilder:
             errors.append(self._check(ctx, "decode", slot.decode, decode, heads.heads_q_decode, ub))
         self.errors = errors
 
-    def _check(self, ctx: BuilderContext, route: Route, wrapper: Any, layout: PagedLayout, heads_q: int,
+    def _check(self, ctx: BuilderContext, route: Route, wrapper: PagedWrapper, layout: PagedLayout, heads_q: int,
                ubatch: int) -> float:
         """One plan + run + reference comparison, with the test tensors' bytes in the ledger."""
         device = self._tensor_device(ctx)
@@ -368,7 +378,7 @@ class LazyRealFlashInferBuilder(RealFlashInferBuilder):
 
     name = "flashinfer-lazy"
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         return ctx.lease([])
 
     def _slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
@@ -404,7 +414,7 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-def _ledger_range(tensor: Any, arena: Any = None) -> tuple[int, int]:
+def _ledger_range(tensor: Tensor, arena: ArenaView | None = None) -> tuple[int, int]:
     """A workspace tensor's ``(ptr, nbytes)`` in the simulated ledger (its storage's allocation plus the view's
     offset); when no simulation is active, the arena view's own range, or ``(0, 0)`` without one."""
     from pytest_kvprofile.memory.torch_mode import active_simulation
@@ -427,7 +437,7 @@ def mla_refusal(case: Case) -> str | None:
 
 
 def _backend(name: str, cls: type, description: str, origin: str, bug: int | None = None) -> Backend:
-    def make(case: Case) -> list[Any]:
+    def make(case: Case) -> list[Builder]:
         return [cls(case)]
 
     make.__qualname__ = f"make_{name.replace('-', '_')}"

@@ -38,13 +38,20 @@ from pytest_kvprofile.sizing.case import for_case, vllm_default_float_bytes
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pytest_kvprofile.contract.device import Allocation
+    from pytest_kvprofile.contract.lease import Lease
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.contract.resources import PersistentResource
+    from pytest_kvprofile.contract.workspace import ArenaView
     from pytest_kvprofile.matrix.cases import Case
 
 
 class LazyWorkspaceBuilder(FlashInferLikeBuilder):
     """Bug 1: declares REQUIRED but leaves its wrappers (and int workspaces) to the first plan()."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         return ctx.lease([])
 
 
@@ -52,7 +59,7 @@ class LazyLargeBatchWrapperBuilder(FlashInferLikeBuilder):
     """Bug 1b: reserves its wrappers, but a separate wrapper for prefill/mixed batches of more than 8
     requests (a ragged-KV path) is created on the first such plan(), after KV sizing."""
 
-    def build(self, ctx: BuilderContext, batch: Any) -> None:
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
         super().build(ctx, batch)
         key = ("ragged prefill", batch.ubatch)
         if batch.kind != "decode" and batch.num_reqs > 8 and key not in self.wrappers:
@@ -62,7 +69,7 @@ class LazyLargeBatchWrapperBuilder(FlashInferLikeBuilder):
 class EarlyReleaseBuilder(FlashInferLikeBuilder):
     """Bug 2: releases its lease inside the profiling block, before the closing measurement."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         lease = super().reserve_persistent_workspace(ctx)
         lease.release()
         return lease
@@ -71,7 +78,7 @@ class EarlyReleaseBuilder(FlashInferLikeBuilder):
 class NeverReleasedBuilder(FlashInferLikeBuilder):
     """Bug 3: its lease keeps the profiling wrappers alive forever (they leak into graph profiling)."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         wrappers = self._materialize(ctx)
         self.leaked = wrappers
         for key in [k for k, v in self.wrappers.items() if v in wrappers]:
@@ -82,7 +89,7 @@ class NeverReleasedBuilder(FlashInferLikeBuilder):
 class GrowAfterLockBuilder(FlashInferLikeBuilder):
     """Bug 4a: sizes its float request from the live batch, so serving asks the locked arena to grow."""
 
-    def build(self, ctx: BuilderContext, batch: Any) -> None:
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
         super().build(ctx, batch)
         if not ctx.dummy and batch.kind == "prefill":
             ctx.get_workspace(self.float_bytes() + 2 * MiB, batch.ubatch)
@@ -91,7 +98,7 @@ class GrowAfterLockBuilder(FlashInferLikeBuilder):
 class SwallowedGrowAfterLockBuilder(FlashInferLikeBuilder):
     """Bug 4c: like 4a, but catches the locked arena's refusal and plans into its own transient buffer."""
 
-    def build(self, ctx: BuilderContext, batch: Any) -> None:
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
         super().build(ctx, batch)
         if not ctx.dummy and batch.kind == "prefill":
             try:
@@ -113,7 +120,7 @@ class ReallocOnRebindBuilder(FlashInferLikeBuilder):
 class UbatchAliasBuilder(FlashInferLikeBuilder):
     """Bug 5: every micro-batch's wrapper is bound to micro-batch 0's arena."""
 
-    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
         return ctx.get_workspace(self.float_bytes(), 0)
 
 
@@ -126,7 +133,7 @@ class SilentUbatchAliasBuilder(UbatchAliasBuilder):
 class TruthyDeclarationBuilder(FlashInferLikeBuilder):
     """Bug 6a: answers ``True`` instead of a ProfilingSupport member (fail-open under a truthiness test)."""
 
-    def get_persistent_workspace_memory_profiling_support(self) -> Any:
+    def get_persistent_workspace_memory_profiling_support(self) -> Any:  # Any: True, the wrong type, is its bug
         return True
 
 
@@ -144,7 +151,7 @@ class NonIdempotentWarmupBuilder(FlashInferLikeBuilder):
 
     def __init__(self, case: Case):
         super().__init__(case)
-        self.caches: list[Any] = []
+        self.caches: list[Allocation] = []
 
     def warmup(self, ctx: BuilderContext) -> None:
         scratch = ctx.allocate(64 * MiB, "autotune scratch")
@@ -201,7 +208,7 @@ class ReleaseCallbackAllocatesBuilder(TorchFlashInferLikeBuilder):
     """Bug 1c (torch mode): the lease's release callback re-creates the decode plan cache for serving, after the
     closing measurement, from a callback the engine calls rather than from a builder method."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         made = self._materialize(ctx)
 
         def release() -> None:
@@ -219,7 +226,7 @@ class TorchLeakyRetryWarmupBuilder(TorchFlashInferLikeBuilder):
 
     def __init__(self, case: Case):
         super().__init__(case)
-        self.tuned: list[Any] = []
+        self.tuned: list[Tensor] = []
 
     def warmup(self, ctx: BuilderContext) -> None:
         import torch
@@ -263,7 +270,7 @@ class FixedDefaultViewBuilder(FlashInferLikeBuilder):
     (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``, 394 MiB) "to be safe": the arena grows inside the window and KV
     sizing loses what the declaration never mentioned."""
 
-    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
         return ctx.get_workspace(max(self.float_bytes(), 394 * MiB), ubatch)
 
 
@@ -279,7 +286,7 @@ class SyntheticInCaptureBuilder(FlashInferLikeBuilder):
 class SyntheticInCapturedBuildBuilder(FlashInferLikeBuilder):
     """Bug 9b: its plan builds a synthetic profiling workspace for every dummy batch, captured ones included."""
 
-    def build(self, ctx: BuilderContext, batch: Any) -> None:
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
         super().build(ctx, batch)
         if ctx.dummy:
             synthetic = ctx.allocate(self._synthetic_bytes(), "synthetic plan workspace")
@@ -314,7 +321,7 @@ class TorchKeptAndRemadeBuilder(TorchFlashInferLikeBuilder):
     """Bug 3b (torch mode): releases its lease, but keeps the profiling wrappers alive in a side list and makes them
     again on rebind: the leased bytes exist twice after KV sizing (plain tensors: their tags never match)."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         self.profiling_wrappers = self._materialize(ctx)
         self.wrappers.clear()
         return ctx.lease(self.profiling_wrappers)
@@ -326,7 +333,7 @@ class TorchDataPtrAliasBuilder(TorchFlashInferLikeBuilder):
 
     def __init__(self, case: Case):
         super().__init__(case)
-        self.float_tensors: dict[tuple[str, int], Any] = {}
+        self.float_tensors: dict[tuple[str, int], Any] = {}  # Any: arena tensors, never None in torch mode
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         wrapper = super()._new_wrapper(ctx, route, ubatch)
@@ -346,7 +353,7 @@ class NeutralLateStateBuilder(GDNLikeBuilder):
 
     def __init__(self, case: Case):
         super().__init__(case)
-        self.state: Any = None
+        self.state: Allocation | None = None
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
         super().build(ctx, batch)
@@ -367,7 +374,7 @@ class TorchNeutralLateStateBuilder(GDNLikeBuilder):
 
     def __init__(self, case: Case):
         super().__init__(case)
-        self.state: Any = None
+        self.state: Tensor | None = None
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
         import torch
@@ -405,7 +412,7 @@ class TorchDoubleFreeCloseBuilder(TorchFlashInferLikeBuilder):
     """Bug 18c (torch mode): keeps a raw ``caching_allocator_alloc`` buffer from its reservation and hands it back
     twice in ``close()``."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         import torch
 
         raw = torch.cuda.caching_allocator_alloc(MiB)
@@ -550,7 +557,7 @@ class PlansIntoOtherUbatchBuilder(FlashInferLikeBuilder):
     """Bug 5d: asks for every micro-batch's arena view, but plans every batch with micro-batch 0's wrapper, so
     micro-batch 1's plans land in micro-batch 0's arena (its grants and bound_workspaces() look right)."""
 
-    def _wrapper_for(self, ctx: BuilderContext, batch: Batch) -> Any:
+    def _wrapper_for(self, ctx: BuilderContext, batch: Batch) -> Wrapper:
         return super()._wrapper_for(ctx, Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, 0))
 
 
@@ -558,7 +565,7 @@ class TorchWritesOtherUbatchBuilder(TorchFlashInferLikeBuilder):
     """Bug 5e (torch mode): the same as 5d with plain torch writes: every build writes micro-batch 0's arena
     tensor, whichever micro-batch it builds."""
 
-    def _wrapper_for(self, ctx: BuilderContext, batch: Batch) -> Any:
+    def _wrapper_for(self, ctx: BuilderContext, batch: Batch) -> Wrapper:
         return super()._wrapper_for(ctx, Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, 0))
 
 
@@ -566,7 +573,7 @@ class PlansIntoReleasedWorkspaceBuilder(FlashInferLikeBuilder):
     """Bug 16a: its lease release frees the wrappers' int workspaces and pinned mirrors but keeps the wrappers, so
     rebind re-creates nothing and every plan after KV sizing lands in memory the release gave back."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         wrappers = self._materialize(ctx)
 
         def release() -> None:
@@ -584,7 +591,7 @@ class StaleViewAfterGrowthBuilder(FlashInferLikeBuilder):
 
     bound_workspaces = None  # type: ignore[assignment]  # the optional hook withdrawn: not reported
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         return ctx.lease(self._materialize(ctx))
 
     def warmup(self, ctx: BuilderContext) -> None:
@@ -600,7 +607,7 @@ class TorchStaleArenaViewBuilder(TorchFlashInferLikeBuilder):
 
     bound_workspaces = None  # type: ignore[assignment]  # the optional hook withdrawn: not reported
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         return ctx.lease(self._materialize(ctx))
 
     def warmup(self, ctx: BuilderContext) -> None:
@@ -614,7 +621,7 @@ class ReservationKeepsPartialBuilder(FlashInferLikeBuilder):
     """Bug 17a: a reservation that fails part-way keeps the wrappers it already made; the engine's second
     reservation makes them all again, so it holds more than a clean one (and the first ones leak)."""
 
-    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+    def _materialize(self, ctx: BuilderContext) -> list[Wrapper]:
         made = []
         for route in self.routes():
             for ub in range(ctx.num_ubatches):
@@ -628,9 +635,9 @@ class RemakesCapturedIndexBuffersBuilder(FlashInferLikeBuilder):
     planned into at capture, is made again at the same size on the first serving step; the captured graph still
     reads the old one."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         wrappers = self._materialize(ctx)
-        self.index: dict[int, Any] = {}
+        self.index: dict[int, Allocation] = {}
         try:
             for ub in range(ctx.num_ubatches):
                 self.index[ub] = ctx.allocate(1 << 20, f"graph decode index buffer [ubatch {ub}]")
@@ -658,7 +665,7 @@ class TorchReservationKeepsPartialBuilder(TorchFlashInferLikeBuilder):
     failed attempt leaks. (Keeping them only until the retry replaces them is legal:
     that memory was made inside the window, and the retry frees it.)"""
 
-    def _materialize(self, ctx: BuilderContext) -> list[Any]:
+    def _materialize(self, ctx: BuilderContext) -> list[Wrapper]:
         try:
             return ReservationKeepsPartialBuilder._materialize(self, ctx)  # type: ignore[arg-type]  # 17a's steps, on the same attributes
         except BaseException:
@@ -670,8 +677,8 @@ class CleanupMasksErrorBuilder(FlashInferLikeBuilder):
     """Bug 17c: a reservation that fails frees what it made twice (by hand, then through its drop helper); the
     double free it raises replaces the out-of-memory error, so the engine reports the wrong failure."""
 
-    def _materialize(self, ctx: BuilderContext) -> list[Any]:
-        made: list[Any] = []
+    def _materialize(self, ctx: BuilderContext) -> list[Wrapper]:
+        made: list[Wrapper] = []
         try:
             for route in self.routes():
                 for ub in range(ctx.num_ubatches):
@@ -708,11 +715,11 @@ def _expect(name: str, catches: tuple[str, ...]) -> None:
 
 
 def _mutant(name: str, bug: int, cls: type, policy: EnginePolicy | None = None,
-            extra: tuple[Callable[[Case], Any], ...] = (), *, catches: tuple[str, ...]) -> Backend:
+            extra: tuple[Callable[[Case], Builder], ...] = (), *, catches: tuple[str, ...]) -> Backend:
     """A mutant of bug class ``bug`` and the checks it fails over the default matrix (``EXPECTED_CATCHES``)."""
     _expect(name, catches)
 
-    def make(case: Case) -> list[Any]:
+    def make(case: Case) -> list[Builder]:
         return [cls(case), *(e(case) for e in extra)]
 
     return Backend(
@@ -866,10 +873,10 @@ def _resource_mutant(name: str, cls: type, *, catches: tuple[str, ...]) -> Backe
     _expect(name, catches)
     from pytest_kvprofile.builtin.resources import DEFAULT_PARAMS
 
-    def make(case: Case) -> list[Any]:
+    def make(case: Case) -> list[Builder]:
         return [FlashInferLikeBuilder(case)]
 
-    def resources(case: Case) -> list[Any]:
+    def resources(case: Case) -> list[PersistentResource]:
         carried = [dict(r.params) for r in case.resources if r.kind == "dma-output-workspace"]
         return [cls(case, carried[0] if carried else DEFAULT_PARAMS)]
 
@@ -923,7 +930,7 @@ class UnusedTrtllmWorkspaceBuilder(FlashInferLikeBuilder):
     """Bug 19c (only under a waste budget): every route plans natively into the arena, yet the reservation also makes
     vLLM's 394 MiB trtllm-gen workspace, which no route of the case uses."""
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace", role=Role.TRTLLM_WORKSPACE)
         try:
             lease = super().reserve_persistent_workspace(ctx)
@@ -940,9 +947,9 @@ class PrivateFloatWorkspaceBuilder(FlashInferLikeBuilder):
 
     def __init__(self, case: Case):
         super().__init__(case)
-        self.private: dict[int, Any] = {}
+        self.private: dict[int, Allocation] = {}
 
-    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Any:
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         w = super()._new_wrapper(ctx, route, ubatch)
         try:
             self.private[id(w)] = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES,
@@ -953,7 +960,7 @@ class PrivateFloatWorkspaceBuilder(FlashInferLikeBuilder):
             raise
         return w
 
-    def _drop(self, ctx: BuilderContext, wrappers: list[Any]) -> None:
+    def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
         for w in wrappers:
             buf = self.private.pop(id(w), None)
             if buf is not None:
@@ -971,11 +978,12 @@ class _PrefillSizedForDecode:
     def float_bytes(self) -> int:
         return min(r.float_bytes for r in for_case(self.case).routes.values())
 
+    # Any: a Wrapper from the builder this mixin is mixed into, whose super() mypy cannot see
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Any:
         self._planning = route
         return super()._new_wrapper(ctx, route, ubatch)  # type: ignore[misc]
 
-    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
         return ctx.get_workspace(self.float_bytes(), ubatch, route=self._planning)
 
 
@@ -1014,6 +1022,6 @@ MUTANT_BACKENDS = MUTANT_BACKENDS + (
 )
 
 
-def check_options_for(backend: Any) -> CheckOptions:
+def check_options_for(backend: Backend) -> CheckOptions:
     """The options a mutant is judged under: a waste budget for the budget mutants, the defaults otherwise."""
     return MUTANT_CHECK_OPTIONS.get(getattr(backend, "name", ""), CheckOptions())

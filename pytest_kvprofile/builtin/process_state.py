@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.builtin.stubs import (
     MODULE_GLOBAL_BYTES,
@@ -26,30 +26,34 @@ from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.roles import Role
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pytest_kvprofile.contract.device import Allocation
+    from pytest_kvprofile.contract.lease import Lease
     from pytest_kvprofile.matrix.cases import Case
 
 TRTLLM_KEY = "trtllm-gen"
 ONCE, AFTER_KV, PER_ENGINE = "once", "after-kv", "per-engine"  # when a builder makes the process's workspace
 AT_INIT = "at-init"  # once per process, by the first engine's constructor (vLLM's multi-CTA KV counter buffer)
 
-_WORKSPACES: dict[str, Any] = {}  # the module dict: one trtllm-gen workspace per process (torch mode)
-_ALLOCATIONS: dict[str, Any] = {}  # the same, as ledger allocations (ctx mode)
+_WORKSPACES: dict[str, Tensor] = {}  # the module dict: one trtllm-gen workspace per process (torch mode)
+_ALLOCATIONS: dict[str, Allocation] = {}  # the same, as ledger allocations (ctx mode)
 _ENGINES = itertools.count()  # the key a buggy builder caches its own workspace under, one per engine
 
 
-def _new_workspace() -> Any:
+def _new_workspace() -> Tensor:
     import torch
 
     return torch.zeros(MODULE_GLOBAL_BYTES, dtype=torch.uint8, device="cuda")
 
 
-def _closure_place() -> tuple[Any, Any]:
-    held: Any = None
+def _closure_place() -> tuple[Callable[[], Tensor | None], Callable[[Tensor], None]]:
+    held: Tensor | None = None
 
-    def get() -> Any:
+    def get() -> Tensor | None:
         return held
 
-    def put(value: Any) -> None:
+    def put(value: Tensor) -> None:
         nonlocal held
         held = value
 
@@ -58,16 +62,17 @@ def _closure_place() -> tuple[Any, Any]:
 
 _closure_get, _closure_put = _closure_place()
 _TLS = threading.local()
-_HOLDERS: dict[str, Any] = {TRTLLM_KEY: type("TrtllmHolder", (), {"workspace": None})}  # a class made at run time
+# Any: a class made at run time with type(), whose workspace attribute mypy cannot see
+_HOLDERS: dict[str, Any] = {TRTLLM_KEY: type("TrtllmHolder", (), {"workspace": None})}
 
 
 @functools.cache
-def _cached_workspace(key: Any) -> Any:
+def _cached_workspace(key: object) -> Tensor:
     return _new_workspace()
 
 
 @functools.lru_cache(maxsize=4)
-def _bounded_cached_workspace(key: Any) -> Any:
+def _bounded_cached_workspace(key: object) -> Tensor:
     return _new_workspace()
 
 
@@ -77,7 +82,7 @@ class _Place:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def get(self) -> Any:
+    def get(self) -> Any:  # Any: a Tensor or None; the type()-made class's attribute is untyped
         if self.name == "module-dict":
             return _WORKSPACES.get(TRTLLM_KEY)
         if self.name == "closure":
@@ -88,7 +93,7 @@ class _Place:
             return getattr(_TLS, "workspace", None)
         return None  # a cache answers only when called: ``make`` finds what it holds
 
-    def make(self, key: Any) -> Any:
+    def make(self, key: object) -> Tensor:
         """The workspace under ``key`` (a new one unless the place holds it)."""
         if self.name == "lru-cache":
             return _cached_workspace(key)
@@ -118,17 +123,17 @@ class TorchProcessWorkspaceBuilder(TorchFlashInferLikeBuilder):
 
     def __init__(self, case: Case):
         super().__init__(case)
-        self.trtllm: Any = None  # the wrappers' reference to the process's workspace
+        self.trtllm: Tensor | None = None  # the wrappers' reference to the process's workspace
         if self.when == AT_INIT:  # before the profiling window: KV sizing counts it as the model's
             self.trtllm = self._workspace()
 
-    def _workspace(self) -> Any:
+    def _workspace(self) -> Tensor:
         if self.when == PER_ENGINE:
             return self.place.make(next(_ENGINES))  # the bug: a new one for every engine
         found = self.place.get()
         return found if found is not None else self.place.make(TRTLLM_KEY)
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         if self.when in (ONCE, PER_ENGINE):
             self.trtllm = self._workspace()
         return super().reserve_persistent_workspace(ctx)
@@ -148,16 +153,16 @@ class ProcessWorkspaceBuilder(FlashInferLikeBuilder):
 
     def __init__(self, case: Case):
         super().__init__(case)
-        self.trtllm: Any = None
+        self.trtllm: Allocation | None = None
 
-    def _workspace(self, ctx: BuilderContext) -> Any:
+    def _workspace(self, ctx: BuilderContext) -> Allocation:
         found = _ALLOCATIONS.get(TRTLLM_KEY)
         if found is None or self.when == PER_ENGINE:
             found = _ALLOCATIONS[TRTLLM_KEY] = ctx.allocate(MODULE_GLOBAL_BYTES, "trtllm-gen workspace",
                                                            role=Role.TRTLLM_WORKSPACE)
         return found
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         if self.when != AFTER_KV:
             self.trtllm = self._workspace(ctx)
         return super().reserve_persistent_workspace(ctx)
@@ -170,7 +175,7 @@ class ProcessWorkspaceBuilder(FlashInferLikeBuilder):
 
 def variant(base: type, when: str, place: str | None = None) -> type:
     """``base`` making the process's workspace ``when`` (and, torch mode, keeping it in ``place``)."""
-    attrs: dict[str, Any] = {"when": when,
+    attrs: dict[str, object] = {"when": when,
                              "__doc__": f"{base.__doc__} Variant: {when}, kept in {place or 'module-dict'}."}
     if place is not None:
         attrs["place"] = _Place(place)

@@ -8,7 +8,7 @@ too; the variants back the mutant catalog's bug class 13.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.lifecycle.resources import (
@@ -19,6 +19,9 @@ from pytest_kvprofile.lifecycle.resources import (
 )
 from pytest_kvprofile.units import MiB
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.lease import Lease
+
 __all__ = [
     "DEFAULT_PARAMS", "RESOURCE_KINDS", "CaptureStagingDMAOutputWorkspace", "DMAOutputWorkspace",
     "LazyDMAOutputWorkspace", "OversizedDMAOutputWorkspace", "case_resources",
@@ -28,7 +31,7 @@ __all__ = [
 class LazyDMAOutputWorkspace(DMAOutputWorkspace):
     """Resource mutant (a): allocates on first use, after KV sizing."""
 
-    def materialize(self, ctx: BuilderContext) -> Any:
+    def materialize(self, ctx: BuilderContext) -> Lease:
         return ctx.lease([])
 
 

@@ -7,7 +7,7 @@ they behave as the contract says; the mutant catalog (``mutants.py``) derives on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pytest_kvprofile.attention.facts import (
     FLASHINFER_INT_WORKSPACE_BYTES,
@@ -31,7 +31,17 @@ from pytest_kvprofile.sizing.case import (
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pytest_kvprofile.contract.device import Allocation
+    from pytest_kvprofile.contract.lease import Lease
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.contract.workspace import ArenaView
     from pytest_kvprofile.matrix.cases import Case
+
+# a buffer a stub keeps: a ledger Allocation in ctx mode (freed through ctx), a plain torch tensor in torch mode
+# (written with torch calls); each mode's code uses it as its own
+ModeBuffer: TypeAlias = Any
 
 MODULE_GLOBAL_BYTES = 32 * MiB  # a trtllm-gen-like module-global workspace, created by kernel warmup
 AUTOTUNE_SCRATCH_BYTES = 64 * MiB  # transient scratch of warmup's autotuning
@@ -50,11 +60,11 @@ class Wrapper:
     ubatch: int
     float_ptr: int
     float_bytes: int
-    int_workspace: Any
-    pinned_mirror: Any
+    int_workspace: ModeBuffer
+    pinned_mirror: ModeBuffer
     int_ptr: int = 0  # the int workspace's ledger address and bytes, reported in bound_workspaces()
     int_nbytes: int = 0
-    view: Any = None  # the ArenaView the float workspace is (what build plans into)
+    view: Any = None  # Any: the ArenaView the float workspace is, set on every wrapper made (None: default only)
 
 
 class FlashInferCore:
@@ -72,7 +82,7 @@ class FlashInferCore:
         self.case = case
         self._routes = routes(case)
         self.wrappers: dict[tuple[str, int], Wrapper] = {}
-        self.module_global: Any = None
+        self.module_global: ModeBuffer = None
         self.warmed = False
 
     # -- sizing --------------------------------------------------------------------------------
@@ -95,7 +105,7 @@ class FlashInferCore:
         return self._routes
 
     # -- wrappers ------------------------------------------------------------------------------
-    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
         return ctx.get_workspace(self.float_bytes(), ubatch)
 
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
@@ -199,7 +209,7 @@ class FlashInferLikeBuilder(FlashInferCore):
     def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
         return ProfilingSupport.REQUIRED
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         wrappers = self._materialize(ctx)
         return ctx.lease(wrappers, on_release=lambda: self._drop(ctx, wrappers))
 
@@ -211,7 +221,7 @@ class GDNLikeBuilder:
 
     def __init__(self, case: Case):
         self.case = case
-        self.views: dict[int, Any] = {}
+        self.views: dict[int, ArenaView] = {}
 
     def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
         return ProfilingSupport.NEUTRAL
@@ -255,7 +265,7 @@ class UntaughtBuilder(FlashInferCore):
 
 
 def _builtin(name: str, description: str, *classes: type) -> Backend:
-    def make(case: Case) -> list[Any]:
+    def make(case: Case) -> list[Builder]:
         return [cls(case) for cls in classes]
 
     make.__qualname__ = f"make_{name.replace('-', '_')}"
@@ -328,7 +338,7 @@ class TorchFlashInferLikeBuilder(FlashInferLikeBuilder):
             del synthetic
 
 
-def with_role(tensor: Any, role: Role) -> tuple[int, int]:
+def with_role(tensor: Tensor, role: Role) -> tuple[int, int]:
     """Give a plain torch tensor's simulated allocation its role; its ledger address and bytes ((0, 0) off the
     simulator), which the wrapper reports in ``bound_workspaces()``."""
     from pytest_kvprofile.memory.torch_mode import assign_role
@@ -368,7 +378,7 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
         self._routes = tuple(r for r in routes(case) if r in self.NATIVE)
         self._trtllm = tuple(r for r in routes(case) if r not in self.NATIVE)
         self._planning: str | None = None
-        self.trtllm_workspace: Any = None
+        self.trtllm_workspace: Allocation | None = None
 
     def float_bytes(self) -> int:
         return need_for_routes(self.case, self._routes)[0]
@@ -384,10 +394,10 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
         self._planning = route
         return super()._new_wrapper(ctx, route, ubatch)
 
-    def _float_view(self, ctx: BuilderContext, ubatch: int) -> Any:
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
         return ctx.get_workspace(self.float_bytes(), ubatch, route=self._planning)
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         """All or nothing: a trtllm-gen workspace made by a reservation that then fails is freed with it (it is the
         builder's, not process-wide state the retry could reuse)."""
         made = None

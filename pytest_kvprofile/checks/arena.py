@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions, aborted_before
@@ -14,6 +14,10 @@ from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.units import size_text
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.device import Allocation
+    from pytest_kvprofile.contract.protocol import Builder
 
 
 def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -78,7 +82,7 @@ def check_arena_not_grown_after_lock(result: LifecycleResult, options: CheckOpti
     return [aborted] if aborted else []
 
 
-def _several_ubatches(case: Case, parts: list[Any]) -> bool:
+def _several_ubatches(case: Case, parts: list[Builder]) -> bool:
     return case.envelope.num_ubatches >= 2
 
 
@@ -129,7 +133,7 @@ def _held_stale_view(result: LifecycleResult, ubatch: int, ptr: int, nbytes: int
                for a in result.allocations)
 
 
-def _private_float_buffer(result: LifecycleResult, owner: str, ptr: int, nbytes: int, phase: str) -> Any:
+def _private_float_buffer(result: LifecycleResult, owner: str, ptr: int, nbytes: int, phase: str) -> Allocation | None:
     """The owner's own float workspace (``Role.FLOAT_WORKSPACE``, alive at the end of ``phase``) holding the range."""
     k = lc.PHASE_INDEX.get(phase, len(lc.PHASE_ORDER))
     for a in result.allocations:

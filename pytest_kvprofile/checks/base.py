@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeAlias
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.lifecycle.phases import Phase
@@ -77,7 +77,9 @@ class CheckOptions:
 
 CheckFn = Callable[[LifecycleResult, CheckOptions], list[str]]
 
-JsonObject = dict[str, Any]
+# a value of a JSON object the report writes and reads back: each key has its own type, read by key
+JsonValue: TypeAlias = Any
+JsonObject = dict[str, JsonValue]
 """A JSON object as the report writes it."""
 
 
@@ -124,7 +126,7 @@ class CheckOutcome:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> CheckOutcome:
+    def from_json(cls, data: Mapping[str, JsonValue]) -> CheckOutcome:
         return cls(
             check=data["check"], backend=data["backend"], case=data["case"],
             details=CheckDetails(**{key: data[key] for key in _DETAIL_KEYS if data.get(key) is not None}),

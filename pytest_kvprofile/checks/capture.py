@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
@@ -17,6 +17,9 @@ from pytest_kvprofile.checks.evidence import (
 )
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.memory.device import own_frame
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.device import Allocation
 
 
 def check_no_synthetic_workspace_in_capture(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -65,7 +68,7 @@ def flashinfer_dir() -> str:
     return os.path.join(os.path.realpath(locations[0]), "") if locations else ""
 
 
-def _flashinfer_plan(a: Any) -> bool:
+def _flashinfer_plan(a: Allocation) -> bool:
     """Made by FlashInfer's own code (a wrapper's ``plan()``): it plans a captured size the same way whenever it
     first meets it, in capture or in serving, so what it makes is real traffic, never synthetic profile workspace
     (vLLM plans a CUDA-graph wrapper in full on its first call, then ``fast_plan_decode``s it before each replay)."""

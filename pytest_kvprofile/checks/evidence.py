@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.units import bytes_text, size_text
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.device import Allocation
 
-def fmt_alloc(a: Any) -> str:
+
+def fmt_alloc(a: Allocation) -> str:
     where = f" at {a.stack}" if getattr(a, "stack", None) else ""
     return f"{a.owner}: {a.tag!r} {bytes_text(a.nbytes)} in phase {a.phase!r}{where}"
 
@@ -19,13 +22,13 @@ def builder_names(result: LifecycleResult) -> set[str]:
     return set(result.builder_names())
 
 
-def alive_at_end(a: Any) -> bool:
+def alive_at_end(a: Allocation) -> bool:
     """Alive when the run ended: not freed, or freed only by the parts' ``close()`` (phase ``teardown``), which
     runs after every phase a check reads and must not hide what a builder kept."""
     return a.freed_phase is None or a.freed_phase == lc.TEARDOWN
 
 
-def alive_at(a: Any, phase: Phase) -> bool:
+def alive_at(a: Allocation, phase: Phase) -> bool:
     """Alive at the end of ``phase``: made in it or before, freed after it or never (``teardown`` is after all)."""
     made, limit = lc.PHASE_INDEX.get(a.phase, -1), lc.PHASE_INDEX[phase]
     return 0 <= made <= limit and (a.freed_phase is None or lc.PHASE_INDEX.get(a.freed_phase, -1) > limit)
@@ -44,7 +47,7 @@ def lease_released_sites(result: LifecycleResult, owner: str) -> set[tuple[str, 
             if a.id in ids and a.freed_phase == lc.LEASE_RELEASE}
 
 
-def site(a: Any) -> tuple[str, str, str | None]:
+def site(a: Allocation) -> tuple[str, str, str | None]:
     """Where an allocation comes from: owner, tag and (torch mode) source line."""
     return (a.owner, a.tag, getattr(a, "stack", None))
 
@@ -54,13 +57,14 @@ _RESOURCE_METHODS = {"build": "use", "reserve_persistent_workspace": "materializ
 _GroupKey = tuple[str, str, int, str, str, str]  # owner, tag, bytes, method, phase, source line ("" when none)
 
 
-def grouped(result: LifecycleResult, allocs: list[Any], first: Callable[[Any], bool] | None = None) -> str:
+def grouped(result: LifecycleResult, allocs: list[Allocation],
+            first: Callable[[Allocation], bool] | None = None) -> str:
     """Allocations grouped by (owner, tag, bytes, method, phase, source line), each with its count and total.
 
     Groups for which ``first`` holds come first, then the largest totals. Every group is shown.
     """
     resources = resource_names(result)
-    groups: dict[_GroupKey, list[Any]] = {}
+    groups: dict[_GroupKey, list[Allocation]] = {}
     for a in allocs:
         method = result.alloc_origin.get(a.id) or "-"
         if a.owner in resources:
@@ -68,7 +72,7 @@ def grouped(result: LifecycleResult, allocs: list[Any], first: Callable[[Any], b
         key: _GroupKey = (a.owner, a.tag, a.nbytes, method, a.phase, getattr(a, "stack", None) or "")
         groups.setdefault(key, []).append(a)
 
-    def order(item: tuple[_GroupKey, list[Any]]) -> tuple[int, int, _GroupKey]:
+    def order(item: tuple[_GroupKey, list[Allocation]]) -> tuple[int, int, _GroupKey]:
         key, members = item
         lead = 0 if first is None or first(members[0]) else 1
         return (lead, -key[2] * len(members), key)
@@ -88,7 +92,7 @@ def resource_names(result: LifecycleResult) -> set[str]:
     return {b.name for b in result.builders if is_resource(b)}
 
 
-def fmt_batch(batch: Any) -> str:
+def fmt_batch(batch: Any) -> str:  # Any: a worst batch (qo, kv, graph) or None, shown by repr
     try:
         qo, kv, graph = batch
         return f"({len(qo)} requests, {sum(qo)} q tokens, max kv {max(kv) if kv else 0}, cuda_graph={graph})"

@@ -4,7 +4,7 @@ released before graph profiling, and the parts' teardown (``close()``) is clean.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
@@ -18,6 +18,7 @@ from pytest_kvprofile.memory.device import Allocation, own_frame
 from pytest_kvprofile.units import bytes_text
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.contract.protocol import Builder
     from pytest_kvprofile.matrix.cases import Case
 
 
@@ -150,7 +151,7 @@ def check_teardown_clean(result: LifecycleResult, options: CheckOptions) -> list
     ]
 
 
-def _closes(case: Case, parts: list[Any]) -> bool:
+def _closes(case: Case, parts: list[Builder]) -> bool:
     return any(callable(getattr(p, "close", None)) for p in parts)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
@@ -14,10 +14,11 @@ from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.units import bytes_text
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.contract.protocol import Builder
     from pytest_kvprofile.matrix.cases import Case
 
 
-def _has_capacity_resource(case: Case, parts: list[Any]) -> bool:
+def _has_capacity_resource(case: Case, parts: list[Builder]) -> bool:
     from pytest_kvprofile.contract.resources import is_resource
 
     return any(is_resource(p) and getattr(p, "capacity_bytes", None) is not None for p in parts)

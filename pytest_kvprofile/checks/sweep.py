@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from pytest_kvprofile.checks.catalog import CheckOptions, failing_checks
 from pytest_kvprofile.contract.backends import layout_refusal
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.backends import Backend
+    from pytest_kvprofile.matrix.cases import Case
 
 
 @dataclass
@@ -31,8 +35,8 @@ class Sweep:
         return self.cases > 0 and not self.escaped
 
 
-def sweep(backends: Iterable[Any], cases: Iterable[Any],
-          options_for: Callable[[Any], CheckOptions] = lambda backend: CheckOptions()) -> list[Sweep]:
+def sweep(backends: Iterable[Backend], cases: Iterable[Case],
+          options_for: Callable[[Backend], CheckOptions] = lambda backend: CheckOptions()) -> list[Sweep]:
     """``options_for(backend)``: the options a backend is judged under (the budget mutants carry a waste budget).
     A case the suite would not run on a backend (``layout_refusal``: the engine refuses it, or its routes are not
     sized) is left out, as the suite lists it as skipped."""

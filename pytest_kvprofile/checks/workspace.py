@@ -15,7 +15,7 @@ used only when such a route exists; made when none does, it is waste too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckDetails, CheckOptions
@@ -32,6 +32,10 @@ from pytest_kvprofile.memory.budget import tokens_for
 from pytest_kvprofile.memory.device import Allocation
 from pytest_kvprofile.sizing.case import for_case, need_for_routes, routes
 from pytest_kvprofile.units import MiB, bytes_text, size_text
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.checks.base import JsonObject
+    from pytest_kvprofile.lifecycle.record import ViewPlan
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class CaseWaste:
     def kv_tokens(self) -> int:
         return tokens_for(self.nbytes, self.kv_bytes_per_token)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         pool = self.kv_pool_bytes
         return {
             "case": self.case, "bytes": self.nbytes, "mib": round(self.nbytes / MiB, 2), "kv_tokens": self.kv_tokens,
@@ -249,7 +253,7 @@ def _short_for_what_is_planned(result: LifecycleResult, name: str) -> list[str]:
     """Ctx mode: a view named for one route that a build plans a batch of the other route into (the prefill part of
     a mixed batch sent into a view named ``route="decode"``), sized by what is planned, not by the name."""
     case_routes = routes(result.case)
-    worst: dict[tuple[str, str], Any] = {}
+    worst: dict[tuple[str, str], ViewPlan] = {}
     for vp in result.view_plans:
         planned = "decode" if vp.batch_kind == "decode" else "prefill"
         if vp.builder != name or vp.route is None or vp.route == planned or planned not in case_routes:

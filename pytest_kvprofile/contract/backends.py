@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.contract.resources import PersistentResource
     from pytest_kvprofile.contract.workspace import ArenaManager, ManagerKind
     from pytest_kvprofile.matrix.cases import Case
 
@@ -45,7 +47,7 @@ class EnginePolicy:
     profile_max_split_mib: int | None = 20
     workspace_manager: str = "harness"
     manager_factory: Callable[..., ArenaManager] | None = None
-    gate: Callable[[Any], str | None] | None = None
+    gate: Callable[[Case], str | None] | None = None
 
 
 def engine_gate(policy: EnginePolicy, case: Case) -> str | None:
@@ -72,7 +74,7 @@ class Backend:
     """
 
     name: str
-    make_builders: Callable[[Any], Iterable[Any]]
+    make_builders: Callable[[Case], Iterable[Builder]]
     policy: EnginePolicy = field(default_factory=EnginePolicy)
     version: str = ""
     description: str = ""
@@ -80,8 +82,8 @@ class Backend:
     origin: str = ""  # where it was registered from; filled in by the registry
     bug_class: int | None = None
     torch_mode: bool = False  # builders allocate with plain torch "cuda" calls, served by the simulated device
-    make_resources: Callable[[Any], Iterable[Any]] | None = None  # None: the resources the case carries
-    refuses_layout: Callable[[Any], str | None] | None = None
+    make_resources: Callable[[Case], Iterable[PersistentResource]] | None = None  # None: the resources the case carries
+    refuses_layout: Callable[[Case], str | None] | None = None
     requires: tuple[str, ...] = ()
     install_hint: str = ""
 
@@ -90,7 +92,7 @@ class Backend:
         return dict(self.expected_failures)
 
 
-def coerce_backend(obj: Any, origin: str) -> Backend:
+def coerce_backend(obj: object, origin: str) -> Backend:
     """Turn what a factory or hook returned into a Backend, or say precisely what is wrong."""
     if isinstance(obj, Backend):
         return obj if obj.origin else dataclasses.replace(obj, origin=origin)
@@ -124,7 +126,7 @@ def _names(value: str | Iterable[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(str(v) for v in value)
 
 
-def validate_builders(backend: Backend, builders: list[Any]) -> None:
+def validate_builders(backend: Backend, builders: Sequence[Builder]) -> None:
     """A builder set must be non-empty and every builder must name itself."""
     if not builders:
         raise BackendError(f"backend {backend.name!r}: make_builders() returned no builders")

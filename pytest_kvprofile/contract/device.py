@@ -8,9 +8,16 @@ every device, so that the contract can name them without importing one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Collection, ContextManager, Protocol, TypeAlias, runtime_checkable
 
 from pytest_kvprofile.contract.roles import Role
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# a device's own CUDA-graph pool (SimDevice's GraphPool, CudaDevice's CudaGraphPool): each device takes back only
+# the pools its own captures gave, so the protocol cannot name one type for both
+GraphPoolHandle: TypeAlias = Any
 
 __all__ = ["Allocation", "Device", "DeviceEvent", "TensorDevice"]
 
@@ -79,7 +86,7 @@ class Device(Protocol):
     def subscribe(self, callback: Callable[[DeviceEvent], None],
                   kinds: Collection[str] | None = None) -> Callable[[], None]: ...
     def fail_after(self, n: int | None) -> None: ...  # None: disarm
-    def graph_capture(self, pool: Any = None) -> Any: ...
+    def graph_capture(self, pool: GraphPoolHandle = None) -> ContextManager[GraphPoolHandle]: ...
     def mem_get_info(self) -> tuple[int, int]: ...
     def memory_allocated(self) -> int: ...
     def memory_reserved(self) -> int: ...
@@ -96,5 +103,5 @@ class TensorDevice(Device, Protocol):
     kernels on ``ctx.allocate``'d bytes needs beyond :class:`Device`. The simulated device is not one: in torch mode a
     builder makes its tensors with plain ``torch`` calls instead."""
 
-    def tensor(self, alloc: Allocation) -> Any: ...  # a torch.Tensor; the contract does not import torch
-    def view(self, ptr: int, nbytes: int) -> Any: ...
+    def tensor(self, alloc: Allocation) -> Tensor: ...  # the contract imports torch for type checking only
+    def view(self, ptr: int, nbytes: int) -> Tensor: ...

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, TypeVar
+
+Held = TypeVar("Held")  # what Lease.hold keeps, handed back as it came
 
 
 class LeaseReleasedError(RuntimeError):
@@ -16,9 +18,9 @@ class Lease:
     measurement), and a builder that also releases its own must not double-free.
     """
 
-    def __init__(self, owner: str, resources: Iterable[Any] = (), on_release: Callable[[], None] | None = None):
+    def __init__(self, owner: str, resources: Iterable[object] = (), on_release: Callable[[], None] | None = None):
         self.owner = owner
-        self._resources: list[Any] | None = list(resources)
+        self._resources: list[object] | None = list(resources)
         self._on_release = on_release
         self.release_count = 0
 
@@ -27,12 +29,12 @@ class Lease:
         return self._resources is None
 
     @property
-    def resources(self) -> list[Any]:
+    def resources(self) -> list[object]:
         if self._resources is None:
             raise LeaseReleasedError(f"lease of {self.owner!r} was used after release")
         return self._resources
 
-    def hold(self, resource: Any) -> Any:
+    def hold(self, resource: Held) -> Held:
         self.resources.append(resource)
         return resource
 

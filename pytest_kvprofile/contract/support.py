@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.protocol import Builder
 
 DECLARATION_METHOD = "get_persistent_workspace_memory_profiling_support"
 
@@ -27,11 +30,11 @@ class DeclarationError(TypeError):
     """A builder answered something other than a ProfilingSupport member."""
 
 
-def builder_name(builder: Any) -> str:
+def builder_name(builder: object) -> str:
     return str(getattr(builder, "name", None) or type(builder).__name__)
 
 
-def declared_support(builder: Any) -> ProfilingSupport:
+def declared_support(builder: Builder) -> ProfilingSupport:
     """The builder's declaration; a builder without the method is UNSUPPORTED (fail-closed).
 
     Anything but a ProfilingSupport member is an error rather than a guess: a builder that answers
@@ -65,7 +68,7 @@ class SupportResolution:
         return tuple(n for n, s in self.declarations if s is ProfilingSupport.REQUIRED)
 
 
-def resolve_support(builders: Iterable[Any], engine_gate: str | None = None) -> SupportResolution:
+def resolve_support(builders: Iterable[Builder], engine_gate: str | None = None) -> SupportResolution:
     """Enabled only if every builder is REQUIRED or NEUTRAL and at least one is REQUIRED, and the engine does not
     keep the case off the path anyway (``engine_gate``: its reason, as ``EnginePolicy.gate`` gives it; vLLM's
     runner takes the path without speculative decoding and elastic EP only)."""

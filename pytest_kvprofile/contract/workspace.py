@@ -8,11 +8,17 @@ move; growth after lock is an error that says who asked, for how much, and what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeAlias
 
 from pytest_kvprofile.contract.device import Allocation, Device
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.units import MiB
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# memory/torch_mode.py's SimulatedCuda (owner_scope, allocation_of): the contract sits below memory and cannot name it
+TorchSimulation: TypeAlias = Any
 
 OWNER = "workspace-manager"
 
@@ -49,7 +55,7 @@ class ArenaView:
     ptr: int
     nbytes: int
     arena_size: int
-    tensor: Any = field(default=None, compare=False, hash=False, repr=False)
+    tensor: Tensor | None = field(default=None, compare=False, hash=False, repr=False)
     generation: int = field(default=0, compare=False)
 
     @property
@@ -83,15 +89,15 @@ def checked_request(requester: str, nbytes: int, ubatch: int, num_ubatches: int,
 class WorkspaceManager:
     """Owns one float arena per micro-batch; grows on demand until ``lock()``."""
 
-    def __init__(self, device: Any, num_ubatches: int = 1, alignment: int = 256, arena_tensors: bool = False):
+    def __init__(self, device: Device, num_ubatches: int = 1, alignment: int = 256, arena_tensors: bool = False):
         if num_ubatches < 1:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
         self.device = device
         self.num_ubatches = num_ubatches
         self.alignment = alignment
         self.arena_tensors = arena_tensors
-        self._arenas: list[Any | None] = [None] * num_ubatches
-        self._tensors: list[Any | None] = [None] * num_ubatches
+        self._arenas: list[Allocation | None] = [None] * num_ubatches
+        self._tensors: list[Tensor | None] = [None] * num_ubatches
         self.locked = False
         self.grow_count = 0
         self.requesters: dict[str, int] = {}
@@ -129,7 +135,7 @@ class WorkspaceManager:
         return ArenaView(ubatch=ubatch, ptr=arena.ptr, nbytes=nbytes, arena_size=arena.nbytes,
                          tensor=self._view(ubatch, nbytes), generation=self._generations[ubatch])
 
-    def _retire(self, ubatch: int, arena: Any) -> None:
+    def _retire(self, ubatch: int, arena: Allocation) -> None:
         """Give an arena back (growth or close): views of its generation are stale from now on."""
         self.retired[(ubatch, self._generations[ubatch])] = str(getattr(self.device, "phase", ""))
         self.device.free(arena)
@@ -141,18 +147,18 @@ class WorkspaceManager:
         return (0 <= view.ubatch < self.num_ubatches and self._arenas[view.ubatch] is not None
                 and view.generation == self._generations[view.ubatch])
 
-    def generation_of(self, alloc: Any) -> tuple[int, int] | None:
+    def generation_of(self, alloc: Allocation) -> tuple[int, int] | None:
         """``(ubatch, generation)`` of an arena allocation this manager made, live or given back; None otherwise."""
         return self._allocation_generation.get(alloc.id)
 
-    def ubatch_of(self, alloc: Any) -> int | None:
+    def ubatch_of(self, alloc: Allocation) -> int | None:
         """The micro-batch whose arena ``alloc`` is (live now), or None."""
         for u, arena in enumerate(self._arenas):
             if arena is alloc:
                 return u
         return None
 
-    def _allocate(self, nbytes: int, tag: str) -> tuple[Any, Any]:
+    def _allocate(self, nbytes: int, tag: str) -> tuple[Allocation | None, Tensor | None]:
         """The arena's ledger entry and, on a simulated device in torch mode or on request, its tensor."""
         # A simulated device answers both (``SimDevice.active_simulation``/``torch_simulation``); a CUDA device neither.
         active = getattr(self.device, "active_simulation", None)
@@ -165,7 +171,7 @@ class WorkspaceManager:
                 return _arena_tensor(sim, nbytes, tag)
         return self.device.allocate(nbytes, owner=OWNER, tag=tag, role=Role.FLOAT_ARENA), None
 
-    def _view(self, ubatch: int, nbytes: int) -> Any:
+    def _view(self, ubatch: int, nbytes: int) -> Tensor | None:
         backing = self._tensors[ubatch]
         return backing[:nbytes] if backing is not None else None
 
@@ -182,7 +188,7 @@ class WorkspaceManager:
                                  generation=self._generations[u]))
         return tuple(out)
 
-    def stale_since(self, alloc: Any) -> str | None:
+    def stale_since(self, alloc: Allocation) -> str | None:
         """None: this manager frees an arena it gives back, so no kept view keeps one allocated (a view of a given-back
         arena is told by its generation instead). vLLM's manager answers otherwise (``engines/vllm_workspace.py``)."""
         return None
@@ -201,7 +207,7 @@ class WorkspaceManager:
         self.locked = True
 
 
-def _arena_tensor(sim: Any, nbytes: int, tag: str) -> tuple[Any, Any]:
+def _arena_tensor(sim: TorchSimulation, nbytes: int, tag: str) -> tuple[Allocation | None, Tensor]:
     import torch
 
     with sim.owner_scope(OWNER, tag):
@@ -259,6 +265,6 @@ class ManagerKind:
 
     name: str
     for_run: Callable[..., ArenaManager] | None
-    plain: Callable[[Device, int], Any]
+    plain: Callable[[Device, int], WorkspaceManager | ArenaManager]
     unavailable: Callable[[], str | None] = _available
     gpu_refusal: str | None = None

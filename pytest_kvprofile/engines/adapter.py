@@ -30,14 +30,37 @@ import dataclasses
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ContextManager,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+    TypeAlias,
+    TypeVar,
+)
 
 from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.support import ProfilingSupport
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from pytest_kvprofile.contract.lease import Lease
+    from pytest_kvprofile.contract.protocol import Builder
     from pytest_kvprofile.matrix.cases import Case
+
+# an engine's own object (its config, one of its metadata builders, its metadata, what a build returns): this module
+# imports no engine, so it cannot name the type; each engine's adapter uses it as its engine's
+EngineObject: TypeAlias = Any
+# a key of the runner's builders: the micro-batch by default, (micro-batch, KV-cache group) for a hybrid runner;
+# each adapter reads the keys it makes as its own type
+BuilderKey: TypeAlias = Any
+Loaded = TypeVar("Loaded")  # what an engine's import returns
 
 __all__ = ["CONTRACT_DECLARATION", "CONTRACT_RESERVATION", "EngineAdapter", "EngineBuildError", "EngineUnavailable",
            "Patches", "ReservationApi", "ReservingAdapter", "UnusableContract", "contract_methods", "declared_support",
@@ -54,16 +77,16 @@ class EngineUnavailable(ImportError):
     """The engine (or one of its pure-Python dependencies) is not importable; the message names the install."""
 
 
-def import_engine(load: Callable[[], Any], *, what: str, install_hint: str,
+def import_engine(load: Callable[[], Loaded], *, what: str, install_hint: str,
                   unavailable: type[EngineUnavailable] = EngineUnavailable,
-                  thread_name: str = "kvprofile-engine-import") -> Any:
+                  thread_name: str = "kvprofile-engine-import") -> Loaded:
     """``load()`` (the engine's import, with whatever stand-ins it needs current) on its own thread; an
     ``ImportError`` becomes ``unavailable`` naming ``what`` and ``install_hint``.
 
     Why a thread: an engine may keep the tracebacks of optional imports that failed (vLLM's placeholder modules);
     on the caller's thread those tracebacks would keep the caller's frames (a whole lifecycle run, with every
     simulated tensor) alive for the life of the process."""
-    outcome: list[Any] = []
+    outcome: list[Loaded | BaseException] = []
 
     def target() -> None:
         try:
@@ -83,8 +106,8 @@ def import_engine(load: Callable[[], Any], *, what: str, install_hint: str,
     return result
 
 
-def engine_backend(name: str, make_builders: Callable[[Any], Iterable[Any]], *, engine: str, install_hint: str,
-                   description: str = "", refuses_layout: Callable[[Any], str | None] | None = None,
+def engine_backend(name: str, make_builders: Callable[[Case], Iterable[Builder]], *, engine: str, install_hint: str,
+                   description: str = "", refuses_layout: Callable[[Case], str | None] | None = None,
                    origin: str = "", version: str = "", policy: EnginePolicy | None = None) -> Backend:
     """A torch-mode ``Backend`` needing the top-level module ``engine``: without it the run is a usage error
     naming ``install_hint`` before collection; the engine is imported by ``make_builders`` only, never here.
@@ -108,9 +131,9 @@ class Patches:
     """Attribute patches undone in reverse order."""
 
     def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
+        self._undo: list[tuple[object, str, object]] = []
 
-    def set(self, obj: Any, name: str, value: Any) -> None:
+    def set(self, obj: object, name: str, value: object) -> None:
         self._undo.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
@@ -121,7 +144,7 @@ class Patches:
 
 
 @contextlib.contextmanager
-def module_standin(name: str, make: Callable[[], Any]) -> Iterator[None]:
+def module_standin(name: str, make: Callable[[], ModuleType]) -> Iterator[None]:
     """For the block, ``sys.modules[name]`` is ``make()`` (a stand-in for a module whose own imports need what a
     CPU-only machine lacks), unless the real module is already imported."""
     if name in sys.modules:
@@ -136,7 +159,7 @@ def module_standin(name: str, make: Callable[[], Any]) -> Iterator[None]:
 
 # -- declarations ---------------------------------------------------------------------------------------------
 
-def map_support(answer: Any) -> Any:
+def map_support(answer: object) -> object:
     """An engine's answer as a ProfilingSupport: an enum member by name, or ``True`` (REQUIRED), ``False``
     (NEUTRAL), ``None`` (UNSUPPORTED), as vLLM's pull request answers. Anything else is passed through for the
     harness to reject."""
@@ -152,8 +175,8 @@ def map_support(answer: Any) -> Any:
     return answer
 
 
-def declared_support(builder_cls: type, names: Sequence[str], args: Callable[[], Sequence[Any]],
-                     default: Any) -> Any:
+def declared_support(builder_cls: type, names: Sequence[str], args: Callable[[], Sequence[object]],
+                     default: object) -> object:
     """What ``builder_cls``'s first declaration classmethod of ``names`` answers on ``args()`` (mapped by
     :func:`map_support`), or ``default`` when the class declares nothing."""
     declare = next((getattr(builder_cls, n) for n in names if callable(getattr(builder_cls, n, None))), None)
@@ -175,7 +198,7 @@ class ReservationApi:
     declaration: str
     reservation: str
     rebind: str | None  # re-attach after the reservation (vLLM's pull request: rebind_workspace_after_reservation)
-    calls: tuple[tuple[Any, ...], ...] = ((),)
+    calls: tuple[tuple[object, ...], ...] = ((),)
     revision: str = ""
     capture_reservation: str | None = None
 
@@ -203,7 +226,7 @@ def contract_methods(builder_cls: type) -> list[str]:
 
 def reservation_api(builder_cls: type, declarations: Sequence[str] = (CONTRACT_DECLARATION,),
                     reservations: Sequence[str] = (CONTRACT_RESERVATION,), rebinds: Sequence[str] = (),
-                    calls: Mapping[str, tuple[tuple[Any, ...], ...]] | None = None) -> ReservationApi | None:
+                    calls: Mapping[str, tuple[tuple[object, ...], ...]] | None = None) -> ReservationApi | None:
     """What ``builder_cls`` declares (the first callable of each list), or None: then the adapter declares nothing.
     ``calls`` gives a reservation method's calls by name (default: one call, no arguments)."""
     declaration = next((n for n in declarations if callable(getattr(builder_cls, n, None))), None)
@@ -215,7 +238,7 @@ def reservation_api(builder_cls: type, declarations: Sequence[str] = (CONTRACT_D
 
 
 def find_revision(builder_cls: type, revisions: Sequence[ReservationApi], label: str,
-                  declared: Callable[[str], Any]) -> ReservationApi | None:
+                  declared: Callable[[str], object]) -> ReservationApi | None:
     """The revision of ``revisions`` ``builder_cls`` carries: its declaration and its reservation callable (a class
     mixing two revisions' names is driven with its reservation's revision). None when it carries no contract
     method at all (a released engine): the adapter declares nothing.
@@ -273,54 +296,54 @@ class EngineAdapter:
     def __init__(self, case: Case, builder_cls: type | None = None) -> None:
         self.case = case
         self.builder_cls = builder_cls
-        self.engine_config: Any = None
-        self.builders: dict[Any, Any] = {}  # builder key (the micro-batch by default) -> the engine's builder
+        self.engine_config: EngineObject = None
+        self.builders: dict[BuilderKey, EngineObject] = {}  # builder key -> the engine's builder
         self.built: dict[str, int] = {}  # batches built per kind, for reports and tests
-        self.last_metadata: Any = None  # what the engine's last build returned
+        self.last_metadata: EngineObject = None  # what the engine's last build returned
 
     # -- what an engine's module provides ------------------------------------------------------------------
-    def make_engine_config(self) -> Any:
+    def make_engine_config(self) -> EngineObject:
         """The case as the engine's config (asked once, inside :meth:`standins`)."""
         raise NotImplementedError(f"{type(self).__name__} makes no engine config")
 
-    def make_engine_builder(self, key: Any) -> Any:
+    def make_engine_builder(self, key: BuilderKey) -> EngineObject:
         """One engine builder for ``key`` (called inside :meth:`construction_scope`)."""
         raise NotImplementedError(f"{type(self).__name__} makes no engine builder")
 
-    def engine_metadata(self, batch: Batch) -> Any:
+    def engine_metadata(self, batch: Batch) -> EngineObject:
         """``batch``'s runner inputs as the engine's metadata object (inside :meth:`engine_scope`)."""
         raise NotImplementedError(f"{type(self).__name__} makes no metadata")
 
-    def build_for_capture(self, builder: Any, metadata: Any) -> Any:
+    def build_for_capture(self, builder: EngineObject, metadata: EngineObject) -> EngineObject:
         """The builder's call for a captured (CUDA-graph) decode step."""
         raise NotImplementedError(f"{type(self).__name__} has no capture build")
 
-    def build_serving(self, builder: Any, metadata: Any) -> Any:
+    def build_serving(self, builder: EngineObject, metadata: EngineObject) -> EngineObject:
         """The builder's call for any other batch."""
         raise NotImplementedError(f"{type(self).__name__} has no build")
 
     # -- what an engine's module may change ----------------------------------------------------------------
-    def standins(self) -> ContextManager[Any]:
+    def standins(self) -> ContextManager[object]:
         """The stand-ins the engine needs on a CPU-only machine, installed for the block and undone after."""
         return contextlib.nullcontext()
 
-    def engine_scope(self) -> ContextManager[Any]:
+    def engine_scope(self) -> ContextManager[object]:
         """Around every call into the engine's builders: the stand-ins (and, for an engine with one, its current
         config)."""
         return self.standins()
 
-    def construction_scope(self) -> ContextManager[Any]:
+    def construction_scope(self) -> ContextManager[object]:
         """Around the builders' construction: :meth:`engine_scope` unless the constructor needs more."""
         return self.engine_scope()
 
-    def builder_keys(self, ubatch: int) -> list[Any]:
+    def builder_keys(self, ubatch: int) -> list[BuilderKey]:
         """The builders one micro-batch has (one; a hybrid runner has one per KV-cache group)."""
         return [ubatch]
 
-    def ubatch_of(self, key: Any) -> int:
+    def ubatch_of(self, key: BuilderKey) -> int:
         return int(key)
 
-    def describe_key(self, key: Any) -> str:
+    def describe_key(self, key: BuilderKey) -> str:
         return f"ubatch {key}"
 
     def captures_attention(self) -> bool:
@@ -333,7 +356,7 @@ class EngineAdapter:
         """Engines capture full graphs of uniform decode only, where they capture attention at all."""
         return batch.cuda_graph and batch.kind == "decode" and self.captures_attention()
 
-    def after_make(self, made: list[Any]) -> None:
+    def after_make(self, made: list[EngineObject]) -> None:
         """The builders just made (inside :meth:`construction_scope`)."""
 
     def ensure_inputs(self) -> None:
@@ -343,15 +366,15 @@ class EngineAdapter:
         """After every build of ``batch``."""
 
     # -- the engine ------------------------------------------------------------------------------------------
-    def config(self) -> Any:
+    def config(self) -> EngineObject:
         """The engine's config of the case, made once."""
         if self.engine_config is None:
             self.engine_config = self.make_engine_config()
         return self.engine_config
 
-    def make_engine_builders(self, num_ubatches: int) -> list[Any]:
+    def make_engine_builders(self, num_ubatches: int) -> list[EngineObject]:
         """The runner's builders for every micro-batch (as the runner makes them); returns the new ones."""
-        made: list[Any] = []
+        made: list[EngineObject] = []
         with self.construction_scope():
             for ub in range(num_ubatches):
                 for key in self.builder_keys(ub):
@@ -361,7 +384,7 @@ class EngineAdapter:
             self.after_make(made)
         return made
 
-    def builders_of(self, ubatch: int) -> list[tuple[Any, Any]]:
+    def builders_of(self, ubatch: int) -> list[tuple[BuilderKey, EngineObject]]:
         """(key, builder) of one micro-batch, in key order."""
         return [(k, b) for k, b in sorted(self.builders.items()) if self.ubatch_of(k) == ubatch]
 
@@ -424,17 +447,17 @@ class ReservingAdapter(EngineAdapter):
         """The API revision driven, as the verdict reports it."""
         return self.api.describe()
 
-    def declaration_args(self) -> Sequence[Any]:
+    def declaration_args(self) -> Sequence[object]:
         """What the class's declaration is called with (vLLM's: the config and the KV-cache spec)."""
         return ()
 
-    def get_persistent_workspace_memory_profiling_support(self) -> Any:
+    def get_persistent_workspace_memory_profiling_support(self) -> object:
         with self.standins():
             declare = getattr(self.builder_cls, self.api.declaration)
             return map_support(declare(*self.declaration_args()))
 
     # -- the runner's steps ----------------------------------------------------------------------------
-    def _in_ubatch(self, ctx: BuilderContext, ubatch: int) -> ContextManager[Any]:
+    def _in_ubatch(self, ctx: BuilderContext, ubatch: int) -> ContextManager[object]:
         """The engine's workspace slot of ``ubatch`` current (vLLM's ``use_workspace_ubatch_id``), where the run's
         arena manager has slots the engine's code reaches by itself."""
         scope = getattr(ctx.workspace, "ubatch_scope", None)
@@ -467,7 +490,7 @@ class ReservingAdapter(EngineAdapter):
             raise AssertionError(f"Attention workspace arena grew {when}: {list(now)} bytes per micro-batch against "
                                  f"the profiled {list(self.profiled)}")
 
-    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Any:
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
         """Exception-safe: the builders a failed reservation made are dropped before the error propagates."""
         before = set(self.builders)
         try:

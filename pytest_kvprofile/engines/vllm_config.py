@@ -15,9 +15,17 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Literal, cast
+from typing import TYPE_CHECKING, Any, Iterator, Literal, cast
 
 from pytest_kvprofile.matrix.cases import Case
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from pytest_kvprofile.matrix.models import ModelSpec
 
 __all__ = ["STANDIN_ARCHITECTURE", "UnexpressibleCase", "hf_config", "hf_config_dir", "kv_cache_spec",
            "layer_names", "make_vllm_config", "resolve_cudagraph_mode", "resolve_kv_cache_layout", "standin_layers",
@@ -98,7 +106,7 @@ def _nvfp4_fa2_refusal(case: Case) -> str | None:
     return None
 
 
-def hf_config(case: Case) -> dict[str, Any]:
+def hf_config(case: Case) -> dict[str, object]:
     """The ``config.json`` of a plain GQA decoder with the case's head layout."""
     model = case.model
     return {
@@ -120,7 +128,7 @@ def hf_config(case: Case) -> dict[str, Any]:
     }
 
 
-def _hybrid_keys(model: Any) -> dict[str, Any]:
+def _hybrid_keys(model: ModelSpec) -> dict[str, object]:
     """A hybrid model's GDN geometry under Qwen3-Next's config names (what vLLM's GDN builder reads); none for a
     plain decoder, whose config stays as it was."""
     if not model.hybrid:
@@ -162,17 +170,17 @@ def _standin_model_cls() -> type:
     class KvprofileStandinForCausalLM(torch.nn.Module):
         """The interface vLLM's model inspection checks; never instantiated by the harness."""
 
-        def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
             super().__init__()
 
-        def embed_input_ids(self, input_ids: Any) -> Any:
+        def embed_input_ids(self, input_ids: Tensor) -> Tensor:
             raise NotImplementedError
 
-        def forward(self, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
-                    inputs_embeds: Any = None) -> Any:
+        def forward(self, input_ids: Tensor, positions: Tensor, intermediate_tensors: object = None,
+                    inputs_embeds: Tensor | None = None) -> Tensor:
             raise NotImplementedError
 
-        def compute_logits(self, hidden_states: Any) -> Any:
+        def compute_logits(self, hidden_states: Tensor) -> Tensor:
             raise NotImplementedError
 
     KvprofileStandinForCausalLM.__name__ = STANDIN_ARCHITECTURE
@@ -207,7 +215,7 @@ def cache_dtype(case: Case) -> str:
     return case.model.kv.vllm
 
 
-def _torch_dtype(case: Case) -> Any:
+def _torch_dtype(case: Case) -> Any:  # Any: a torch.dtype, read by name with getattr
     """The KV cache's storage dtype as vLLM's runner allocates it (quantized caches are uint8 storage)."""
     import torch
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
@@ -217,7 +225,7 @@ def _torch_dtype(case: Case) -> Any:
     return getattr(torch, model_dtype(case))
 
 
-def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
+def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> VllmConfig:
     """The ``VllmConfig`` of one case's rank: TP/DCP, MTP as ``num_speculative_tokens`` (the n-gram proposer:
     the builder only reads the count), the envelope's scheduler limits and capture sizes (tokens), full
     CUDA graphs for decode."""
@@ -247,7 +255,7 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
                                     # vLLM's pydantic validator parses the mode from its name (as from its CLI)
                                     cudagraph_mode="FULL_AND_PIECEWISE",  # type: ignore[arg-type]
                                     pass_config=PassConfig(**passes))
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}  # Any: VllmConfig's optional sub-configs, by name, each of its own type
     if case.mtp:
         from vllm.config import SpeculativeConfig
 
@@ -264,7 +272,7 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> Any:
         raise UnexpressibleCase(f"case {case.id}: vLLM rejects this layout: {reason}") from None
 
 
-def resolve_kv_cache_layout(case: Case, vllm_config: Any) -> None:
+def resolve_kv_cache_layout(case: Case, vllm_config: VllmConfig) -> None:
     """What vLLM's engine core does once before profiling (``resolve_kv_cache_layout``): the layout the FlashInfer
     backend prefers on this GPU, recorded on the cache config. Older vLLMs without the field read it lazily."""
     cache = vllm_config.cache_config
@@ -278,7 +286,8 @@ def resolve_kv_cache_layout(case: Case, vllm_config: Any) -> None:
     utils.resolve_kv_cache_layout(vllm_config, [names], [kv_cache_spec(case)])
 
 
-def resolve_cudagraph_mode(case: Case, vllm_config: Any, builder_cls: type[Any]) -> None:
+# Any: vLLM's builder class, an AttentionMetadataBuilder[M] of a metadata type M that differs per backend
+def resolve_cudagraph_mode(case: Case, vllm_config: VllmConfig, builder_cls: type[Any]) -> None:
     """What vLLM's model runner does before it makes its builders (``_check_and_update_cudagraph_mode``): the
     CUDA-graph mode the builder class supports on this layout, resolved by vLLM's own
     ``resolve_cudagraph_mode_and_sizes`` and recorded on the config. With speculative decoding (MTP) and a builder
@@ -300,7 +309,7 @@ def resolve_cudagraph_mode(case: Case, vllm_config: Any, builder_cls: type[Any])
         compilation.cudagraph_capture_sizes, compilation.max_cudagraph_capture_size = sizes, largest
 
 
-def kv_cache_spec(case: Case) -> Any:
+def kv_cache_spec(case: Case) -> FullAttentionSpec:
     """The rank's full-attention KV-cache spec (KV heads per rank, page size, dtype)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
@@ -314,7 +323,7 @@ def layer_names(case: Case) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in case.model.attention_layers]
 
 
-def standin_layers(case: Case, vllm_config: Any) -> None:
+def standin_layers(case: Case, vllm_config: VllmConfig) -> None:
     """Register one attention layer per model layer in ``vllm_config``'s forward context, each holding vLLM's
     real ``FlashInferImpl`` with the rank's heads (what ``get_per_layer_parameters`` and the query-head count
     read)."""
@@ -330,10 +339,10 @@ def standin_layers(case: Case, vllm_config: Any) -> None:
                                        scale=case.model.head_dim ** -0.5, num_kv_heads=heads.heads_kv,
                                        alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
 
-        def get_attn_backend(self) -> Any:
+        def get_attn_backend(self) -> type[FlashInferBackend]:
             return FlashInferBackend
 
-        def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+        def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FullAttentionSpec:
             return spec
 
     from vllm.config import set_current_vllm_config

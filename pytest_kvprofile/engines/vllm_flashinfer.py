@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
@@ -63,6 +63,14 @@ from pytest_kvprofile.engines.vllm_standins import (
 )
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.engines.adapter import BuilderKey, EngineObject
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["DECLARATION_NAMES", "REVISIONS", "VLLM_BACKENDS", "VLLM_POLICY", "ReservationApi", "ReservingVllmBuilder",
@@ -87,7 +95,7 @@ def reservation_api(builder_cls: type, case: Case | None = None) -> ReservationA
     """The revision of the pull request's API ``builder_cls`` carries, or None (every released vLLM): then the
     adapter declares nothing. A class that looks taught but cannot be driven raises ``UnusableContract``
     (``engines/adapter.py``, :func:`find_revision`); its REQUIRED declaration is asked on ``case``."""
-    def declared(name: str) -> Any:
+    def declared(name: str) -> object:
         if case is None:
             return None
         with vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp):
@@ -123,20 +131,20 @@ class VllmAdapter(EngineAdapter):
     build_error = VllmBuildError
 
     @property
-    def vllm_config(self) -> Any:
+    def vllm_config(self) -> EngineObject:
         return self.engine_config
 
-    def standins(self) -> Any:
+    def standins(self) -> ContextManager[ModuleType]:
         return vllm_standins(self.case.gpu, dcp=self.case.dcp, ranks=self.case.tp)
 
-    def make_engine_config(self) -> Any:
+    def make_engine_config(self) -> VllmConfig:
         return make_vllm_config(self.case)
 
-    def engine_scope(self) -> Any:
+    def engine_scope(self) -> ContextManager[ModuleType]:
         return self._scope()
 
     @contextlib.contextmanager
-    def _scope(self, *more: Callable[[], Any]) -> Iterator[Any]:
+    def _scope(self, *more: Callable[[], ContextManager[object]]) -> Iterator[ModuleType]:
         """The stand-ins, then ``more``, then the config (made inside them) current; yields vLLM's FlashInfer
         backend module."""
         from vllm.config import set_current_vllm_config
@@ -148,10 +156,10 @@ class VllmAdapter(EngineAdapter):
             stack.enter_context(set_current_vllm_config(self.config()))
             yield module
 
-    def build_for_capture(self, builder: Any, metadata: Any) -> Any:
+    def build_for_capture(self, builder: EngineObject, metadata: EngineObject) -> EngineObject:
         return builder.build_for_cudagraph_capture(metadata)
 
-    def build_serving(self, builder: Any, metadata: Any) -> Any:
+    def build_serving(self, builder: EngineObject, metadata: EngineObject) -> EngineObject:
         return builder.build(common_prefix_len=0, common_attn_metadata=metadata)
 
 
@@ -166,7 +174,7 @@ class VllmFlashInferBuilder(VllmAdapter):
     def __init__(self, case: Case, builder_cls: type | None = None) -> None:
         check_expressible(case)
         super().__init__(case, builder_cls)
-        self.inputs: Any = None
+        self.inputs: Any = None  # Any: RunnerInputs, made before any build reads it (None until then)
         if device_active():
             self._make_inputs()
 
@@ -177,10 +185,10 @@ class VllmFlashInferBuilder(VllmAdapter):
             self.inputs = RunnerInputs(self.case, self.config())
 
     # -- vLLM's objects ----------------------------------------------------------------------------
-    def _cls(self, module: Any) -> type:
+    def _cls(self, module: ModuleType) -> type:
         return self.builder_cls or module.FlashInferMetadataBuilder
 
-    def make_engine_config(self) -> Any:
+    def make_engine_config(self) -> VllmConfig:
         config = make_vllm_config(self.case)
         resolve_kv_cache_layout(self.case, config)
         standin_layers(self.case, config)
@@ -193,33 +201,33 @@ class VllmFlashInferBuilder(VllmAdapter):
 
         return bool(self.config().compilation_config.cudagraph_mode.decode_mode() == CUDAGraphMode.FULL)
 
-    def make_engine_builder(self, key: Any) -> Any:
+    def make_engine_builder(self, key: BuilderKey) -> EngineObject:
         import torch
 
         return self._cls(import_vllm_flashinfer())(kv_cache_spec(self.case), layer_names(self.case), self.config(),
                                                    torch.device("cuda"))
 
-    def make_engine_builders(self, num_ubatches: int) -> list[Any]:
+    def make_engine_builders(self, num_ubatches: int) -> list[EngineObject]:
         """One vLLM builder per micro-batch (as the runners make them); returns the new ones."""
         made = super().make_engine_builders(num_ubatches)
         self.ensure_inputs()
         return made
 
-    def after_make(self, made: list[Any]) -> None:
+    def after_make(self, made: list[EngineObject]) -> None:
         """V1: nothing; the float workspace appears on each builder's first wrapper."""
 
     def ensure_inputs(self) -> None:
         if self.inputs is None:
             self._make_inputs()
 
-    def engine_metadata(self, batch: Batch) -> Any:
+    def engine_metadata(self, batch: Batch) -> EngineObject:
         """vLLM's ``CommonAttentionMetadata`` of the batch, with the runner's padding of decode batches."""
         return self.inputs.metadata(self.inputs.padded(batch))
 
     def after_build(self, batch: Batch) -> None:
         _role_trtllm_workspace()
 
-    def wrappers(self) -> Iterator[tuple[int, str, Any]]:
+    def wrappers(self) -> Iterator[tuple[int, str, object]]:
         """Every FlashInfer wrapper vLLM's builders hold: (ubatch, role, wrapper)."""
         for ub, b in sorted(self.builders.items()):
             for role, attr in (("prefill", "_prefill_wrapper"), ("decode", "_decode_wrapper")):
@@ -240,7 +248,7 @@ class VllmFlashInferV2Builder(VllmFlashInferBuilder):
     name = "vllm-flashinfer-v2"
     shares_workspace = True
 
-    def after_make(self, made: list[Any]) -> None:
+    def after_make(self, made: list[EngineObject]) -> None:
         first = self.builders[min(self.builders)]
         workspace = first._get_workspace_buffer()
         for b in made:
@@ -257,7 +265,7 @@ class ReservingVllmBuilder(ReservingAdapter, VllmFlashInferBuilder):
         super().__init__(case, builder_cls)
         self.api = api
 
-    def declaration_args(self) -> tuple[Any, ...]:
+    def declaration_args(self) -> tuple[object, ...]:
         return self.config(), kv_cache_spec(self.case)
 
     def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
@@ -281,7 +289,7 @@ class RunnerInputs:
     The capture sizes are vLLM's (its config may adjust the case's); decode batches are padded to them.
     """
 
-    def __init__(self, case: Case, vllm_config: Any) -> None:
+    def __init__(self, case: Case, vllm_config: VllmConfig) -> None:
         from vllm.v1.utils import CpuGpuBuffer
 
         env = case.envelope
@@ -311,7 +319,7 @@ class RunnerInputs:
     def query_lens(self, batch: Batch) -> list[int]:
         return list(runner_batch(self.case, batch, self.max_reqs).query_lens)
 
-    def metadata(self, batch: Batch) -> Any:
+    def metadata(self, batch: Batch) -> CommonAttentionMetadata:
         import numpy as np
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -345,19 +353,19 @@ class RunnerInputs:
         return CommonAttentionMetadata(**{k: v for k, v in values.items() if k in fields})
 
 
-def _int32() -> Any:
+def _int32() -> torch.dtype:
     import torch
 
     return torch.int32
 
 
-def _int64() -> Any:
+def _int64() -> torch.dtype:
     import torch
 
     return torch.int64
 
 
-def make_vllm_builders(case: Case, v2: bool = False, builder_cls: type | None = None) -> list[Any]:
+def make_vllm_builders(case: Case, v2: bool = False, builder_cls: type | None = None) -> list[Builder]:
     """The adapter for ``case``: a reserving one when vLLM's builder class declares reservation, otherwise the
     V1 (or V2) integration that declares nothing. Imports vLLM (with the stand-in platform current)."""
     check_expressible(case)
@@ -368,11 +376,11 @@ def make_vllm_builders(case: Case, v2: bool = False, builder_cls: type | None = 
     return [(VllmFlashInferV2Builder if v2 else VllmFlashInferBuilder)(case, builder_cls)]
 
 
-def _make_v1(case: Case) -> list[Any]:
+def _make_v1(case: Case) -> list[Builder]:
     return make_vllm_builders(case)
 
 
-def _make_v2(case: Case) -> list[Any]:
+def _make_v2(case: Case) -> list[Builder]:
     return make_vllm_builders(case, v2=True)
 
 

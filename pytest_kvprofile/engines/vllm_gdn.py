@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, ContextManager, cast
 
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
@@ -34,6 +34,14 @@ from pytest_kvprofile.engines.vllm_config import UnexpressibleCase, model_dtype
 from pytest_kvprofile.engines.vllm_flashinfer import DECLARATION_NAMES, VllmAdapter
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch import Tensor
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from pytest_kvprofile.engines.adapter import EngineObject
+    from pytest_kvprofile.engines.vllm_flashinfer import VllmFlashInferBuilder
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["GDN_LAYER_MODULE", "VllmGdnBuilder", "gdn_groups", "gdn_resolver_standin", "mamba_spec"]
@@ -55,7 +63,7 @@ def gdn_groups(case: Case) -> list[list[str]]:
     return [names[i:i + size] for i in range(0, len(names), size)]
 
 
-def mamba_spec(case: Case) -> Any:
+def mamba_spec(case: Case) -> MambaSpec:
     """The rank's GDN state spec, as Qwen3-Next's layer declares it (``MambaStateShapeCalculator``): the conv
     state and the recurrent state, sharded over TP, one block per request (``mamba_cache_mode="none"``), one
     speculative block per MTP token."""
@@ -81,7 +89,7 @@ def mamba_spec(case: Case) -> Any:
 class _CurrentPlatform:
     """``current_platform`` as vLLM's modules see it when called (the stand-in platform inside a run)."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         import vllm.platforms
 
         platform = vllm.platforms.current_platform
@@ -98,7 +106,7 @@ def _cuda_runtime_major() -> int:
     return int(str(torch.version.cuda or "0").split(".")[0])
 
 
-def _resolver_module() -> Any:
+def _resolver_module() -> ModuleType:
     """A module holding vLLM's own ``_resolve_gdn_prefill_backend`` (and the helper it calls), compiled from the
     installed layer module's source without running that module's imports."""
     import types
@@ -125,7 +133,7 @@ def _resolver_module() -> Any:
     return module
 
 
-def gdn_resolver_standin() -> Any:
+def gdn_resolver_standin() -> ContextManager[None]:
     """For the block, ``GDN_LAYER_MODULE`` is a stand-in serving vLLM's ``_resolve_gdn_prefill_backend``, unless
     the real module is already imported (a CUDA build of vLLM)."""
     return module_standin(GDN_LAYER_MODULE, _resolver_module)
@@ -143,7 +151,7 @@ class VllmGdnBuilder(VllmAdapter):
     name = "vllm-gdn"
     builder_label = "vLLM's GDNAttentionMetadataBuilder"
 
-    def __init__(self, case: Case, runner: Any, builder_cls: type | None = None) -> None:
+    def __init__(self, case: Case, runner: VllmFlashInferBuilder, builder_cls: type | None = None) -> None:
         check_hybrid(case)
         super().__init__(case, builder_cls)
         self.runner = runner
@@ -156,7 +164,7 @@ class VllmGdnBuilder(VllmAdapter):
             self.builder_cls = GDNAttentionMetadataBuilder
         return self.builder_cls
 
-    def get_persistent_workspace_memory_profiling_support(self) -> Any:
+    def get_persistent_workspace_memory_profiling_support(self) -> object:
         with self.standins():
             # NEUTRAL: what the pull request declares for GDN
             return declared_support(self._cls(), DECLARATION_NAMES, lambda: (self.config(), mamba_spec(self.case)),
@@ -167,20 +175,20 @@ class VllmGdnBuilder(VllmAdapter):
         return WorkspaceDeclaration(float_bytes=0, int_bytes=0)
 
     # -- the adapter ---------------------------------------------------------------------------------------
-    def builder_keys(self, ubatch: int) -> list[Any]:
+    def builder_keys(self, ubatch: int) -> list[tuple[int, int]]:
         return [(ubatch, g) for g in range(len(self.groups))]
 
-    def ubatch_of(self, key: Any) -> int:
+    def ubatch_of(self, key: tuple[int, int]) -> int:
         return int(key[0])
 
-    def describe_key(self, key: Any) -> str:
+    def describe_key(self, key: tuple[int, int]) -> str:
         return f"ubatch {key[0]}, group {key[1]}"
 
-    def construction_scope(self) -> Any:
+    def construction_scope(self) -> ContextManager[ModuleType]:
         """The builder's constructor imports its prefill-backend resolver: :func:`gdn_resolver_standin`."""
         return self._scope(gdn_resolver_standin)
 
-    def make_engine_builder(self, key: Any) -> Any:
+    def make_engine_builder(self, key: tuple[int, int]) -> EngineObject:
         import torch
 
         return self._cls()(mamba_spec(self.case), self.groups[key[1]], self.config(), torch.device("cuda"))
@@ -193,15 +201,15 @@ class VllmGdnBuilder(VllmAdapter):
         if self.runner.inputs is None:
             self.runner._make_inputs()
 
-    def engine_metadata(self, batch: Batch) -> Any:
+    def engine_metadata(self, batch: Batch) -> EngineObject:
         """The runner's metadata of its padded batch (one runner, one set of input buffers)."""
         inputs = self.runner.inputs
         return inputs.metadata(inputs.padded(batch))
 
-    def build_serving(self, builder: Any, metadata: Any) -> Any:
+    def build_serving(self, builder: EngineObject, metadata: EngineObject) -> EngineObject:
         return builder.build(common_prefix_len=0, common_attn_metadata=metadata, **self._spec_args(metadata))
 
-    def _spec_args(self, metadata: Any) -> dict[str, Any]:
+    def _spec_args(self, metadata: CommonAttentionMetadata) -> dict[str, Tensor]:
         """With MTP the runner hands GDN each request's accepted tokens and draft count: decode requests carry
         ``mtp`` drafts, prefill requests none (-1)."""
         if not self.case.mtp:

@@ -10,11 +10,14 @@ expected difference is therefore the device's non-torch bytes (``non_kv_differen
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeAlias
 
 from pytest_kvprofile.memory.device import Device
 
 NAME = "vllm.memory_profiling"
+# vLLM's MemorySnapshot, its memory_profiling context and that context's result: each made by an earlier step of the
+# window (None before it), and read without a None check
+VllmMeasurement: TypeAlias = Any
 
 
 @contextlib.contextmanager
@@ -40,9 +43,9 @@ class VllmMemoryProfiling:
     name = NAME
 
     def __init__(self) -> None:
-        self._before: Any = None
-        self._profiling: Any = None
-        self.result: Any = None
+        self._before: VllmMeasurement = None
+        self._profiling: VllmMeasurement = None
+        self.result: VllmMeasurement = None
 
     def before_instance(self, device: Device) -> None:
         import torch

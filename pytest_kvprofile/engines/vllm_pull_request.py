@@ -25,13 +25,21 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.engines.vllm_flashinfer import VLLM_POLICY, engine_refusal, make_vllm_builders
 from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT, import_vllm_flashinfer
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch import Tensor
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from pytest_kvprofile.attention.wrappers import PagedWrapper
+    from pytest_kvprofile.contract.protocol import Builder
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["PersistentWorkspaceProfilingSupport", "backends", "pull_request_builder"]
@@ -48,7 +56,7 @@ class PersistentWorkspaceProfilingSupport(enum.Enum):
     REQUIRED = 2
 
 
-def _workspace_module() -> Any:
+def _workspace_module() -> ModuleType:
     import vllm.v1.worker.workspace as workspace
 
     return workspace
@@ -58,6 +66,7 @@ def _workspace_module() -> Any:
 def pull_request_builder(plan: bool) -> type:
     """The installed vLLM's ``FlashInferMetadataBuilder`` with the pull request's current API; ``plan``: plan each
     wrapper once inside the window."""
+    # Any: vLLM's builder class, read from the module imported now: mypy takes no base class from a variable
     base: Any = import_vllm_flashinfer().FlashInferMetadataBuilder
 
     class PullRequestFlashInferBuilder(base):  # type: ignore[misc]
@@ -65,7 +74,7 @@ def pull_request_builder(plan: bool) -> type:
 
         @classmethod
         def get_persistent_workspace_memory_profiling_support(
-                cls, vllm_config: Any, kv_cache_spec: Any) -> PersistentWorkspaceProfilingSupport:
+                cls, vllm_config: VllmConfig, kv_cache_spec: object) -> PersistentWorkspaceProfilingSupport:
             if vllm_config.parallel_config.decode_context_parallel_size > 1:
                 return PersistentWorkspaceProfilingSupport.UNSUPPORTED
             if getattr(kv_cache_spec, "non_causal", False):
@@ -81,7 +90,7 @@ def pull_request_builder(plan: bool) -> type:
             est: int = self.max_num_batched_tokens * self.num_qo_heads * self.head_dim * PREFILL_BYTES_PER_ELEM
             return max(envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE, est)
 
-        def _manager_arena(self) -> Any:
+        def _manager_arena(self) -> Any:  # Any: the arena tensor (or None) of vLLM's manager, an untyped global
             """This micro-batch's arena from vLLM's manager (the runner picks the slot), or None without one."""
             import torch
 
@@ -92,12 +101,12 @@ def pull_request_builder(plan: bool) -> type:
                 ((self._default_arena_bytes(),), torch.uint8))
             return arena
 
-        def _wrappers(self) -> list[Any]:
+        def _wrappers(self) -> list[PagedWrapper]:
             found = [self._prefill_wrapper, self._decode_wrapper,
                      *getattr(self, "_decode_wrappers_cudagraph", {}).values()]
             return [w for w in found if w is not None]
 
-        def _hand(self, arena: Any) -> None:
+        def _hand(self, arena: Tensor) -> None:
             """The arena to the builder and to every wrapper whose float workspace is elsewhere."""
             self.set_workspace_buffer(arena)
             for w in self._wrappers():
@@ -180,7 +189,7 @@ def pull_request_builder(plan: bool) -> type:
             self.build(0, self._metadata(mixed))
             self.build(0, self._metadata([q] * max(1, min(reqs, budget // q))))
 
-        def _metadata(self, query_lens: list[int]) -> Any:
+        def _metadata(self, query_lens: list[int]) -> CommonAttentionMetadata:
             """vLLM's ``CommonAttentionMetadata`` of requests with ``query_lens`` at the model's full context, on
             input buffers the builder keeps (as a runner keeps its own): planning allocates only what FlashInfer's
             plan keeps."""
@@ -219,8 +228,8 @@ def pull_request_builder(plan: bool) -> type:
     return PullRequestFlashInferBuilder
 
 
-def _make(plan: bool) -> Any:
-    def make_builders(case: Case) -> list[Any]:
+def _make(plan: bool) -> Callable[[Case], list[Builder]]:
+    def make_builders(case: Case) -> list[Builder]:
         return make_vllm_builders(case, builder_cls=pull_request_builder(plan))
 
     return make_builders

@@ -24,11 +24,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeAlias
 
 from pytest_kvprofile.engines.adapter import EngineUnavailable, Patches, import_engine
 from pytest_kvprofile.matrix.gpus import GpuSpec
 from pytest_kvprofile.memory.simulated_gpu import loaded_modules
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch import Tensor
+    from vllm.config import VllmConfig
+    from vllm.platforms.interface import Platform
+
+# the stand-in Platform subclass: defined inside _standin_platform_cls (vLLM is imported lazily), so its gpu and
+# ranks class attributes have no type mypy can see here
+StandinPlatformClass: TypeAlias = Any
 
 __all__ = [
     "VLLM_INSTALL_HINT",
@@ -54,10 +65,10 @@ class VllmUnavailable(EngineUnavailable):
 
 # -- the platform ---------------------------------------------------------------------------------------------
 
-_platform_cls: Any = None
+_platform_cls: StandinPlatformClass = None
 
 
-def _standin_platform_cls() -> Any:
+def _standin_platform_cls() -> StandinPlatformClass:
     """The stand-in platform class (made once: vLLM modules bind ``current_platform`` at their import)."""
     global _platform_cls
     if _platform_cls is None:
@@ -82,7 +93,7 @@ def _standin_platform_cls() -> Any:
                 return cls.ranks
 
             @classmethod
-            def get_device_capability(cls, device_id: int = 0) -> Any:
+            def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
                 if cls.gpu is None:
                     return None
                 return DeviceCapability(*cls.gpu.compute_capability)
@@ -100,7 +111,7 @@ def _standin_platform_cls() -> Any:
                 return True
 
             @classmethod
-            def fp8_dtype(cls) -> Any:
+            def fp8_dtype(cls) -> torch.dtype:
                 return torch.float8_e4m3fn
 
             @classmethod
@@ -108,7 +119,7 @@ def _standin_platform_cls() -> Any:
                 return True
 
             @classmethod
-            def check_and_update_config(cls, vllm_config: Any) -> None:
+            def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
                 return None
 
         _platform_cls = KvprofileCudaPlatform
@@ -116,7 +127,7 @@ def _standin_platform_cls() -> Any:
 
 
 @contextlib.contextmanager
-def standin_platform(gpu: GpuSpec | None, ranks: int = 1) -> Iterator[Any]:
+def standin_platform(gpu: GpuSpec | None, ranks: int = 1) -> Iterator[Platform]:
     """vLLM's ``current_platform`` is the stand-in answering ``gpu`` for the block; the previous one after.
 
     Modules that bound ``current_platform`` at import keep the object they bound, so vLLM's attention modules
@@ -166,11 +177,12 @@ class HostCopyPageIndices:
     """``_copy_page_indices_kernel[(num_reqs,)](out, block_table, stride, indptr, BLOCK_SIZE=...)`` on the host:
     request ``i``'s first ``indptr[i+1] - indptr[i]`` block-table entries go to ``out[indptr[i]:indptr[i+1]]``."""
 
-    def __getitem__(self, grid: Any) -> Any:
+    def __getitem__(self, grid: object) -> Callable[..., None]:
         return self._launch
 
     @staticmethod
-    def _launch(page_indices: Any, block_table: Any, block_table_stride: int, indptr: Any, **_: Any) -> None:
+    def _launch(page_indices: Tensor, block_table: Tensor, block_table_stride: int, indptr: Tensor,
+                **_: object) -> None:
         """The copy through NumPy views of both tensors: one torch call each (the simulation sees the kernel read
         the block table and write the output), then one masked gather: row ``i``'s first ``len_i`` entries, rows in
         order, are exactly the output's ``indptr[i]:indptr[i+1]`` runs laid end to end."""
@@ -229,10 +241,10 @@ def dcp_group(world_size: int) -> Iterator[None]:
 
 # -- caches and torch ------------------------------------------------------------------------------------------
 
-_BOUND: tuple[list[tuple[str, Any]] | None, list[Any]] = (None, [])
+_BOUND: tuple[list[tuple[str, ModuleType]] | None, list[ModuleType]] = (None, [])
 
 
-def _modules_binding_artifactory() -> list[Any]:
+def _modules_binding_artifactory() -> list[ModuleType]:
     """vLLM's imported modules that bind a ``has_nvidia_artifactory``, found again only when a module is imported
     (every builder call asks)."""
     global _BOUND
@@ -242,7 +254,8 @@ def _modules_binding_artifactory() -> list[Any]:
     return _BOUND[1]
 
 
-_CACHED_FUNCTIONS: dict[str, tuple[tuple[int, int], list[Any]]] = {}  # module -> (its identity and size, its caches)
+# module -> (its identity and size, its caches)
+_CACHED_FUNCTIONS: dict[str, tuple[tuple[int, int], list[functools._lru_cache_wrapper[object]]]] = {}
 
 
 def _clear_vllm_caches() -> None:
@@ -289,7 +302,7 @@ def cuda_version() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def vllm_standins(gpu: GpuSpec | None, dcp: int = 1, ranks: int = 1) -> Iterator[Any]:
+def vllm_standins(gpu: GpuSpec | None, dcp: int = 1, ranks: int = 1) -> Iterator[ModuleType]:
     """Every stand-in for the block, on ``gpu`` (a node of ``ranks`` of them) with a DCP group of ``dcp``; yields
     vLLM's FlashInfer backend module (imported on first use, with the stand-in platform current)."""
     with contextlib.ExitStack() as stack:
@@ -303,7 +316,7 @@ def vllm_standins(gpu: GpuSpec | None, dcp: int = 1, ranks: int = 1) -> Iterator
         yield module
 
 
-def import_vllm_flashinfer() -> Any:
+def import_vllm_flashinfer() -> ModuleType:
     """vLLM's FlashInfer backend module; :class:`VllmUnavailable` naming the install when it cannot be imported.
 
     Import it with the stand-in platform current (:func:`vllm_standins` does): vLLM's modules bind
@@ -315,7 +328,7 @@ def import_vllm_flashinfer() -> Any:
                          unavailable=VllmUnavailable, thread_name="kvprofile-vllm-import")
 
 
-def _import_backend() -> Any:
+def _import_backend() -> ModuleType:
     """The import, with the stand-in platform current (on its own thread: :func:`import_engine`)."""
     import importlib
 

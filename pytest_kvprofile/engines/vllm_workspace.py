@@ -33,7 +33,7 @@ import importlib
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Iterator, TypeAlias, TypeVar
 
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import (
@@ -47,7 +47,21 @@ from pytest_kvprofile.engines.adapter import EngineUnavailable, import_engine
 from pytest_kvprofile.lifecycle.driver import _RecordingMixin
 from pytest_kvprofile.lifecycle.record import Refusal
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+
+    from pytest_kvprofile.contract.device import Allocation, Device
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
 T = TypeVar("T")
+# a tensor vLLM's manager hands out: the observed manager class is made at run time (_observed_class), from vLLM's
+# class imported then, so its calls are untyped
+VllmTensor: TypeAlias = Any
+# one of vLLM's modules (workspace, ubatching) whose private globals the adapter reads and sets (_manager, the DBO
+# thread table), and whose manager class it subclasses: ModuleType has none of them
+VllmModule: TypeAlias = Any
 
 VLLM_INSTALL_HINT = "scripts/install_vllm_cpu.sh"
 _WORKSPACE_MODULE = "vllm.v1.worker.workspace"
@@ -77,7 +91,7 @@ def vllm_workspace_unavailable() -> str | None:
     return None
 
 
-def import_vllm_workspace() -> tuple[Any, Any]:
+def import_vllm_workspace() -> tuple[VllmModule, VllmModule]:
     """``(vllm.v1.worker.workspace, vllm.v1.worker.ubatching)``, imported on their own thread with the stand-in
     platform current, as ``vllm_standins.import_vllm_flashinfer`` imports vLLM (and for the same reasons)."""
     if _WORKSPACE_MODULE not in sys.modules or _UBATCHING_MODULE not in sys.modules:
@@ -86,7 +100,7 @@ def import_vllm_workspace() -> tuple[Any, Any]:
     return sys.modules[_WORKSPACE_MODULE], sys.modules[_UBATCHING_MODULE]
 
 
-def _load() -> Any:
+def _load() -> ModuleType:
     from pytest_kvprofile.engines.vllm_standins import (
         _standin_platform_cls,
         cuda_version,
@@ -147,7 +161,9 @@ class ResourceRecord:
 @dataclass
 class _Slot:
     generation: int = 0  # 0: never allocated
-    alloc: Any = None  # the ledger entry of the slot's current tensor (never the tensor: vLLM decides its life)
+    # Any: the ledger entry (an Allocation) of the slot's current tensor, never the tensor (vLLM decides its life);
+    # None until vLLM's first call, which makes it before the adapter reads it
+    alloc: Any = None
 
 
 class VllmWorkspaceManager:
@@ -155,7 +171,7 @@ class VllmWorkspaceManager:
 
     kind = "vllm"
 
-    def __init__(self, device: Any, num_ubatches: int = 1, alignment: int = 256, num_lanes: int = 1,
+    def __init__(self, device: Device, num_ubatches: int = 1, alignment: int = 256, num_lanes: int = 1,
                  install: bool = True):
         if num_ubatches < 1:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
@@ -164,7 +180,7 @@ class VllmWorkspaceManager:
         import torch
 
         workspace, self._ubatching = import_vllm_workspace()
-        self.device = device
+        self.device: Any = device  # Any: a SimDevice wherever it has an allocator, which _simulation asks
         self.num_ubatches = num_ubatches
         self.num_lanes = num_lanes
         self.alignment = alignment
@@ -178,11 +194,11 @@ class VllmWorkspaceManager:
         self._ubatch: int | None = None  # the micro-batch an adapter call asked for
         self._requester: str | None = None
         self._tag = ""
-        self._private_sim: Any = None
+        self._private_sim: SimulatedCuda | None = None
         self.inner = _observed_class(workspace)(torch.device("cuda"), num_ubatches, num_lanes, self._alloc_scope)
         self.inner.adapter = self
         self._workspace_module = workspace
-        self._previous_global: Any = _MISSING
+        self._previous_global: object = _MISSING
         if install:  # vLLM code that asks current_workspace_manager() reaches the run's arena
             self._previous_global = workspace._manager
             workspace._manager = self.inner
@@ -225,10 +241,10 @@ class VllmWorkspaceManager:
         slot = self._slots[view.ubatch][0]
         return slot.alloc is not None and slot.alloc.alive and view.generation == slot.generation
 
-    def generation_of(self, alloc: Any) -> tuple[int, int] | None:
+    def generation_of(self, alloc: Allocation) -> tuple[int, int] | None:
         return self._allocation_generation.get(alloc.id)
 
-    def stale_since(self, alloc: Any) -> str | None:
+    def stale_since(self, alloc: Allocation) -> str | None:
         """The phase vLLM's manager replaced ``alloc`` (an old arena of a slot) in, while a kept view keeps its
         storage allocated; None for a current arena or other memory. Using it is a use of given-back memory."""
         where = self._allocation_generation.get(alloc.id)
@@ -236,7 +252,7 @@ class VllmWorkspaceManager:
             return None
         return self.retired.get(where, "?")
 
-    def ubatch_of(self, alloc: Any) -> int | None:
+    def ubatch_of(self, alloc: Allocation) -> int | None:
         for u, lanes in enumerate(self._slots):
             if any(s.alloc is alloc for s in lanes):
                 return u
@@ -291,13 +307,14 @@ class VllmWorkspaceManager:
             resource: T = self.inner.get_persistent_resource(key, factory)  # vLLM's manager: what factory made
             return resource
 
-    def get_persistent(self, key: Hashable, shape: tuple[int, ...], dtype: Any, ubatch: int = 0,
-                       zero_init: bool = False) -> Any:
+    def get_persistent(self, key: Hashable, shape: tuple[int, ...], dtype: torch.dtype, ubatch: int = 0,
+                       zero_init: bool = False) -> VllmTensor:
         self._check_ubatch(ubatch)
         with self._asking(None, ubatch, f"persistent tensor {key!r}"):
             return self.inner.get_persistent(key, shape, dtype, zero_init=zero_init)
 
-    def get_simultaneous(self, *shapes_and_dtypes: tuple[tuple[int, ...], Any], ubatch: int = 0) -> list[Any]:
+    def get_simultaneous(self, *shapes_and_dtypes: tuple[tuple[int, ...], torch.dtype],
+                         ubatch: int = 0) -> list[VllmTensor]:
         self._check_ubatch(ubatch)
         with self._asking(None, ubatch, "get_simultaneous"):
             return list(self.inner.get_simultaneous(*shapes_and_dtypes))
@@ -342,7 +359,7 @@ class VllmWorkspaceManager:
         return str(getattr(self.device, "phase", ""))
 
     # -- inside vLLM's calls ---------------------------------------------------------------------------
-    def _run_simulation(self) -> Any:
+    def _run_simulation(self) -> SimulatedCuda | None:
         torch_mode = sys.modules.get("pytest_kvprofile.memory.torch_mode")
         sim = torch_mode.active_simulation() if torch_mode is not None else None
         return sim if sim is not None and sim.device is self.device else None
@@ -379,7 +396,7 @@ class VllmWorkspaceManager:
                     table[tid] = previous
 
     @contextlib.contextmanager
-    def _simulation(self) -> Iterator[Any]:
+    def _simulation(self) -> Iterator[SimulatedCuda | None]:
         sim = self._run_simulation()
         if sim is not None or not hasattr(self.device, "allocator"):
             yield sim  # the run's simulation (torch mode), or this manager's own already entered
@@ -391,12 +408,12 @@ class VllmWorkspaceManager:
         with self._private_sim as private:
             yield private
 
-    def _alloc_scope(self) -> Any:
+    def _alloc_scope(self) -> ContextManager[None]:
         """vLLM's ``alloc_context``: the arena is the manager's, whoever's code asked for it."""
         sim = self._run_simulation() or self._private_sim
         return sim.owner_scope(OWNER, self._tag or "float-arena") if sim is not None else contextlib.nullcontext()
 
-    def _ensured(self, ensure: Callable[[int], Any], required: int) -> Any:
+    def _ensured(self, ensure: Callable[[int], VllmTensor], required: int) -> VllmTensor:
         """vLLM's ``_ensure_workspace_size`` in the right slot: growth counted, a refusal recorded."""
         with self._in_slot() as ubatch:
             lane = self._workspace_module._workspace_lane.get()
@@ -449,7 +466,7 @@ class VllmWorkspaceManager:
             return value
 
 
-def _observed_class(workspace: Any) -> type:
+def _observed_class(workspace: VllmModule) -> type:
     """vLLM's ``WorkspaceManager`` with its two allocation points observed by the adapter (vLLM's code runs)."""
     cached = _OBSERVED.get(id(workspace.WorkspaceManager))
     if cached is not None:
@@ -458,11 +475,12 @@ def _observed_class(workspace: Any) -> type:
     class ObservedWorkspaceManager(workspace.WorkspaceManager):  # type: ignore[misc]
         adapter: VllmWorkspaceManager
 
-        def _ensure_workspace_size(self, required_bytes: int, *args: Any, **kwargs: Any) -> Any:
+        def _ensure_workspace_size(self, required_bytes: int, *args: object, **kwargs: object) -> VllmTensor:
             # the pull request's manager also takes the ubatch id
             return self.adapter._ensured(lambda n: super(ObservedWorkspaceManager, self)._ensure_workspace_size(
                 n, *args, **kwargs), required_bytes)
 
+        # Any: what factory made, passed through vLLM's untyped get_persistent_resource
         def get_persistent_resource(self, key: Hashable, factory: Callable[[], Any]) -> Any:
             return self.adapter._resource(super().get_persistent_resource, key, factory)
 

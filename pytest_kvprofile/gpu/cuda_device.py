@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from pytest_kvprofile.contract.roles import Role, as_role
 from pytest_kvprofile.memory.allocator import round_size, segment_size
@@ -31,7 +31,14 @@ from pytest_kvprofile.memory.device import (
 )
 
 if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.cuda import CUDAGraph
+
+    from pytest_kvprofile.lifecycle.record import LifecycleResult
     from pytest_kvprofile.matrix.cases import Case
+
+# the torch module, or a test's stand-in for it (tests/gpu drive CudaDevice on a fake torch.cuda): read by attribute
+TorchModule: TypeAlias = Any
 
 __all__ = ["MEM_GET_INFO_TOLERANCE", "CudaDevice", "CudaDeviceFactory", "CudaGraphPool"]
 
@@ -51,8 +58,8 @@ class CudaGraphPool:
     """
 
     id: str
-    handle: Any
-    graphs: list[Any] = field(default_factory=list)
+    handle: object  # torch's graph pool handle, handed back to torch as it came
+    graphs: list[CUDAGraph] = field(default_factory=list)
     use_count: int = 0
     released: bool = False
     reserved: int = 0
@@ -65,7 +72,7 @@ class CudaGraphPool:
 class CudaDevice(EventSource):
     """A real CUDA device behind the simulated device's interface (see ``pytest_kvprofile.memory.device``)."""
 
-    def __init__(self, index: int = 0, *, torch_mod: Any = None, record_stacks: bool = False) -> None:
+    def __init__(self, index: int = 0, *, torch_mod: TorchModule = None, record_stacks: bool = False) -> None:
         if torch_mod is None:
             import torch as torch_mod
         self._torch = torch_mod
@@ -83,7 +90,7 @@ class CudaDevice(EventSource):
         self.start_allocated: int = int(self._cuda.memory_allocated(index))
         self.nontorch_bytes: int = int(total) - int(free) - self.start_reserved
         self._init_events()
-        self._tensors: dict[int, Any] = {}  # a live allocation's uint8 torch.Tensor, by allocation id
+        self._tensors: dict[int, Tensor] = {}  # a live allocation's uint8 torch.Tensor, by allocation id
         self._pools: dict[str, CudaGraphPool] = {}
         self._pool_counter = 0
         self._capture: tuple[CudaGraphPool, int, int] | None = None  # (pool, reserved at start, pool bytes before)
@@ -156,14 +163,14 @@ class CudaDevice(EventSource):
     def live_allocations(self) -> list[Allocation]:
         return list(self._live.values())
 
-    def tensor(self, alloc: Allocation) -> Any:
+    def tensor(self, alloc: Allocation) -> Tensor:
         """The uint8 tensor behind a live allocation."""
         t = self._tensors.get(alloc.id) if self._live.get(alloc.id) is alloc else None
         if t is None:
             raise ValueError(f"allocation {alloc.id} ({alloc.owner!r}, {alloc.tag!r}) is not alive on this device")
         return t
 
-    def view(self, ptr: int, nbytes: int) -> Any:
+    def view(self, ptr: int, nbytes: int) -> Tensor:
         """A uint8 view of ``[ptr, ptr + nbytes)`` inside one live device allocation (an arena view)."""
         for a in self._live.values():
             if a.kind == "device" and a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
@@ -217,7 +224,7 @@ class CudaDevice(EventSource):
     def memory_stats(self) -> dict[str, int]:
         return dict(self._cuda.memory_stats(self.index))
 
-    def segments(self) -> list[dict[str, Any]]:
+    def segments(self) -> list[dict[str, Any]]:  # Any: torch's memory_snapshot segments, JSON-like
         """Torch's segment snapshot for this device (address order)."""
         segs = [s for s in self._cuda.memory_snapshot() if s.get("device", self.index) == self.index]
         return sorted(segs, key=lambda s: s.get("address", 0))
@@ -310,7 +317,7 @@ class CudaDeviceFactory:
     the result is recorded; the figures stay in the result.
     """
 
-    def __init__(self, index: int = 0, *, torch_mod: Any = None, record_stacks: bool = False) -> None:
+    def __init__(self, index: int = 0, *, torch_mod: TorchModule = None, record_stacks: bool = False) -> None:
         self.index = index
         self._torch = torch_mod
         self.record_stacks = record_stacks
@@ -326,7 +333,7 @@ class CudaDeviceFactory:
         self.cases += 1
         return dev
 
-    def release(self, result: Any) -> None:
+    def release(self, result: LifecycleResult) -> None:
         """Free the device memory a finished run still holds."""
         from pytest_kvprofile.lifecycle.driver import close_parts
 

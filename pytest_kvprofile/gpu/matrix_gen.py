@@ -12,16 +12,19 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 
 from pytest_kvprofile.gpu.topology import GpuTopology, TopologyError, detect_topology
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.matrix.cases import YamlValue
+
 __all__ = ["detected_gpu_entry", "main", "one_gpu_matrix"]
 
 
-def detected_gpu_entry(topology: GpuTopology) -> Any:
+def detected_gpu_entry(topology: GpuTopology) -> str | dict[str, object]:
     """The matrix ``gpus`` entry for this process's first visible device: its catalog name, or an
     inline description (name, SMs, memory, interconnect) when the catalog does not know it."""
     visible = topology.visible
@@ -35,7 +38,7 @@ def detected_gpu_entry(topology: GpuTopology) -> Any:
             "interconnect": spec.interconnect}
 
 
-def one_gpu_matrix(base: dict[str, Any], gpu_entry: Any) -> dict[str, Any]:
+def one_gpu_matrix(base: dict[str, YamlValue], gpu_entry: str | dict[str, object]) -> dict[str, YamlValue]:
     """``base`` with its GPU list replaced by ``gpu_entry`` (exclusions naming other GPUs dropped)."""
     doc = dict(base)
     name = gpu_entry if isinstance(gpu_entry, str) else gpu_entry["name"]

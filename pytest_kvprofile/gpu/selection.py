@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pytest_kvprofile.units import GiB
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.gpu.topology import GpuTopology
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["CaseSelection", "DeviceFacts", "device_facts", "select_cases"]
@@ -39,8 +40,8 @@ class CaseSelection:
     """The cases to run and, for every other one, the kind of reason and the reason."""
 
     device: DeviceFacts
-    run: tuple[Any, ...]
-    skipped: tuple[tuple[Any, str, str], ...]  # (case, kind, reason)
+    run: tuple[Case, ...]
+    skipped: tuple[tuple[Case, str, str], ...]  # (case, kind, reason)
 
     def summary(self) -> list[str]:
         """One line for the run and one per kind of skip, with a few examples."""
@@ -54,7 +55,7 @@ class CaseSelection:
             lines.append(f"kvprofile-gpu: skipped {count} cases ({kind}): " + "; ".join(examples) + more)
         return lines
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "device": {"name": self.device.name, "num_sm": self.device.num_sm,
                        "memory_bytes": self.device.memory_bytes},
@@ -76,7 +77,7 @@ def _skip_reason(case: Case, device: DeviceFacts) -> tuple[str, str] | None:
     return None
 
 
-def select_cases(cases: Iterable[Any], device: DeviceFacts) -> CaseSelection:
+def select_cases(cases: Iterable[Case], device: DeviceFacts) -> CaseSelection:
     """Keep the cases sized for this GPU's SM count whose per-rank weights and non-torch memory fit
     in ``gmu`` of its memory; every other case comes back with its reason."""
     run, skipped = [], []
@@ -89,7 +90,7 @@ def select_cases(cases: Iterable[Any], device: DeviceFacts) -> CaseSelection:
     return CaseSelection(device, tuple(run), tuple(skipped))
 
 
-def device_facts(topology: Any) -> DeviceFacts:
+def device_facts(topology: GpuTopology) -> DeviceFacts:
     """The first visible GPU's facts: SM count measured by torch when known, else the catalog's.
 
     Raises TopologyError for a GPU outside the catalog whose SM count was not measured (the

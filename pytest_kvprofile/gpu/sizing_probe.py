@@ -8,13 +8,17 @@ A route probe is pure data (built on CPU from ``for_case``); only ``plan_on_devi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pytest_kvprofile.attention.reference import paged_layout
 from pytest_kvprofile.attention.wrappers import Route, make_wrapper, plan_args, run_checked
 from pytest_kvprofile.sizing.case import for_case
 
 if TYPE_CHECKING:
+    import torch
+
+    from pytest_kvprofile.attention.reference import PagedLayout
+    from pytest_kvprofile.attention.wrappers import PagedWrapper
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["OVERFLOW_MARKER", "RouteProbe", "api_workspace_size", "expect_overflow", "plan_on_device", "route_probes"]
@@ -49,7 +53,7 @@ class RouteProbe:
     def id(self) -> str:
         return f"{self.case_id}-{self.route}"
 
-    def layout(self) -> Any:
+    def layout(self) -> PagedLayout:
         return paged_layout(self.qo_lens, self.kv_lens, self.page_size, max_physical_pages=MAX_PHYSICAL_PAGES)
 
 
@@ -71,7 +75,7 @@ def route_probes(case: Case) -> list[RouteProbe]:
     return out
 
 
-def _wrapper(probe: RouteProbe, float_bytes: int, device: Any) -> tuple[Any, Any]:
+def _wrapper(probe: RouteProbe, float_bytes: int, device: torch.device | str) -> tuple[PagedWrapper, PagedLayout]:
     import torch
 
     layout = probe.layout()
@@ -81,7 +85,8 @@ def _wrapper(probe: RouteProbe, float_bytes: int, device: Any) -> tuple[Any, Any
     return w, layout
 
 
-def plan_on_device(probe: RouteProbe, float_bytes: int, device: Any = "cuda", run: bool = True) -> float | None:
+def plan_on_device(probe: RouteProbe, float_bytes: int, device: torch.device | str = "cuda",
+                   run: bool = True) -> float | None:
     """plan() the worst batch on a float workspace of exactly ``float_bytes``; with ``run``, run the
     kernel and return its relative error against the float32 reference (raises past bf16 tolerance)."""
     w, layout = _wrapper(probe, float_bytes, device)
@@ -93,7 +98,7 @@ def plan_on_device(probe: RouteProbe, float_bytes: int, device: Any = "cuda", ru
                        device, plan=False)
 
 
-def expect_overflow(probe: RouteProbe, float_bytes: int, device: Any = "cuda") -> str:
+def expect_overflow(probe: RouteProbe, float_bytes: int, device: torch.device | str = "cuda") -> str:
     """plan() with ``float_bytes`` must raise FlashInfer's buffer overflow; returns its message."""
     try:
         plan_on_device(probe, float_bytes, device, run=False)
@@ -110,7 +115,7 @@ def expect_overflow(probe: RouteProbe, float_bytes: int, device: Any = "cuda") -
     )
 
 
-def api_workspace_size(probe: RouteProbe, device: Any = "cuda") -> int | None:
+def api_workspace_size(probe: RouteProbe, device: torch.device | str = "cuda") -> int | None:
     """FlashInfer's own ``workspace_size(...)`` float answer for the worst batch (None before 0.6.15)."""
     w, layout = _wrapper(probe, max(probe.float_bytes, 16), device)
     fn = getattr(w, "workspace_size", None)

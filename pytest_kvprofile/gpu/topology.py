@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from pytest_kvprofile.matrix.gpus import (
     ALIASES,
@@ -19,6 +19,11 @@ from pytest_kvprofile.matrix.gpus import (
     lookup_gpu,
     slugify,
 )
+
+# the pynvml module (it ships no types), or a test's stand-in for it: read by attribute
+NvmlModule: TypeAlias = Any
+# torch.cuda, or a test's stand-in for it (the CPU tests describe made-up machines): read by attribute
+TorchCuda: TypeAlias = Any
 
 __all__ = [
     "GpuDevice",
@@ -132,7 +137,7 @@ class GpuTopology:
             out.append(f"{device.name}: compute capability {cc}, catalog {cat.name} says {cat.compute_capability}")
         return out
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         doc = asdict(self)
         for dev, raw in zip(self.devices, doc["devices"]):
             cat = dev.catalog
@@ -211,11 +216,11 @@ def visible_nvml_indices(cuda_visible: str | None, uuids: list[str]) -> list[int
     return out
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _nvml_links(nvml: Any, handles: list[Any]) -> list[GpuLink]:
+def _nvml_links(nvml: NvmlModule, handles: list[object]) -> list[GpuLink]:
     links = []
     nvlink_cap = getattr(nvml, "NVML_P2P_CAPS_INDEX_NVLINK", 2)
     status_ok = getattr(nvml, "NVML_P2P_STATUS_OK", 0)
@@ -238,7 +243,7 @@ def _nvml_links(nvml: Any, handles: list[Any]) -> list[GpuLink]:
     return links
 
 
-def _nvlink_active(nvml: Any, handle: Any) -> int:
+def _nvlink_active(nvml: NvmlModule, handle: object) -> int:
     """Enabled NVLinks over every link index: a link NVML does not report (unpopulated, or
     "not supported" on a PCIe part) is skipped, not taken as the end of the list."""
     active = 0
@@ -252,7 +257,7 @@ def _nvlink_active(nvml: Any, handle: Any) -> int:
     return active
 
 
-def detect_topology(nvml: Any = None, torch_cuda: Any = None, *, use_torch: bool = False,
+def detect_topology(nvml: NvmlModule = None, torch_cuda: TorchCuda = None, *, use_torch: bool = False,
                     env: Mapping[str, str] | None = None) -> GpuTopology:
     """Describe the machine's GPUs.
 

@@ -7,7 +7,7 @@ Cases come from the session's matrices, filtered to the GPU under test (sizing i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 
@@ -15,18 +15,26 @@ from pytest_kvprofile.gpu.cuda_device import MEM_GET_INFO_TOLERANCE
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
+    from pytest_kvprofile.gpu.sizing_probe import RouteProbe
+    from pytest_kvprofile.gpu.topology import GpuTopology
     from pytest_kvprofile.matrix.cases import Case
+    from pytest_kvprofile.plugin import FixtureParam
+    from pytest_kvprofile.plugin.session import KvprofileSession
+
+RecordProperty = Callable[[str, object], None]  # pytest's record_property fixture
 
 pytestmark = pytest.mark.kvprofile_gpu
 
 
-def _session(config: Any) -> Any:
+def _session(config: pytest.Config) -> KvprofileSession | None:
     from pytest_kvprofile.plugin.session import SESSION_KEY
 
     return config.stash.get(SESSION_KEY, None)
 
 
-def _gpu_cases(config: Any) -> list[Any]:
+def _gpu_cases(config: pytest.Config) -> list[Case]:
     """The session's cases (already narrowed to this GPU by ``plugin/gpu.py``), one per layout."""
     state = _session(config)
     if state is None or state.tier != "gpu":
@@ -59,7 +67,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("route_probe", [pytest.param(p, id=p.id) for p in probes] or [none], indirect=True)
 
 
-def _require(value: Any) -> Any:
+def _require(value: FixtureParam) -> FixtureParam:
     if value is None:
         pytest.fail("no case in the matrices fits the GPU under test (the header lists what was skipped and why): "
                     "pass the matrix that `python -m pytest_kvprofile.gpu.matrix_gen` writes for it", pytrace=False)
@@ -68,7 +76,7 @@ def _require(value: Any) -> Any:
 
 # -- topology and the device adapter ---------------------------------------------------------------
 
-def test_topology_matches_catalog(gpu_topology: Any, record_property: Any) -> None:
+def test_topology_matches_catalog(gpu_topology: GpuTopology, record_property: RecordProperty) -> None:
     dev = gpu_topology.visible[0]
     record_property("gpu", gpu_topology.describe())
     assert dev.num_sm and dev.num_sm > 0 and dev.compute_capability is not None
@@ -76,6 +84,7 @@ def test_topology_matches_catalog(gpu_topology: Any, record_property: Any) -> No
     assert gpu_topology.mismatches(dev) == []
 
 
+# Any: the session's CudaDeviceFactory, called here with no case (it reads none)
 def test_cuda_device_figures_follow_torch(gpu_device_factory: Any) -> None:
     import torch
 
@@ -98,6 +107,7 @@ def test_cuda_device_figures_follow_torch(gpu_device_factory: Any) -> None:
     dev.close()
 
 
+# Any: the session's CudaDeviceFactory, called here with no case (it reads none)
 def test_graph_pool_figures_match_snapshot(gpu_device_factory: Any) -> None:
     dev = gpu_device_factory(None)
     with dev.graph_capture() as pool:
@@ -142,7 +152,7 @@ print(json.dumps({"worst": worst, "start_reserved": real.start_reserved}))
 """
 
 
-def test_allocator_model_matches_cuda(gpu_topology: Any, record_property: Any) -> None:
+def test_allocator_model_matches_cuda(gpu_topology: GpuTopology, record_property: RecordProperty) -> None:
     """The simulated device's figures against the real allocator's, step by step (error in bytes).
 
     Run in a fresh process: the model starts from an empty allocator, and blocks other tests left
@@ -163,16 +173,16 @@ def test_allocator_model_matches_cuda(gpu_topology: Any, record_property: Any) -
 # -- the sizing oracle against the real planner ---------------------------------------------------
 
 @pytest.fixture
-def route_probe(request: pytest.FixtureRequest, gpu_topology: Any) -> Any:
+def route_probe(request: pytest.FixtureRequest, gpu_topology: GpuTopology) -> FixtureParam:
     return _require(request.param)
 
 
 @pytest.fixture
-def gpu_case(request: pytest.FixtureRequest, gpu_topology: Any) -> Any:
+def gpu_case(request: pytest.FixtureRequest, gpu_topology: GpuTopology) -> FixtureParam:
     return _require(request.param)
 
 
-def test_exact_oracle_bytes_plan_and_run(route_probe: Any, record_property: Any) -> None:
+def test_exact_oracle_bytes_plan_and_run(route_probe: RouteProbe, record_property: RecordProperty) -> None:
     from pytest_kvprofile.gpu.sizing_probe import plan_on_device
 
     err = plan_on_device(route_probe, route_probe.float_bytes)
@@ -180,7 +190,7 @@ def test_exact_oracle_bytes_plan_and_run(route_probe: Any, record_property: Any)
     record_property("float_bytes", route_probe.float_bytes)
 
 
-def test_sixteen_bytes_short_overflows(route_probe: Any) -> None:
+def test_sixteen_bytes_short_overflows(route_probe: RouteProbe) -> None:
     from pytest_kvprofile.gpu.sizing_probe import SHORT_BY, expect_overflow
 
     if not route_probe.exact:
@@ -189,7 +199,7 @@ def test_sixteen_bytes_short_overflows(route_probe: Any) -> None:
     assert "Buffer overflow" in message
 
 
-def test_workspace_size_api_agrees(route_probe: Any) -> None:
+def test_workspace_size_api_agrees(route_probe: RouteProbe) -> None:
     from pytest_kvprofile.gpu.sizing_probe import api_workspace_size
 
     got = api_workspace_size(route_probe)
@@ -203,8 +213,8 @@ def test_workspace_size_api_agrees(route_probe: Any) -> None:
 
 # -- the lifecycle with real FlashInfer wrappers ---------------------------------------------------
 
-def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Case, gpu_device_factory: Any,
-                                                     record_property: Any) -> None:
+def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Case, gpu_device_factory: CudaDeviceFactory,
+                                                     record_property: RecordProperty) -> None:
     from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS
     from pytest_kvprofile.checks.catalog import checks_for
     from pytest_kvprofile.lifecycle.driver import run_lifecycle
@@ -226,13 +236,13 @@ def test_lifecycle_real_flashinfer_passes_every_check(gpu_case: Case, gpu_device
     assert failures == {}
 
 
-def _stub_builders(case: Case) -> list[Any]:
+def _stub_builders(case: Case) -> list[Builder]:
     from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder
 
     return [FlashInferLikeBuilder(case)]
 
 
-def test_lazy_mutant_is_caught_on_cuda(gpu_case: Case, gpu_device_factory: Any) -> None:
+def test_lazy_mutant_is_caught_on_cuda(gpu_case: Case, gpu_device_factory: CudaDeviceFactory) -> None:
     from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_MUTANTS
     from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME
     from pytest_kvprofile.lifecycle.driver import run_lifecycle
@@ -246,7 +256,7 @@ def test_lazy_mutant_is_caught_on_cuda(gpu_case: Case, gpu_device_factory: Any) 
 
 # -- real kernels in real graphs ----------------------------------------------------------------
 
-def test_captured_flashinfer_decode_replays_with_stable_arena(gpu_case: Case, record_property: Any) -> None:
+def test_captured_flashinfer_decode_replays_with_stable_arena(gpu_case: Case, record_property: RecordProperty) -> None:
     """The decode path as an engine captures it: FlashInfer's run() inside torch.cuda.graph for the
     largest and smallest decode captures of the case (``Envelope.decode_captures``: tokens, largest
     first), replayed with new inputs (and re-planned KV), each output against the float32 reference,

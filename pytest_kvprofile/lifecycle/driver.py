@@ -16,7 +16,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence, TypeAlias
 
 from pytest_kvprofile.contract.backends import EnginePolicy, engine_gate
 from pytest_kvprofile.contract.lease import Lease
@@ -96,7 +96,15 @@ from pytest_kvprofile.memory.device import Allocation, Device, DeviceOutOfMemory
 from pytest_kvprofile.memory.host_memory import return_freed_host_memory
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pytest_kvprofile.contract.backends import Backend
+    from pytest_kvprofile.contract.device import DeviceEvent, GraphPoolHandle
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
+
+# what a builder's bound_workspaces() yields: a BoundWorkspace or any object with its fields (duck-typed), read
+# field by field; a missing or wrong one is the TypeError _bound raises
+ReportedRange: TypeAlias = Any
 
 LOCK_PROBE = "kvprofile-lock-probe"
 
@@ -186,7 +194,8 @@ class LifecycleRun:
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
         self._current_batch: Batch | None = None
-        self._int_holders: dict[int, list[Any]] = {}  # int workspace id -> weak references to the wrappers on it
+        # int workspace id -> weak references to the wrappers on it
+        self._int_holders: dict[int, list[weakref.ref[object]]] = {}
         self._torch: SimulatedCuda | None = None
         # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
         self._sim: SimulatedCuda | None = None
@@ -202,7 +211,7 @@ class LifecycleRun:
         self._unsubscribe = device.subscribe(self._on_event, kinds=("alloc",))
 
     # -- recording ---------------------------------------------------------------------------
-    def _on_event(self, event: Any) -> None:
+    def _on_event(self, event: DeviceEvent) -> None:
         if event.kind == "alloc" and event.alloc is not None:
             self.result.allocations.append(event.alloc)
             if self._current_call is not None:
@@ -250,7 +259,7 @@ class LifecycleRun:
         mapped = self._torch.simulated_ptr(ptr, nbytes)
         return ptr if mapped is None else mapped
 
-    def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> Any:
+    def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> object:
         name = builder_name(builder)
         self.result.calls.append(CallRecord(self.device.phase, name, method))
         self._current_call = method
@@ -269,7 +278,7 @@ class LifecycleRun:
             self._current_ubatch = None
             self._current_batch = None
 
-    def _fail(self, who: str, exc: BaseException) -> None:
+    def _fail(self, who: str, exc: BaseException) -> NoReturn:
         self.result.errors.append(
             PhaseError(
                 phase=self.device.phase, who=who, exc_type=type(exc).__name__, message=str(exc),
@@ -312,7 +321,7 @@ class LifecycleRun:
         else:
             raise TypeError(f"ctx.plan_into() takes an ArenaView or an Allocation, not {type(target).__name__}")
 
-    def _on_int_holder(self, alloc: Allocation, wrapper: Any, attr: str) -> None:
+    def _on_int_holder(self, alloc: Allocation, wrapper: object, attr: str) -> None:
         """A FlashInfer wrapper took ``alloc`` as its int workspace: another live wrapper still planning into it
         shares it (``int_workspace_per_wrapper``), whatever ``bound_workspaces()`` says."""
         holders = self._int_holders.setdefault(alloc.id, [])
@@ -408,7 +417,7 @@ class LifecycleRun:
             self.device.free(act)
             self.in_dummy_forward = False
 
-    def _alloc_engine(self, nbytes: int, owner: str, tag: str) -> Any:
+    def _alloc_engine(self, nbytes: int, owner: str, tag: str) -> Allocation:
         try:
             return self.device.allocate(nbytes, owner=owner, tag=tag)
         except Exception as exc:  # noqa: BLE001 - an engine-side OOM is a recorded outcome
@@ -428,7 +437,7 @@ class LifecycleRun:
 
     # -- the phases --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def device_mode(self) -> Any:
+    def device_mode(self) -> Iterator[None]:
         """Serve plain ``torch`` "cuda" calls from this run's simulated device (``Backend.torch_mode``), with
         FlashInfer's device queries answering the case's GPU and its batch planners running on the host."""
         from pytest_kvprofile.memory.device import SimDevice
@@ -459,7 +468,7 @@ class LifecycleRun:
                 self.result.foreign_uses.extend(list(sim.foreign.values())[noted:])
                 self._torch = None
 
-    def _on_plan(self, device: Any, route: str, float_ws: Any, cuda_graph: bool) -> None:
+    def _on_plan(self, device: object, route: str, float_ws: Tensor, cuda_graph: bool) -> None:
         """Record a FlashInfer ``plan()`` of this run: the route, the builder being called, the buffer planned into."""
         if device is not self.device or self._torch is None:
             return
@@ -468,7 +477,7 @@ class LifecycleRun:
         self.result.plans.append(PlanRecord(self.device.phase, builder, route, alloc.id if alloc else None,
                                             int(float_ws.numel()) * int(float_ws.element_size()), cuda_graph))
 
-    def construct(self) -> list[Any]:
+    def construct(self) -> list[Builder]:
         """The backend's parts for the case, made from a fresh view of process-wide state; raises what the
         backend's factory raises."""
         self._fresh_module_state()
@@ -491,7 +500,7 @@ class LifecycleRun:
         self.result.builders = self.builders
         self._contexts = {builder_name(b): BuilderContext(self, builder_name(b)) for b in self.builders}
 
-    def _part_owner(self, frame: Any, api: str) -> tuple[str, str] | None:
+    def _part_owner(self, frame: FrameType | None, api: str) -> tuple[str, str] | None:
         """Torch-mode attribution without gaps: the part whose code is running owns what it allocates.
 
         Walking out from the allocation: a method of one of the run's parts (a lease's release callback,
@@ -517,7 +526,7 @@ class LifecycleRun:
         return (by_module, api) if by_module is not None else None
 
     @contextlib.contextmanager
-    def _as_part(self, owner: str, method: str) -> Any:
+    def _as_part(self, owner: str, method: str) -> Iterator[None]:
         """Attribute what runs inside to ``owner`` and its ``method`` (the harness reaches the part indirectly)."""
         self._current_call = method
         try:
@@ -608,7 +617,7 @@ class LifecycleRun:
                        None),
         )
 
-    def _note_foreign_resources(self, owner: str, resources: list[Any]) -> None:
+    def _note_foreign_resources(self, owner: str, resources: list[object]) -> None:
         """A lease that carries an allocation of an earlier device reuses an earlier case's memory (ctx mode)."""
         if not any(isinstance(r, Allocation) for r in resources):
             return
@@ -617,7 +626,7 @@ class LifecycleRun:
             if isinstance(res, Allocation) and id(res) not in mine:
                 self.result.foreign_uses.append(ForeignUse(owner, "lease resource", "", res))
 
-    def _memory_of(self, value: Any) -> Allocation | None:
+    def _memory_of(self, value: object) -> Allocation | None:
         if isinstance(value, Allocation):
             return value
         torch = sys.modules.get("torch")
@@ -786,10 +795,11 @@ class LifecycleRun:
         self._record_phase(WARMUP_REPEAT)
 
     @contextlib.contextmanager
-    def _max_split(self) -> Any:
+    def _max_split(self) -> Iterator[None]:
         """The allocator's split limit where the engine scopes it (``EnginePolicy.profile_max_split_mib``); a device
         without the caching-allocator model (the GPU tier's) keeps its own configuration."""
-        allocator: Any = getattr(self.device, "allocator", None)  # the simulated device's; not part of Device
+        # Any: SimDevice's CachingAllocator or a device's own (not part of Device), used where it has the method
+        allocator: Any = getattr(self.device, "allocator", None)
         limit = self.policy.profile_max_split_mib
         if limit is None or not hasattr(allocator, "set_max_split_size"):
             yield
@@ -805,7 +815,7 @@ class LifecycleRun:
         """The decode steps captured in CUDA graphs, largest first (capture sizes are tokens)."""
         return self.case.envelope.decode_captures(self.case.mtp)
 
-    def _graph_profile(self) -> Any:
+    def _graph_profile(self) -> GraphPoolHandle:
         """Capture dummy graphs in a private pool and estimate the pool's footprint."""
         pool = None
         for capture in self._captures():
@@ -859,7 +869,7 @@ class LifecycleRun:
         if available > 0:
             self.result.kv_allocation = self._alloc_engine(available, "kv-cache", "kv cache")
 
-    def _capture(self, pool: Any) -> None:
+    def _capture(self, pool: GraphPoolHandle) -> None:
         """The real capture; in torch mode every storage its calls touch is noted (what the graphs read)."""
         sim = self._torch
         if sim is not None:
@@ -925,7 +935,7 @@ class LifecycleRun:
         self._unsubscribe()
 
 
-def _cached_blocks(device: Any) -> tuple[tuple[int, int], ...]:
+def _cached_blocks(device: Device) -> tuple[tuple[int, int], ...]:
     """The reserved-but-free blocks of the device's caching allocator, as ``(ptr, size)``; none off the simulator."""
     allocator = getattr(device, "allocator", None)
     if allocator is None:
@@ -952,7 +962,7 @@ def _graph_batch(capture: DecodeCapture) -> Batch:
     return Batch("decode", capture.num_reqs, capture.num_tokens, cuda_graph=True)
 
 
-def _bound(w: Any, device_ptr: Callable[[int, int], int]) -> BoundWorkspace:
+def _bound(w: ReportedRange, device_ptr: Callable[[int, int], int]) -> BoundWorkspace:
     """A reported range as a BoundWorkspace in the ledger's addresses (duck-typed ones with the same fields are
     accepted; ``device_ptr`` maps a host ``data_ptr()`` of a simulated tensor to its simulated address)."""
     try:
@@ -1032,7 +1042,7 @@ class _SecondEngineRun(LifecycleRun):
         pass
 
 
-def run_lifecycle(backend: Any, case: Case, device_factory: Callable[[Case], Device] = make_device,
+def run_lifecycle(backend: Backend, case: Case, device_factory: Callable[[Case], Device] = make_device,
                   observers: Sequence[WindowObserver] = ()) -> LifecycleResult:
     """Build the backend's builders for ``case`` on a fresh device and drive them through every phase;
     ``observers`` (``lifecycle/window.py``) measure the profiling window beside the harness."""
@@ -1042,8 +1052,8 @@ def run_lifecycle(backend: Any, case: Case, device_factory: Callable[[Case], Dev
 
 
 @contextlib.contextmanager
-def case_parts(backend: Any, case: Case, device_factory: Callable[[Case], Device] = make_device,
-               ) -> Iterator[Callable[[], list[Any]]]:
+def case_parts(backend: Backend, case: Case, device_factory: Callable[[Case], Device] = make_device,
+               ) -> Iterator[Callable[[], list[Builder]]]:
     """Construct a backend's parts for ``case`` on the case's device, as the lifecycle constructs them.
 
     Yields the constructor: what it raises is the backend factory's; what entering or leaving the device
@@ -1064,7 +1074,7 @@ def case_parts(backend: Any, case: Case, device_factory: Callable[[Case], Device
         run._teardown()
 
 
-def _parts_of(backend: Any, case: Case) -> list[Any]:
+def _parts_of(backend: Backend, case: Case) -> list[Builder]:
     from pytest_kvprofile.lifecycle.parts import model_parts
 
     return model_parts(backend, case)

@@ -26,9 +26,9 @@ import gc
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pytest_kvprofile.memory.device import Allocation, EventSource
 
@@ -45,10 +45,13 @@ _IMMUTABLE = frozenset((tuple, frozenset))  # an item of these is cleared throug
 _MUTABLE = frozenset((dict, list, set))
 _CONTAINERS = frozenset((dict, list, set, tuple, frozenset, types.FunctionType, types.MethodType, _LRU_WRAPPER))
 
-MemoryOf = Callable[[Any], "Allocation | None"]
+# a value process-wide state holds: any object, walked by its exact type (``type(value) is dict``...), by which mypy
+# does not narrow; and a slot's container and key, changed the way its kind says
+StateValue: TypeAlias = Any
+MemoryOf = Callable[[object], "Allocation | None"]
 # where a value is held, as (kind, container, key): "attr" an attribute, "item" a dict key, "member" a list or set
 # member (key: the value), "cell" a closure cell, "cache" a functools cache; None where nothing can be cleared
-Slot = tuple[str, Any, Any]
+Slot = tuple[str, StateValue, StateValue]
 _Held = tuple[Slot | None, Slot | None]  # a slot holding an allocation, and the slot holding that container
 
 
@@ -71,7 +74,7 @@ class SecondEngine:
     error: str | None = None  # how it failed, if it did
 
 
-def modules_of(parts: Iterable[Any], files: Iterable[str]) -> list[types.ModuleType]:
+def modules_of(parts: Iterable[object], files: Iterable[str]) -> list[types.ModuleType]:
     """The modules the parts' classes are defined in (their whole MRO) and the modules of ``files``."""
     names: dict[str, None] = {}
     for part in parts:
@@ -153,7 +156,7 @@ def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int
 
 def _dynamic(cls: type) -> bool:
     """A class its module does not hold under its name: made with ``type()`` or inside a function."""
-    obj: Any = sys.modules.get(cls.__module__)
+    obj: object = sys.modules.get(cls.__module__)
     for part in cls.__qualname__.split("."):
         obj = getattr(obj, part, None)
     return obj is not cls
@@ -187,7 +190,7 @@ class _Walk:
     seen: set[int]
     memory: dict[int, int]  # id of a value holding memory -> id of its allocation
 
-    def visit(self, value: Any, path: _Path | str, depth: int, slot: Slot | None, outer: Slot | None = None) -> None:
+    def visit(self, value: object, path: _Path | str, depth: int, slot: Slot | None, outer: Slot | None = None) -> None:
         if _inert(value):
             return
         if id(value) in self.seen:
@@ -216,7 +219,7 @@ class _Walk:
             self.visit(item, (path, kind, key), depth + 1, slot if immutable else item_slot, slot)
 
 
-def _inert(value: Any) -> bool:
+def _inert(value: StateValue) -> bool:
     """What the walk never looks into: a skipped type, or a function holding nothing that can change (most
     functions). Tested before a value's path and slot are built: most of a module's state is this."""
     tp = type(value)
@@ -233,7 +236,7 @@ _HARNESS_MODULES = frozenset({
 })
 
 
-def _harness(value: Any) -> bool:
+def _harness(value: object) -> bool:
     """The harness's own ledger: a device (its live allocations), the torch-mode simulation, or a run's record,
     reachable from a library's module while the run's simulation has patched it (FlashInfer's module loaders close
     over the simulated device) or from the module a test keeps its results in. What it holds is every allocation
@@ -241,7 +244,7 @@ def _harness(value: Any) -> bool:
     return isinstance(value, EventSource) or type(value).__module__ in _HARNESS_MODULES
 
 
-def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None]]:
+def _children(value: StateValue, tp: type) -> Iterator[tuple[str, StateValue, object, Slot | None]]:
     """A container's items, a class's or object's attributes, a function's closure and mutable defaults, a
     cache's results: each as (label kind, key, item, the slot that holds it)."""
     if tp is dict:
@@ -292,7 +295,7 @@ def _children(value: Any, tp: type) -> Iterator[tuple[str, Any, Any, Slot | None
             yield from _attributes(value, attrs)
 
 
-def _attributes(value: Any, attrs: Any) -> Iterator[tuple[str, Any, Any, Slot | None]]:
+def _attributes(value: object, attrs: Mapping[str, object]) -> Iterator[tuple[str, StateValue, object, Slot | None]]:
     for k, v in list(attrs.items())[:MAX_ITEMS]:
         if not (type(k) is str and k.startswith("__")) and not _inert(v):
             yield "attr", k, v, ("attr", value, k)

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import gc
 from collections import Counter
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.contract.protocol import (
@@ -33,6 +33,10 @@ from pytest_kvprofile.lifecycle.record import LifecycleResult, ProbeTarget
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.device import DeviceOutOfMemory
 from pytest_kvprofile.units import bytes_text, size_text
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.backends import Backend
+    from pytest_kvprofile.contract.device import Allocation, Device, DeviceEvent
 
 T = TypeVar("T")
 
@@ -56,7 +60,7 @@ class _ProbeRun(LifecycleRun):
             self.reached = phase == self.stop_at and self.stop_before_reserving is None
             raise _Stop
 
-    def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> Any:
+    def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> object:
         if method == "reserve_persistent_workspace" and builder_name(builder) == self.stop_before_reserving:
             self.reached = True
             raise _Stop
@@ -75,7 +79,7 @@ class _RetriedRun(_SecondEngineRun):
     def _fresh_module_state(self) -> None:
         LifecycleRun._fresh_module_state(self)
 
-    def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> Any:
+    def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> object:
         if method != "reserve_persistent_workspace" or builder_name(builder) != self.fail_builder or self.failed:
             return super()._call(builder, method, *args)
         self.failed = True
@@ -121,10 +125,12 @@ def _fresh(target: ProbeTarget, state: lc.Phase, reserving: str | None = None) -
 
 _UNREACHED = object()  # a step of a prefix the engine never reaches
 Step = Callable[[Callable[[_ProbeRun], T]], "T | object"]
+# a step returns its fn's result, a different type per call (the caller unpacks it), which one Step[T] cannot say
+AnyStep = Step[Any]
 
 
 @contextlib.contextmanager
-def _prefix(target: ProbeTarget, state: lc.Phase, reserving: str | None = None) -> Iterator[Step[Any]]:
+def _prefix(target: ProbeTarget, state: lc.Phase, reserving: str | None = None) -> Iterator[AnyStep]:
     """Steps that each start from the state :func:`_fresh` reaches: ``step(fn)`` is ``fn(run)`` on that state, or
     ``_UNREACHED``. On the simulated device, when ``KVPROFILE_PROBE_FORK`` opts in for this backend
     (``forked.worth_forking``), the state is built once and each step runs in a child forked from it
@@ -154,13 +160,13 @@ def _prefix(target: ProbeTarget, state: lc.Phase, reserving: str | None = None) 
         yield forked_step
 
 
-def _warmup(run: _ProbeRun, builder: Any) -> None:
+def _warmup(run: _ProbeRun, builder: Builder) -> None:
     """Call warmup as the engine does: attributed to the builder (in torch mode too), never recorded."""
     with run._as_part(builder_name(builder), "warmup"):
         call_optional(builder, "warmup", run.ctx(builder))
 
 
-def _persistent(device: Any, owner: str) -> Counter[tuple[str, int]]:
+def _persistent(device: Device, owner: str) -> Counter[tuple[str, int]]:
     return Counter((a.tag, a.nbytes) for a in device.live_allocations() if a.owner == owner and a.kind == "device")
 
 
@@ -183,7 +189,7 @@ def warmup_retry_violations(target: ProbeTarget, plan: tuple[tuple[lc.Phase, int
 
 
 @functools.lru_cache(maxsize=256)
-def _probe_simulated(backend: Any, case: Case, plan: tuple[tuple[lc.Phase, int, str], ...]) -> tuple[str, ...]:
+def _probe_simulated(backend: Backend, case: Case, plan: tuple[tuple[lc.Phase, int, str], ...]) -> tuple[str, ...]:
     return tuple(_probe(ProbeTarget(backend, case, make_device), plan))
 
 
@@ -319,17 +325,17 @@ def _outcome(target: ProbeTarget, plan: tuple[tuple[int, str], ...]) -> Reservat
 
 
 @functools.lru_cache(maxsize=256)
-def _reservation_simulated(backend: Any, case: Case, plan: tuple[tuple[int, str], ...]) -> ReservationOutcome:
+def _reservation_simulated(backend: Backend, case: Case, plan: tuple[tuple[int, str], ...]) -> ReservationOutcome:
     return _outcome(ProbeTarget(backend, case, make_device), plan)
 
 
-def _reserve(run: _ProbeRun, builder: Any) -> Any:
+def _reserve(run: _ProbeRun, builder: Builder) -> object:
     """Call the reservation as the engine does: attributed to the builder (in torch mode too), never recorded."""
     with run._as_part(builder_name(builder), "reserve_persistent_workspace"):
         return call_optional(builder, "reserve_persistent_workspace", run.ctx(builder))
 
 
-def _held(device: Any, owner: str, before: set[int], process_wide: frozenset[int] = frozenset()) -> Held:
+def _held(device: Device, owner: str, before: set[int], process_wide: frozenset[int] = frozenset()) -> Held:
     """The device memory ``owner`` made since ``before`` (live allocation ids) and still holds: what KV sizing sees
     (pinned host memory is not judged, as in the warmup probe; process-wide host caches such as FlashInfer's pinned
     range buffer outlive any one reservation). ``process_wide`` are allocations process-wide state keeps (a module
@@ -357,11 +363,11 @@ def _process_wide(run: _ProbeRun) -> dict[int, str]:
 MAX_FAULT_POINTS = 12  # per builder: each fault re-runs fresh builders up to their reservation
 
 
-def _fault_points(allocs: list[Any]) -> list[int]:
+def _fault_points(allocs: Sequence[_Site]) -> list[int]:
     """Indices of the first and the second allocation of each distinct site (the second: a retry that makes a
     repeated wrapper again beside the one the failed attempt kept shows only past the first), and of the last
     allocation; at most ``MAX_FAULT_POINTS``, spread evenly over them (the first and the last always among them)."""
-    seen: Counter[Any] = Counter()
+    seen: Counter[tuple[object, ...]] = Counter()
     points = []
     for i, a in enumerate(allocs):
         key = (a.owner, a.kind, a.role, a.stack or a.nbytes)  # the source line; in ctx mode, role and bytes
@@ -435,9 +441,9 @@ def _failed_reservation(index: int, name: str, k: int, site: _Site, expected: He
     return _fail_reservation(run, index, name, k, site, expected, retry=True, look_wide=look_wide, notes=notes), notes
 
 
-def _allocations_of(device: Any, fn: Callable[[], object]) -> list[Any]:
+def _allocations_of(device: Device, fn: Callable[[], object]) -> list[Allocation]:
     """The allocations (ledger entries) made while ``fn`` runs, in order."""
-    seen: list[Any] = []
+    seen: list[Any] = []  # Any: an "alloc" event's allocation, never None (DeviceEvent's is for all kinds)
     unsubscribe = device.subscribe(lambda e: seen.append(e.alloc), kinds=("alloc",))
     try:
         fn()
@@ -469,7 +475,7 @@ def _total(held: Held) -> int:
     return sum(nbytes * n for (_tag, nbytes, _stack), n in held.items())
 
 
-def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, expected: Held,
+def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: _Site, expected: Held,
                       retry: bool, look_wide: bool = True, notes: list[str] | None = None) -> list[str]:
     """Fail ``name``'s reservation at its allocation ``k`` and, with ``retry``, reserve again; report what breaks the
     rule. The second reservation follows the last fault point only (the one with the most made before it): a real
@@ -480,7 +486,7 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: Any, 
     b, dev = run.builders[index], run.device
     what = f"its reservation failed at allocation #{k + 1} ({site.tag!r}, {size_text(site.nbytes)})"
     before = {a.id for a in dev.live_allocations()}
-    ooms: list[Any] = []
+    ooms: list[DeviceEvent] = []
     unsubscribe = dev.subscribe(ooms.append, kinds=("oom",))
     dev.fail_after(k)
     raised: str | None = None

@@ -8,7 +8,7 @@ channels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from pytest_kvprofile.contract.backends import EnginePolicy
 from pytest_kvprofile.contract.lease import Lease
@@ -20,6 +20,10 @@ from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import Budget, ProfileWindow
 from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.backends import Backend
+    from pytest_kvprofile.contract.protocol import Builder
 
 PROFILING = "profiling"
 LEGACY = "legacy"
@@ -185,7 +189,7 @@ class MemoryUse:
 class ProbeTarget:
     """What a probe needs to build the same builders again on a fresh device."""
 
-    backend: Any
+    backend: Backend
     case: Case
     device_factory: Callable[[Case], Device]
 
@@ -198,7 +202,7 @@ class LifecycleResult:
     case: Case
     probe: ProbeTarget
     policy: EnginePolicy
-    builders: list[Any] = field(default_factory=list)
+    builders: list[Builder] = field(default_factory=list)
     resolution: SupportResolution | None = None
     declaration_error: str | None = None
     path: str = LEGACY

@@ -9,13 +9,16 @@ any backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.support import ProfilingSupport
 
 if TYPE_CHECKING:
-    from pytest_kvprofile.matrix.cases import Case
+    from pytest_kvprofile.contract.device import Allocation
+    from pytest_kvprofile.contract.lease import Lease
+    from pytest_kvprofile.contract.resources import PersistentResource
+    from pytest_kvprofile.matrix.cases import Case, YamlValue
 
 
 class DMAOutputWorkspace:
@@ -27,12 +30,12 @@ class DMAOutputWorkspace:
 
     name = "dma-output-workspace"
 
-    def __init__(self, case: Case, params: dict[str, Any]):
+    def __init__(self, case: Case, params: dict[str, YamlValue]):
         self.case = case
         self.capacity_bytes = int(params.get("max_tokens", 8192)) * int(params.get("hidden_size", 4096)) * int(
             params.get("dtype_bytes", 2)
         )
-        self.buffer: Any = None
+        self.buffer: Allocation | None = None
 
     def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
         return ProfilingSupport.REQUIRED
@@ -41,7 +44,7 @@ class DMAOutputWorkspace:
         if self.buffer is None:
             self.buffer = ctx.allocate(self.capacity_bytes, "dma output workspace")
 
-    def materialize(self, ctx: BuilderContext) -> Any:
+    def materialize(self, ctx: BuilderContext) -> Lease:
         self._allocate(ctx)
         return ctx.lease([self.buffer])
 
@@ -49,11 +52,12 @@ class DMAOutputWorkspace:
         self._allocate(ctx)
 
 
-RESOURCE_KINDS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {"dma-output-workspace": DMAOutputWorkspace}
+RESOURCE_KINDS: dict[str, Callable[[Case, dict[str, YamlValue]], PersistentResource]] = {
+    "dma-output-workspace": DMAOutputWorkspace}
 DEFAULT_PARAMS = {"max_tokens": 8192, "hidden_size": 4096, "dtype_bytes": 2}
 
 
-def case_resources(case: Case) -> list[Any]:
+def case_resources(case: Case) -> list[PersistentResource]:
     """The resources a case carries (from its matrix), built from :data:`RESOURCE_KINDS`."""
     out = []
     for res in case.resources:

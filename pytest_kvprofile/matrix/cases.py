@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from pytest_kvprofile.matrix.gpus import GpuSpec
 from pytest_kvprofile.matrix.models import ModelSpec, RankHeads, rank_heads
 from pytest_kvprofile.units import GiB
+
+YamlValue: TypeAlias = Any  # a value read from a matrix file's YAML: checked where it is read, then used as that type
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,9 @@ class Resource:
     """A non-builder owner of persistent device memory that a case carries (e.g. a DMA workspace)."""
 
     kind: str
-    params: tuple[tuple[str, Any], ...] = ()
+    params: tuple[tuple[str, YamlValue], ...] = ()
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: YamlValue = None) -> YamlValue:
         return dict(self.params).get(key, default)
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import yaml
 
@@ -23,6 +23,11 @@ from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu, slugify
 from pytest_kvprofile.matrix.kv_dtypes import KV_DTYPES
 from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout
 from pytest_kvprofile.units import GB, GiB
+
+if TYPE_CHECKING:
+    from typing import Hashable
+
+    from pytest_kvprofile.matrix.cases import YamlValue
 
 MAX_NUMBER = 2**53
 
@@ -37,7 +42,7 @@ class MatrixError(ValueError):
 
 _TOP_KEYS = {"name", "description", "envelope", "models", "gpus", "tp", "dcp", "mtp", "gmu", "kv_dtype", "exclude",
              "resources"}
-_MODEL_KEYS = {
+_MODEL_KEYS: dict[str, type | tuple[type, ...]] = {
     "heads_q": int,
     "heads_kv": int,
     "head_dim": int,
@@ -57,8 +62,9 @@ _MODEL_KEYS = {
 }
 _HYBRID_KEYS = ("linear_heads_k", "linear_heads_v", "linear_head_dim")
 _MODEL_REQUIRED = ("heads_q", "heads_kv", "head_dim", "num_layers")
-_GPU_KEYS = {"name": str, "num_sm": int, "memory_gib": (int, float), "memory_gb": (int, float), "interconnect": str}
-_ENVELOPE_KEYS = {
+_GPU_KEYS: dict[str, type | tuple[type, ...]] = {"name": str, "num_sm": int, "memory_gib": (int, float),
+                                                 "memory_gb": (int, float), "interconnect": str}
+_ENVELOPE_KEYS: dict[str, type | tuple[type, ...]] = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,
@@ -71,11 +77,11 @@ _EXCLUDE_KEYS = {"model", "gpu", "tp", "dcp", "mtp", "gmu", "kv_dtype"}
 _RESOURCE_KEYS = {"kind", "when", "params"}
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_type(path: str, key: str, value: Any, expected: Any) -> None:
+def _check_type(path: str, key: str, value: object, expected: type | tuple[type, ...]) -> None:
     types = expected if isinstance(expected, tuple) else (expected,)
     ok = any((_is_int(value) if t is int else isinstance(value, t) and not isinstance(value, bool)) for t in types)
     if not ok:
@@ -84,13 +90,13 @@ def _check_type(path: str, key: str, value: Any, expected: Any) -> None:
     _in_range(path, key, value)
 
 
-def _in_range(path: str, key: str, value: Any) -> None:
+def _in_range(path: str, key: str, value: object) -> None:
     """Numbers beyond 2**53 only come from typos; past it, byte arithmetic overflows floats."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
         raise MatrixError(path, key, f"{value!r} is out of range (at most {MAX_NUMBER})")
 
 
-def _mapping(path: str, key: str, value: Any) -> dict[str, Any]:
+def _mapping(path: str, key: str, value: object) -> dict[str, YamlValue]:
     if not isinstance(value, dict):
         raise MatrixError(path, key, f"expected a mapping, got {type(value).__name__}")
     for k in value:
@@ -106,7 +112,7 @@ def _unknown(path: str, where: str, keys: Iterable[str], allowed: Iterable[str])
             raise MatrixError(path, f"{where}{k}" if k else f"{where}<empty key>", f"unknown key (allowed: {choices})")
 
 
-def _int_list(path: str, key: str, value: Any, minimum: int) -> list[int]:
+def _int_list(path: str, key: str, value: object, minimum: int) -> list[int]:
     if not isinstance(value, list) or not value:
         raise MatrixError(path, key, f"expected a non-empty list of integers, got {value!r}")
     for i, item in enumerate(value):
@@ -118,12 +124,12 @@ def _int_list(path: str, key: str, value: Any, minimum: int) -> list[int]:
     return list(value)
 
 
-def _positive(path: str, key: str, value: Any) -> None:
+def _positive(path: str, key: str, value: float) -> None:
     if value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
         raise MatrixError(path, key, f"must be positive, got {value!r}")
 
 
-def _parse_model(path: str, name: str, raw: Any) -> ModelSpec:
+def _parse_model(path: str, name: str, raw: object) -> ModelSpec:
     where = f"models.{name}"
     raw = _mapping(path, where, raw)
     _unknown(path, f"{where}.", raw, _MODEL_KEYS)
@@ -157,7 +163,7 @@ def _parse_model(path: str, name: str, raw: Any) -> ModelSpec:
     return ModelSpec(name=name, **raw)
 
 
-def _parse_gpu(path: str, index: int, raw: Any) -> GpuSpec:
+def _parse_gpu(path: str, index: int, raw: object) -> GpuSpec:
     where = f"gpus[{index}]"
     if isinstance(raw, str):
         try:
@@ -193,11 +199,11 @@ def _parse_gpu(path: str, index: int, raw: Any) -> GpuSpec:
     return GpuSpec(raw["name"], raw["num_sm"], memory, interconnect)
 
 
-def parse_envelope(path: str, raw: Any) -> Envelope:
+def parse_envelope(path: str, raw: object) -> Envelope:
     """Validate an ``envelope:`` mapping; errors name ``path`` and the key."""
     raw = _mapping(path, "envelope", raw)
     _unknown(path, "envelope.", raw, _ENVELOPE_KEYS)
-    values: dict[str, Any] = {}
+    values: dict[str, YamlValue] = {}
     for key, value in raw.items():
         _check_type(path, f"envelope.{key}", value, _ENVELOPE_KEYS[key])
         if key == "cuda_graph_sizes":  # tokens per captured step; [] turns CUDA graphs off
@@ -214,7 +220,7 @@ def parse_envelope(path: str, raw: Any) -> Envelope:
     return env
 
 
-def ubatch_axis(raw_envelope: Any) -> list[int] | None:
+def ubatch_axis(raw_envelope: object) -> list[int] | None:
     """The micro-batch counts a matrix lists as an axis (``envelope.num_ubatches: [1, 2]``), or None when it sets
     one count (``num_ubatches: 2``): then case ids carry no suffix. Call after :func:`parse_envelope`."""
     value = raw_envelope.get("num_ubatches") if isinstance(raw_envelope, dict) else None
@@ -226,7 +232,7 @@ def ubatch_case_id(base: str, num_ubatches: int | None) -> str:
     return base if num_ubatches is None else f"{base}-ub{num_ubatches}"
 
 
-def _parse_gmu(path: str, value: Any) -> list[float]:
+def _parse_gmu(path: str, value: object) -> list[float]:
     if not isinstance(value, list) or not value:
         raise MatrixError(path, "gmu", f"expected a non-empty list of numbers in (0, 1], got {value!r}")
     out = []
@@ -239,7 +245,7 @@ def _parse_gmu(path: str, value: Any) -> list[float]:
     return out
 
 
-def _parse_excludes(path: str, raw: Any) -> list[dict[str, Any]]:
+def _parse_excludes(path: str, raw: object) -> list[dict[str, YamlValue]]:
     if not isinstance(raw, list):
         raise MatrixError(path, "exclude", f"expected a list of mappings, got {type(raw).__name__}")
     out = []
@@ -253,11 +259,12 @@ def _parse_excludes(path: str, raw: Any) -> list[dict[str, Any]]:
     return out
 
 
-_RULE_TYPES = {"model": str, "gpu": (str, int), "tp": int, "dcp": int, "mtp": int, "gmu": (int, float),
-               "kv_dtype": str, "interconnect": str, "min_tp": int}
+_RULE_TYPES: dict[str, type | tuple[type, ...]] = {"model": str, "gpu": (str, int), "tp": int, "dcp": int, "mtp": int,
+                                                   "gmu": (int, float), "kv_dtype": str, "interconnect": str,
+                                                   "min_tp": int}
 
 
-def _rule_values(path: str, where: str, rule: dict[str, Any]) -> None:
+def _rule_values(path: str, where: str, rule: dict[str, YamlValue]) -> None:
     """An exclude/when value is a scalar of the axis's type or a non-empty list of them."""
     for key, want in rule.items():
         if key == "min_tp":
@@ -270,7 +277,7 @@ def _rule_values(path: str, where: str, rule: dict[str, Any]) -> None:
             _check_type(path, f"{where}.{key}", w, _RULE_TYPES[key])
 
 
-def _parse_resources(path: str, raw: Any) -> list[tuple[dict[str, Any], Resource]]:
+def _parse_resources(path: str, raw: object) -> list[tuple[dict[str, YamlValue], Resource]]:
     if not isinstance(raw, list):
         raise MatrixError(path, "resources", f"expected a list of mappings, got {type(raw).__name__}")
     out = []
@@ -288,7 +295,7 @@ def _parse_resources(path: str, raw: Any) -> list[tuple[dict[str, Any], Resource
     return out
 
 
-def kv_dtype_values(path: str, key: str, value: Any) -> list[str]:
+def kv_dtype_values(path: str, key: str, value: object) -> list[str]:
     """A ``kv_dtype`` value (one name, or a non-empty list of distinct names), checked against the dtype table."""
     values = value if isinstance(value, list) else [value]
     if not values:
@@ -302,7 +309,7 @@ def kv_dtype_values(path: str, key: str, value: Any) -> list[str]:
     return list(values)
 
 
-def kv_dtype_axis(raw_model: Any, top: Any) -> list[str | None]:
+def kv_dtype_axis(raw_model: object, top: object) -> list[str | None]:
     """The KV dtypes one model's cases expand over: the model's own ``kv_dtype`` list, else the file's; ``[None]``
     when neither lists several (a single value is the model's ``kv_dtype``, and the ids carry no suffix)."""
     if isinstance(raw_model, dict) and "kv_dtype" in raw_model:
@@ -316,7 +323,7 @@ def kv_case_id(base: str, dtype: str | None) -> str:
     return base if dtype is None else f"{base}-kv{dtype}"
 
 
-def _matches(rule: dict[str, Any], model: str, gpu: GpuSpec, tp: int, dcp: int, mtp: int, gmu: float,
+def _matches(rule: dict[str, YamlValue], model: str, gpu: GpuSpec, tp: int, dcp: int, mtp: int, gmu: float,
              kv: str = "bf16") -> bool:
     for key, want in rule.items():
         wants = want if isinstance(want, list) else [want]
@@ -360,7 +367,7 @@ def _weights_do_not_fit(model: ModelSpec, gpu: GpuSpec, tp: int, gmu: float, env
     return need >= gpu.memory_bytes * gmu
 
 
-def parse_matrix(data: Any, path: str) -> Matrix:
+def parse_matrix(data: object, path: str) -> Matrix:
     """Validate and expand an already-parsed YAML document."""
     data = _mapping(path, "<document>", data)
     _unknown(path, "", data, _TOP_KEYS)
@@ -440,7 +447,7 @@ class _StrictLoader(yaml.SafeLoader):
     """SafeLoader (no Python object tags) that also rejects duplicate keys."""
 
 
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, YamlValue]:
     seen = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
@@ -452,7 +459,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
-    mapping: dict[Any, Any] = yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+    mapping: dict[Hashable, YamlValue] = yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
     return mapping
 
 

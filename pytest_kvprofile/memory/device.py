@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import (
     TYPE_CHECKING,
-    Any,
     Callable,
     Collection,
     Iterator,
@@ -38,6 +37,7 @@ from pytest_kvprofile.memory.allocator import (
 
 if TYPE_CHECKING:
     from pytest_kvprofile.matrix.gpus import GpuSpec
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
 __all__ = [
     "own_frame",
@@ -109,11 +109,11 @@ class DeviceOutOfMemory(RuntimeError):
             f"{format_size(reserved - allocated)} is reserved by PyTorch but unallocated."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_oom, (self.__dict__.copy(), self.args))
 
 
-def _rebuild_oom(state: dict[str, Any], args: tuple[Any, ...]) -> DeviceOutOfMemory:
+def _rebuild_oom(state: dict[str, object], args: tuple[object, ...]) -> DeviceOutOfMemory:
     err = DeviceOutOfMemory.__new__(DeviceOutOfMemory)
     RuntimeError.__init__(err, *args)
     err.__dict__.update(state)
@@ -536,7 +536,7 @@ class SimDevice(EventSource):
 
     # -- torch mode ------------------------------------------------------------------------------------
 
-    def active_simulation(self) -> Any:
+    def active_simulation(self) -> SimulatedCuda | None:
         """The innermost active torch-mode simulation (``memory/torch_mode.py``) if it serves this device, else None.
 
         Why here: the contract's workspace manager asks its device instead of importing torch mode (the contract
@@ -546,7 +546,7 @@ class SimDevice(EventSource):
         sim = torch_mode.active_simulation() if torch_mode is not None else None
         return sim if sim is not None and sim.device is self else None
 
-    def torch_simulation(self) -> Any:
+    def torch_simulation(self) -> SimulatedCuda:
         """A new torch-mode simulation of this device: a context manager serving torch "cuda" from this ledger
         (``WorkspaceManager(arena_tensors=True)`` outside torch mode)."""
         from pytest_kvprofile.memory.torch_mode import SimulatedCuda

@@ -20,12 +20,18 @@ import inspect
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Sequence, TypeAlias
 
 from pytest_kvprofile.attention.host_plan import SimulatedDeviceUnsupported  # the host modules raise it too
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
 from pytest_kvprofile.memory.device import SimDevice
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
+    from pytest_kvprofile.contract.device import Allocation
 
 __all__ = [
     "SIMULATED_CUDA_VERSION", "SimulatedDeviceUnsupported", "clear_flashinfer_caches", "loaded_modules",
@@ -35,6 +41,10 @@ __all__ = [
 SIMULATED_CUDA_VERSION = "13.0"  # what torch.version.cuda reads inside the block (FlashInfer's sm*a checks)
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # a catalog entry without one is simulated as a Hopper part
 _MISSING = object()
+
+# a memoized function of FlashInfer's (functools.cache, or a wrapper around one): found by its cache_info and
+# cache_clear, which is all that is known of it
+CachedFunction: TypeAlias = Any
 
 
 def clear_flashinfer_caches() -> int:
@@ -51,11 +61,11 @@ def clear_flashinfer_caches() -> int:
     return cleared
 
 
-_cached_functions: tuple[list[tuple[str, Any]] | None, list[Any]] = (None, [])
-_loaded: dict[str, tuple[tuple[int, str], list[tuple[str, Any]]]] = {}
+_cached_functions: tuple[list[tuple[str, ModuleType]] | None, list[CachedFunction]] = (None, [])
+_loaded: dict[str, tuple[tuple[int, str], list[tuple[str, ModuleType]]]] = {}
 
 
-def loaded_modules(package: str) -> list[tuple[str, Any]]:
+def loaded_modules(package: str) -> list[tuple[str, ModuleType]]:
     """``package``'s imported modules, by name. Walking ``sys.modules`` (thousands of entries once vLLM or FlashInfer
     is imported) on every simulated phase or builder call would cost more than the call, so the list is kept until
     a module is imported or dropped (the count or the newest name changes); the same list object until then."""
@@ -67,13 +77,13 @@ def loaded_modules(package: str) -> list[tuple[str, Any]]:
     return cached[1]
 
 
-def _flashinfer_cached_functions() -> list[Any]:
+def _flashinfer_cached_functions() -> list[CachedFunction]:
     """The memoized functions of the loaded ``flashinfer`` modules, found again only when those modules change."""
     global _cached_functions
     modules = loaded_modules("flashinfer")
     if modules is _cached_functions[0]:
         return _cached_functions[1]
-    found: dict[int, Any] = {}
+    found: dict[int, CachedFunction] = {}
     for _name, module in modules:
         for value in list(vars(module).values()):
             fn = value
@@ -86,7 +96,7 @@ def _flashinfer_cached_functions() -> list[Any]:
     return _cached_functions[1]
 
 
-def _static(obj: Any, name: str) -> Any:
+def _static(obj: object, name: str) -> object:
     """``obj``'s attribute ``name`` without running its ``__getattr__`` or descriptors: a module global may be a
     lazy proxy that loads a library on any attribute read (``flashinfer.comm.cuda_ipc.cudart`` loads libcudart,
     which a CPU machine does not have)."""
@@ -111,9 +121,9 @@ class _Patches:
     """Attribute replacements undone in reverse order."""
 
     def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._saved: list[tuple[object, str, object]] = []
 
-    def set(self, obj: Any, name: str, value: Any) -> None:
+    def set(self, obj: object, name: str, value: object) -> None:
         self._saved.append((obj, name, getattr(obj, name, _MISSING)))
         setattr(obj, name, value)
 
@@ -137,11 +147,11 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
 
     from pytest_kvprofile.attention import host_plan
 
-    originals: dict[str, Callable[..., Any]] = {
+    originals: dict[str, Callable[..., object]] = {
         "get_batch_prefill_module": flashinfer.prefill.get_batch_prefill_module,
         "get_batch_decode_module": flashinfer.decode.get_batch_decode_module,
     }
-    replacements = {
+    replacements: dict[str, Callable[..., object]] = {
         "get_batch_prefill_module": host_plan.prefill_loader(device),
         "get_batch_decode_module": host_plan.decode_loader(device),
     }
@@ -155,7 +165,7 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
             if loader in originals and namespace.get(loader) is originals[loader]:
                 patches.set(module, loader, replacements[loader])
 
-    def build_and_load(spec: Any, *args: Any, **kwargs: Any) -> Any:
+    def build_and_load(spec: object, *args: object, **kwargs: object) -> NoReturn:
         raise SimulatedDeviceUnsupported(
             f"FlashInfer JIT module {getattr(spec, 'name', spec)!r} has no host implementation on the simulated "
             f"{device.name}: only the batch prefill (FA2, paged and ragged) and batch decode (CUDA-core and "
@@ -207,12 +217,12 @@ def _patch_wrapper_roles(patches: _Patches) -> None:
         patches.set(cls, "plan", _assigning_roles(vars(cls)["plan"], lambda w: getattr(w, "_planned_backend", None)))
 
 
-def _assigning_roles(method: Callable[..., Any], holder: Callable[[Any], Any]) -> Callable[..., Any]:
+def _assigning_roles(method: Callable[..., object], holder: Callable[[object], object]) -> Callable[..., object]:
     """``method``, then the roles of the buffers ``holder(wrapper)`` keeps (the wrapper, or MLA's planned backend)."""
     from pytest_kvprofile.memory.torch_mode import assign_role
 
     @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: object, *args: object, **kwargs: object) -> object:
         out = method(self, *args, **kwargs)
         buffers = holder(self)
         for attr, role in _WRAPPER_BUFFERS:
@@ -226,7 +236,7 @@ def _assigning_roles(method: Callable[..., Any], holder: Callable[[Any], Any]) -
     return wrapper
 
 
-def note_int_holder(alloc: Any, wrapper: Any, attr: str) -> None:
+def note_int_holder(alloc: Allocation, wrapper: object, attr: str) -> None:
     """A FlashInfer wrapper took ``alloc`` as its int workspace: the run's simulation is told (``on_int_holder``),
     which judges whether another live wrapper plans into it too (found from the wrapper objects, whatever the
     builder reports in ``bound_workspaces()``)."""
@@ -238,7 +248,7 @@ def note_int_holder(alloc: Any, wrapper: Any, attr: str) -> None:
         callback(alloc, wrapper, attr)
 
 
-def _flashinfer_mla_loader() -> Callable[..., Any] | None:
+def _flashinfer_mla_loader() -> Callable[..., object] | None:
     """FlashInfer's batch MLA module loader (``flashinfer.mla.get_batch_mla_module``), if this install has one."""
     try:
         from flashinfer import mla
@@ -310,7 +320,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         if self in sys.meta_path:
             sys.meta_path.remove(self)
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+    def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None) -> ModuleSpec | None:
         if name != "flashinfer" or self._patch is None:
             return None
         for finder in sys.meta_path:
@@ -332,17 +342,17 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 class _ThenPatch(importlib.abc.Loader):
     """``loader``, then the hook's patch once the module has run."""
 
-    def __init__(self, loader: Any, hook: _PatchOnImport) -> None:
+    def __init__(self, loader: importlib.abc.Loader, hook: _PatchOnImport) -> None:
         self._loader, self._hook = loader, hook
 
-    def create_module(self, spec: Any) -> Any:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: Any) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         self._hook.loaded()
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._loader, name)
 
 

@@ -17,7 +17,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Iterator, Literal, cast
+from typing import Any, Callable, ContextManager, Iterator, Literal, TypeAlias, cast
 
 import torch
 import torch.cuda.graphs
@@ -40,6 +40,10 @@ __all__ = ["active_simulation", "assign_role", "SimEvent", "SimStream", "Simulat
            "SimCUDAGraph", "active_device"]
 
 OwnerResolver = Callable[[FrameType, str], "str | tuple[str, str] | None"]
+# an argument or the result of a torch call that __torch_function__ sees (a tensor, a shape, a dtype, a device, a
+# list of tensors...): whatever the call takes, passed on as it came
+TorchArg: TypeAlias = Any
+TorchFunc = Callable[..., TorchArg]  # a torch function, method or property getter torch dispatches to the mode
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package root
@@ -48,7 +52,7 @@ _BUILTIN_DIR = _PACKAGE_DIR + "builtin" + os.sep  # the built-in backends are ba
 _CONTEXTLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep + "contextlib.py"
 
 _DEVICE_GET = torch.Tensor.device.__get__
-_IS_CUDA_GET = cast(Any, torch.Tensor.is_cuda).__get__  # a descriptor, which torch's stubs type as its bool
+_IS_CUDA_GET = cast(Any, torch.Tensor.is_cuda).__get__  # Any: a descriptor, which torch's stubs type as its bool
 _TENSOR_TO = torch.Tensor.to
 _TENSOR_CUDA = torch.Tensor.cuda
 _TENSOR_CPU = torch.Tensor.cpu
@@ -76,7 +80,7 @@ def active_simulation() -> "SimulatedCuda | None":
     return _active[-1] if _active else None
 
 
-def assign_role(tensor: Any, role: Role, keep: tuple[Role, ...] = ()) -> Allocation | None:
+def assign_role(tensor: object, role: Role, keep: tuple[Role, ...] = ()) -> Allocation | None:
     """Give the simulated allocation behind ``tensor`` the role it plays (``contract/roles.py``), so checks read
     roles in torch mode as they do in ctx mode; a role in ``keep`` stays (an arena view handed to a wrapper is
     still the arena). Returns the allocation, or None off the simulator or for a plain CPU tensor. Looked up
@@ -91,7 +95,7 @@ def assign_role(tensor: Any, role: Role, keep: tuple[Role, ...] = ()) -> Allocat
     return alloc
 
 
-def _is_cuda(device: Any) -> bool:
+def _is_cuda(device: object) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
     if isinstance(device, torch.device):
@@ -99,7 +103,7 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-def _is_cpu(device: Any) -> bool:
+def _is_cpu(device: object) -> bool:
     if isinstance(device, str):
         return device.startswith("cpu")
     return isinstance(device, torch.device) and device.type == "cpu"
@@ -138,15 +142,15 @@ class SimStream:
     """Stands in for ``torch.cuda.Stream``: work on a simulated device completes at once, so every
     wait, record and query is immediate; ``cuda_stream`` is 0 (the legacy default stream)."""
 
-    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+    def __init__(self, device: object = None, priority: int = 0, **_: object) -> None:
         self.device = _CUDA0
         self.priority = priority
         self.cuda_stream = 0
 
-    def wait_stream(self, stream: Any) -> None:
+    def wait_stream(self, stream: object) -> None:
         pass
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: object) -> None:
         pass
 
     def record_event(self, event: "SimEvent | None" = None) -> "SimEvent":
@@ -169,7 +173,7 @@ class SimStream:
     def __enter__(self) -> "SimStream":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
 
@@ -180,10 +184,10 @@ class SimEvent:
         self.enable_timing = enable_timing
         self.recorded = False
 
-    def record(self, stream: Any = None) -> None:
+    def record(self, stream: object = None) -> None:
         self.recorded = True
 
-    def wait(self, stream: Any = None) -> None:
+    def wait(self, stream: object = None) -> None:
         pass
 
     def query(self) -> bool:
@@ -214,32 +218,32 @@ class SimGenerator(torch.Generator, metaclass=_GeneratorMeta):
     """Stands in for ``torch.Generator`` while active: a "cuda" generator is a CPU one, since "cuda"
     tensors are CPU tensors; ``isinstance(g, torch.Generator)`` still holds for every generator."""
 
-    def __new__(cls, device: Any = None) -> "SimGenerator":
+    def __new__(cls, device: object = None) -> "SimGenerator":
         return _REAL_GENERATOR.__new__(cls, device="cpu")  # type: ignore[call-arg]  # torch.Generator.__new__ takes device; its stubs say object's
 
-    def __init__(self, device: Any = None) -> None:
+    def __init__(self, device: object = None) -> None:
         pass
 
 
 class _SimDeviceGuard:
     """Stands in for ``torch.cuda.device(...)``: there is one simulated device, index 0."""
 
-    def __init__(self, device: Any = None) -> None:
+    def __init__(self, device: object = None) -> None:
         self.idx = 0
 
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> Literal[False]:
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
 @contextmanager
-def _sim_stream(stream: Any = None) -> Iterator[None]:
+def _sim_stream(stream: object = None) -> Iterator[None]:
     yield
 
 
-def _no_op(*_: Any, **__: Any) -> None:
+def _no_op(*_: object, **__: object) -> None:
     return None
 
 
@@ -254,7 +258,7 @@ class SimCUDAGraph:
             raise RuntimeError("SimCUDAGraph needs an active SimulatedCuda")
         self._device = sim.device
         self._pool: GraphPool | None = None
-        self._capture: Any = None
+        self._capture: ContextManager[GraphPool] | None = None
         self._finalizer: weakref.finalize[..., SimCUDAGraph] | None = None
 
     def capture_begin(self, pool: GraphPool | None = None, capture_error_mode: str = "global") -> None:
@@ -303,9 +307,9 @@ class _SimGraphContext:
         self,
         cuda_graph: SimCUDAGraph,
         pool: GraphPool | None = None,
-        stream: Any = None,
+        stream: object = None,
         capture_error_mode: str = "global",
-        **_: Any,
+        **_: object,
     ) -> None:
         self.cuda_graph = cuda_graph
         self.pool = pool
@@ -314,7 +318,7 @@ class _SimGraphContext:
         self.cuda_graph._device.empty_cache()
         self.cuda_graph.capture_begin(self.pool)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.cuda_graph.capture_end()
 
 
@@ -333,7 +337,7 @@ class SimulatedCuda:
         self.owner_resolver = owner_resolver
         self._registry: dict[int, Allocation] = {}
         self._scope: list[tuple[str, str | None]] = []
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._saved: list[tuple[object, str, object]] = []
         self._mode: _Mode | None = None
         self.foreign: dict[int, ForeignUse] = {}  # id(allocation) -> its first use here
         self._direct: dict[int, Allocation] = {}  # caching_allocator_alloc's pointers: kept across re-entries
@@ -342,7 +346,7 @@ class SimulatedCuda:
         # (no_use_after_free, and which micro-batch planned into which arena or int workspace).
         self.on_use: Callable[[Allocation, str], None] | None = None
         # Called with (allocation, wrapper, attribute) when a FlashInfer wrapper takes an int workspace.
-        self.on_int_holder: Callable[[Allocation, Any, str], None] | None = None
+        self.on_int_holder: Callable[[Allocation, object, str], None] | None = None
         self.watch_all = False  # on_use for every simulated storage a call touches (while a graph is captured)
 
     # -- public ----------------------------------------------------------------------------------------
@@ -424,7 +428,7 @@ class SimulatedCuda:
             _active.append(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         with _active_lock:
             if self in _active:
                 _active.remove(self)
@@ -441,8 +445,8 @@ class SimulatedCuda:
     def _patch(self) -> None:
         dev = self.device
 
-        def ignore_device(fn: Callable[[], Any]) -> Callable[..., Any]:
-            def wrapper(device: Any = None) -> Any:
+        def ignore_device(fn: Callable[[], object]) -> Callable[..., object]:
+            def wrapper(device: object = None) -> object:
                 return fn()
 
             wrapper.__name__ = getattr(fn, "__name__", "sim")
@@ -454,7 +458,7 @@ class SimulatedCuda:
                                   shared_memory_per_block_optin=smem_optin_for(cc))
         direct = self._direct
 
-        def caching_allocator_alloc(size: int, device: Any = None, stream: Any = None) -> int:
+        def caching_allocator_alloc(size: int, device: object = None, stream: object = None) -> int:
             owner, tag, stack = self._attribution("torch.cuda.caching_allocator_alloc")
             alloc = self.device.allocate(int(size), owner=owner, tag=tag, stack=stack)
             direct[alloc.ptr] = alloc
@@ -467,17 +471,17 @@ class SimulatedCuda:
                                  "pointer (freed already: a double free; or never allocated by it)")
             dev.free(alloc)
 
-        def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, object]]:
+        def memory_snapshot(mempool_id: object = None, include_traces: bool = True) -> list[dict[str, object]]:
             return [dict(seg, device=0, stream=0, is_expandable=False, frames=[])
                     for seg in dev.allocator.snapshot()]
 
-        def synchronize(device: Any = None) -> None:
+        def synchronize(device: object = None) -> None:
             return None
 
         def graph_pool_handle() -> GraphPool:
             return dev.new_graph_pool()
 
-        replacements: dict[str, Any] = {
+        replacements: dict[str, object] = {
             "mem_get_info": ignore_device(dev.mem_get_info),
             "memory_allocated": ignore_device(dev.memory_allocated),
             "memory_reserved": ignore_device(dev.memory_reserved),
@@ -512,8 +516,8 @@ class SimulatedCuda:
             "caching_allocator_alloc": caching_allocator_alloc,
             "caching_allocator_delete": caching_allocator_delete,
         }
-        nvtx = {"range_push": _no_op, "range_pop": _no_op, "mark": _no_op, "range_start": lambda msg: 0,
-                "range_end": _no_op}
+        nvtx: dict[str, object] = {"range_push": _no_op, "range_pop": _no_op, "mark": _no_op,
+                                   "range_start": lambda msg: 0, "range_end": _no_op}
         self._saved.append((torch.Tensor, "record_stream", torch.Tensor.__dict__.get("record_stream", _MISSING)))
         torch.Tensor.record_stream = _no_op  # type: ignore[method-assign]
         self._saved.append((torch, "Generator", torch.__dict__["Generator"]))
@@ -529,7 +533,7 @@ class SimulatedCuda:
                 setattr(module, name, value)
         self._patch_accelerator(replacements)
 
-    def _patch_accelerator(self, cuda: dict[str, Any]) -> None:
+    def _patch_accelerator(self, cuda: dict[str, object]) -> None:
         """``torch.accelerator`` answers the simulated GPU too: vLLM measures memory (``memory_profiling``) and
         empties the cache (its ``WorkspaceManager``) through it, and on a CPU-only build it has no accelerator."""
         import torch
@@ -540,7 +544,7 @@ class SimulatedCuda:
         same = ("empty_cache", "memory_stats", "memory_allocated", "memory_reserved", "max_memory_allocated",
                 "max_memory_reserved", "reset_peak_memory_stats", "synchronize", "device_count", "current_stream",
                 "set_stream")
-        replacements: dict[str, Any] = {name: cuda[name] for name in same}
+        replacements: dict[str, object] = {name: cuda[name] for name in same}
         replacements.update({
             "get_memory_info": cuda["mem_get_info"],
             "is_available": lambda: True,
@@ -640,8 +644,8 @@ class _Mode(TorchFunctionMode):
         super().__init__()
         self.sim = sim
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: TorchFunc, types: object, args: tuple[TorchArg, ...] = (),
+                           kwargs: dict[str, TorchArg] | None = None) -> TorchArg:
         registry = self.sim._registry
         try:
             kind = _KINDS[func]
@@ -730,7 +734,7 @@ class _Mode(TorchFunctionMode):
         api = _api_name(func)
         return self._record_outputs(out, api, pinned and not to_cuda, host_inputs)
 
-    def _record_outputs(self, out: Any, api: str, pinned: bool, host_inputs: set[int]) -> Any:
+    def _record_outputs(self, out: TorchArg, api: str, pinned: bool, host_inputs: set[int]) -> TorchArg:
         if isinstance(out, torch.Tensor):
             if _storage_ptr(out) in host_inputs:
                 out = out.clone()
@@ -755,9 +759,9 @@ class _Mode(TorchFunctionMode):
             return out.clone()
         return out
 
-    def _tensor_to(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _tensor_to(self, func: TorchFunc, args: tuple[TorchArg, ...], kwargs: dict[str, TorchArg]) -> TorchArg:
         src = args[0]
-        target: Any = kwargs.get("device", _MISSING)
+        target: object = kwargs.get("device", _MISSING)
         rest = list(args[1:])
         if target is _MISSING:
             target = None
@@ -804,7 +808,7 @@ pages: a workspace costs host memory only where a kernel or a copy writes it (be
 fill it saves)."""
 
 
-def _untouched_zeros(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+def _untouched_zeros(func: TorchFunc, args: tuple[TorchArg, ...], kwargs: dict[str, TorchArg]) -> torch.Tensor | None:
     """What ``func(*args, **kwargs)`` returns, as a tensor over untouched zero pages; None where that is not the same
     tensor (an ``out=``, a sparse or non-default layout, a small size): the caller makes it the usual way."""
     if "out" in kwargs or kwargs.get("layout", torch.strided) is not torch.strided:
@@ -826,7 +830,7 @@ def _untouched_zeros(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 _WATCHED = (Role.FLOAT_ARENA, Role.INT_WORKSPACE)
 
 
-def _quiet_inputs(registry: dict[int, Allocation], args: tuple[Any, ...]) -> bool | None:
+def _quiet_inputs(registry: dict[int, Allocation], args: tuple[object, ...]) -> bool | None:
     """Whether a call's positional arguments include a simulated tensor (True) or no tensor (False), when every tensor
     among them is a live simulated storage no check watches (not a float arena, not an int workspace, not freed by the
     ledger); None when the call needs the full path (a host tensor, which may be another case's; a list of tensors; a
@@ -846,7 +850,7 @@ def _quiet_inputs(registry: dict[int, Allocation], args: tuple[Any, ...]) -> boo
     return quiet
 
 
-def _tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+def _tensor_inputs(args: tuple[object, ...], kwargs: dict[str, object]) -> Iterator[torch.Tensor]:
     """The tensors a torch call receives: positional, keyword, and one level inside lists and tuples."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -864,11 +868,11 @@ _METADATA = (torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride, torc
 comparing ``data_ptr()`` of a stale view with a new one is how real code tells a moved arena (vLLM's pull request
 does in its wrapper reset), so none of these is a use of the memory, freed or not."""
 _PLAIN_CALL, _SPECIAL_CALL, _METADATA_CALL = 0, 1, 2
-_KINDS: dict[Any, int] = {}  # func -> its kind (every torch call asks)
-_API_NAMES: dict[Any, str] = {}
+_KINDS: dict[TorchFunc, int] = {}  # func -> its kind (every torch call asks)
+_API_NAMES: dict[TorchFunc, str] = {}
 
 
-def _kind(func: Any) -> int:
+def _kind(func: TorchFunc) -> int:
     try:
         return _KINDS[func]
     except KeyError:
@@ -884,7 +888,7 @@ def _kind(func: Any) -> int:
         return _SPECIAL_CALL
 
 
-def _api_name(func: Any) -> str:
+def _api_name(func: TorchFunc) -> str:
     try:
         return _API_NAMES[func]
     except KeyError:
@@ -895,7 +899,7 @@ def _api_name(func: Any) -> str:
     return name
 
 
-def _name_of(func: Any) -> str:
+def _name_of(func: object) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     qualname = getattr(func, "__qualname__", name)
     if qualname.startswith(("TensorBase.", "Tensor.")):

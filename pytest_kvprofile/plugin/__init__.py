@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import pytest
 
@@ -26,6 +26,13 @@ from pytest_kvprofile.plugin.session import (
     publish_checks,
 )
 from pytest_kvprofile.registry import Registry
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.checks.base import JsonObject
+
+# a parameter pytest_generate_tests gave (a skipped Case, a refused (Backend, Case) pair), read back from
+# request.param, which pytest leaves untyped
+FixtureParam: TypeAlias = Any
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -343,12 +350,12 @@ def _is_suite_item(item: pytest.Item) -> bool:
 
 
 @pytest.fixture
-def kvprofile_impossible_case(request: pytest.FixtureRequest) -> Any:
+def kvprofile_impossible_case(request: pytest.FixtureRequest) -> FixtureParam:
     return request.param
 
 
 @pytest.fixture
-def kvprofile_refused_pair(request: pytest.FixtureRequest) -> Any:
+def kvprofile_refused_pair(request: pytest.FixtureRequest) -> FixtureParam:
     return request.param
 
 
@@ -382,7 +389,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         _write_json(state.settings.verdict_path, doc)
 
 
-def _write_json(path: str, doc: dict[str, Any]) -> None:
+def _write_json(path: str, doc: JsonObject) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -390,7 +397,7 @@ def _write_json(path: str, doc: dict[str, Any]) -> None:
     os.replace(tmp, target)
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     state = _session(config)
     if state is None or not _is_controller(config) or not state.records:
         return

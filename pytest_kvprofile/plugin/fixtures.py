@@ -9,9 +9,9 @@ with a backend's own fixtures. The fixture table of docs/protocol.md documents e
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -22,6 +22,11 @@ from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession
 from pytest_kvprofile.registry import with_workspace_manager
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.device import Device
+    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.contract.workspace import ArenaManager, WorkspaceManager
 
 CASE_ARG = "kvprofile_case"
 
@@ -34,7 +39,7 @@ def _state(config: pytest.Config) -> KvprofileSession:
     return state
 
 
-def case_params(state: KvprofileSession) -> list[Any]:
+def case_params(state: KvprofileSession) -> list[object]:
     """One param per case of the selected matrices, in matrix order; impossible layouts and layouts the suite cannot
     size (``Case.unsized_reason``) skipped with their reason."""
     return [pytest.param(case, id=case.id, marks=_case_marks(case)) for case in state.cases]
@@ -77,7 +82,8 @@ class KvprofileRun:
             pytest.fail("\n".join(parts), pytrace=False)
 
 
-def _as_backend(target: Any, case: Case, torch_mode: bool, policy: EnginePolicy | None) -> Backend:
+def _as_backend(target: Backend | Callable[[Case], Iterable[Builder]] | Sequence[Builder], case: Case,
+                torch_mode: bool, policy: EnginePolicy | None) -> Backend:
     """A Backend from a Backend, a ``make_builders(case)`` callable or a list of unused builder instances.
 
     Instances are deep-copied before the run, so the warmup-retry probe gets fresh, unused ones too.
@@ -98,7 +104,7 @@ def _as_backend(target: Any, case: Case, torch_mode: bool, policy: EnginePolicy 
 
 
 @pytest.fixture
-def kvprofile_device(request: pytest.FixtureRequest, kvprofile_case: Case) -> Iterator[Any]:
+def kvprofile_device(request: pytest.FixtureRequest, kvprofile_case: Case) -> Iterator[Device]:
     """A fresh device for the case: the simulated GPU on the CPU tier, the CUDA device with ``--kvprofile-gpu``."""
     state = _state(request.config)
     factory = state.device_factory or make_device
@@ -111,7 +117,7 @@ def kvprofile_device(request: pytest.FixtureRequest, kvprofile_case: Case) -> It
 
 @pytest.fixture
 def kvprofile_workspace_manager(request: pytest.FixtureRequest, kvprofile_case: Case,
-                                kvprofile_device: Any) -> Iterator[Any]:
+                                kvprofile_device: Device) -> Iterator[WorkspaceManager | ArenaManager]:
     """A WorkspaceManager on the case's device with one arena per micro-batch of the case.
 
     Which one: the run's ``--kvprofile-workspace-manager`` (else ``harness``), or per test by indirect
@@ -134,7 +140,8 @@ def kvprofile_workspace_manager(request: pytest.FixtureRequest, kvprofile_case: 
 
 
 @pytest.fixture
-def kvprofile_simulated_cuda(request: pytest.FixtureRequest, kvprofile_device: Any) -> Iterator[Any]:
+# Any: the tier's device, a SimDevice wherever SimulatedCuda serves it (the CPU tier)
+def kvprofile_simulated_cuda(request: pytest.FixtureRequest, kvprofile_device: Any) -> Iterator[Device]:
     """Plain ``torch`` "cuda" calls served by the case's simulated device (CPU tier); the real device on the GPU tier.
 
     Yields the device, whose ledger attributes every tensor.
@@ -150,7 +157,7 @@ def kvprofile_simulated_cuda(request: pytest.FixtureRequest, kvprofile_device: A
 
 
 @pytest.fixture
-def kvprofile_stub_builders(kvprofile_case: Case) -> list[Any]:
+def kvprofile_stub_builders(kvprofile_case: Case) -> list[Builder]:
     """Fresh builders of the built-in correct ``stub-flashinfer`` backend (the lifecycle adds the case's resources)."""
     from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 
@@ -159,7 +166,7 @@ def kvprofile_stub_builders(kvprofile_case: Case) -> list[Any]:
 
 
 @pytest.fixture
-def kvprofile_flashinfer_builders(request: pytest.FixtureRequest, kvprofile_case: Case) -> list[Any]:
+def kvprofile_flashinfer_builders(request: pytest.FixtureRequest, kvprofile_case: Case) -> list[Builder]:
     """Builders made of real FlashInfer wrappers for the case, unused.
 
     CPU tier: the built-in ``flashinfer`` backend's builders, which run FlashInfer's own wrappers on the
@@ -188,8 +195,8 @@ def kvprofile_run(request: pytest.FixtureRequest, kvprofile_case: Case) -> Calla
     state = _state(request.config)
     factory = state.device_factory or make_device
 
-    def run(target: Any, *, torch_mode: bool = False, policy: EnginePolicy | None = None,
-            workspace_manager: str | None = None) -> KvprofileRun:
+    def run(target: Backend | Callable[[Case], Iterable[Builder]] | Sequence[Builder], *, torch_mode: bool = False,
+            policy: EnginePolicy | None = None, workspace_manager: str | None = None) -> KvprofileRun:
         backend = _as_backend(target, kvprofile_case, torch_mode, policy)
         backend = with_workspace_manager(backend, workspace_manager or state.settings.workspace_manager
                                          or backend.policy.workspace_manager)

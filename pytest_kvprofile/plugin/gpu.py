@@ -13,15 +13,20 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
+    from pytest_kvprofile.gpu.pinning import WorkerPin
+    from pytest_kvprofile.gpu.selection import CaseSelection
+    from pytest_kvprofile.gpu.topology import GpuTopology
+    from pytest_kvprofile.matrix.cases import Case
     from pytest_kvprofile.plugin.session import KvprofileSession
 
-PIN_KEY = pytest.StashKey[Any]()
-SELECTION_KEY = pytest.StashKey[Any]()
+PIN_KEY: pytest.StashKey[WorkerPin | None] = pytest.StashKey()
+SELECTION_KEY: pytest.StashKey[CaseSelection] = pytest.StashKey()
 CUDA_ERROR_NOT_INITIALIZED = 3
 CPU_TIER_REASON = "GPU tier: pass --kvprofile-gpu on a machine with a CUDA device"
 
@@ -49,7 +54,7 @@ def _cuda_initialized() -> bool:
     return driver_initialized()
 
 
-def driver_initialized(maps: str | None = None, cdll: Callable[..., Any] = ctypes.CDLL) -> bool:
+def driver_initialized(maps: str | None = None, cdll: Callable[..., ctypes.CDLL] = ctypes.CDLL) -> bool:
     """``cuInit`` has run in this process: libcuda is mapped, and ``cuDeviceGetCount`` answers
     something other than CUDA_ERROR_NOT_INITIALIZED. Loads nothing that is not loaded already."""
     if maps is None:
@@ -93,7 +98,7 @@ def pytest_configure(config: pytest.Config) -> None:
         state.cases = list(selection.run)
 
 
-def select_for_this_gpu(cases: list[Any], topology: Any = None) -> Any:
+def select_for_this_gpu(cases: list[Case], topology: GpuTopology | None = None) -> CaseSelection:
     """The cases that fit the GPU this process will use (NVML and the catalog; no CUDA context)."""
     from pytest_kvprofile.gpu.selection import device_facts, select_cases
     from pytest_kvprofile.gpu.topology import TopologyError, detect_topology
@@ -123,13 +128,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             state.hardware["case_selection"] = selection.as_dict()
 
 
-def controller_hardware() -> dict[str, Any]:
+def controller_hardware() -> dict[str, object]:
     """What the JSON report records about the machine: NVML and package versions, no CUDA context."""
     from importlib import metadata
 
     from pytest_kvprofile.gpu.topology import TopologyError, detect_topology
 
-    doc: dict[str, Any] = {}
+    doc: dict[str, object] = {}
     try:
         doc["topology"] = detect_topology().as_dict()
     except TopologyError as exc:
@@ -155,7 +160,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return "\n".join(lines + (selection.summary() if selection is not None else []))
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     """Repeat what the GPU tier skipped and why at the end, where a reader looks for it."""
     selection = config.stash.get(SELECTION_KEY, None)
     if selection is None or hasattr(config, "workerinput"):
@@ -166,7 +171,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 @pytest.fixture(scope="session")
-def gpu_topology(request: pytest.FixtureRequest) -> Any:
+def gpu_topology(request: pytest.FixtureRequest) -> GpuTopology:
     """The machine's GPUs, with SM counts and capability from torch (this process's view)."""
     if not gpu_tier(request.config):
         pytest.skip(CPU_TIER_REASON)
@@ -180,7 +185,7 @@ def gpu_topology(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture(scope="session")
-def gpu_device_factory(request: pytest.FixtureRequest, gpu_topology: Any) -> Any:
+def gpu_device_factory(request: pytest.FixtureRequest, gpu_topology: GpuTopology) -> CudaDeviceFactory:
     """The session's CudaDeviceFactory (``run_lifecycle(..., device_factory=...)``)."""
     state = _state(request.config)
     factory = getattr(state, "device_factory", None)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import pytest
+
+    from pytest_kvprofile.checks.base import JsonObject
     from pytest_kvprofile.registry import Registry
 
 
-def pytest_kvprofile_backends(config: Any) -> Any:
+def pytest_kvprofile_backends(config: pytest.Config) -> object:
     """Return a Backend (or a list of them) to run the suite against; called once at configure.
 
     Implement it in a conftest.py to register a backend without packaging it.
     """
 
 
-def pytest_kvprofile_update_json(config: Any, report: dict[str, Any]) -> None:
+def pytest_kvprofile_update_json(config: pytest.Config, report: JsonObject) -> None:
     """Add fields to the JSON report and the verdict document before they are written (controller only)."""
 
 

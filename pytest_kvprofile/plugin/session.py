@@ -11,7 +11,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import pytest
 
@@ -43,6 +43,9 @@ from pytest_kvprofile.registry import (
     resolve_backends,
     with_workspace_manager,
 )
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
 
 RESULT_CACHE_SIZE = 32
 FACTORY_ERROR = "error"  # the path of a pair whose factory or declaration raised: every check reports it
@@ -91,8 +94,8 @@ class KvprofileSession:
         self._refusals: dict[tuple[str, str], str | None] = {}
         self._results: OrderedDict[tuple[str, str], LifecycleResult] = OrderedDict()
         self.records: list[CheckOutcome] = []
-        self.hardware: dict[str, Any] | None = None  # JSON for the report (gpu.controller_hardware)
-        self.device_factory: Any = None  # the GPU tier's CudaDeviceFactory (set by pytest_kvprofile.plugin.gpu)
+        self.hardware: dict[str, object] | None = None  # JSON for the report (gpu.controller_hardware)
+        self.device_factory: CudaDeviceFactory | None = None  # the GPU tier's (set by pytest_kvprofile.plugin.gpu)
         self.case_index = {c.id: i for i, c in enumerate(self.cases)}
         self.backend_index = {b.name: i for i, b in enumerate(self.backends)}
         self.runnable_cases: list[Case] = [c for c in self.cases if c.skip_reason is None]
@@ -204,7 +207,7 @@ def parts_on_device(tier: str) -> PartsOnDevice:
     return plain_parts if tier == "gpu" else case_parts
 
 
-def build_session(settings: Settings, hooked: Iterable[Any], tier: str,
+def build_session(settings: Settings, hooked: Iterable[object], tier: str,
                   registry: Registry | None = None) -> KvprofileSession:
     """Load and validate everything once; raises MatrixError or BackendError with a precise message."""
     from pytest_kvprofile.lifecycle.resources import RESOURCE_KINDS

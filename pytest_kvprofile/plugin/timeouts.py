@@ -6,9 +6,15 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import pytest
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+# what the timed call returns, carried back from its thread in a box it shares with the call's exception
+TimedResult: TypeAlias = Any
 
 
 class CheckTimeout(pytest.fail.Exception):  # type: ignore[name-defined,misc]
@@ -22,7 +28,7 @@ class CheckTimeout(pytest.fail.Exception):  # type: ignore[name-defined,misc]
         super().__init__(msg, pytrace=False)
 
 
-def call_with_timeout(seconds: float, label: str, fn: Callable[..., Any], *args: Any) -> Any:
+def call_with_timeout(seconds: float, label: str, fn: Callable[..., TimedResult], *args: object) -> TimedResult:
     """Run ``fn(*args)``; past ``seconds`` (0: no limit) raise CheckTimeout with the worker's stack.
 
     The call runs in a daemon thread, so a backend that never returns is abandoned rather than
@@ -30,7 +36,7 @@ def call_with_timeout(seconds: float, label: str, fn: Callable[..., Any], *args:
     """
     if not seconds:
         return fn(*args)
-    box: dict[str, Any] = {}
+    box: dict[str, TimedResult] = {}
 
     def target() -> None:
         try:
@@ -53,7 +59,7 @@ def call_with_timeout(seconds: float, label: str, fn: Callable[..., Any], *args:
     return box["value"]
 
 
-def _backend_stack(frame: Any) -> str:
+def _backend_stack(frame: FrameType) -> str:
     """The stuck thread's stack, innermost last, one unindented line per frame (reports keep them).
 
     The thread bootstrap and this module's wrapper frame are left out.

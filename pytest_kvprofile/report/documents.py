@@ -8,10 +8,16 @@ from __future__ import annotations
 import platform
 from collections import Counter, defaultdict
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pytest_kvprofile.checks.base import CheckOutcome, JsonObject
 from pytest_kvprofile.report.summary import legacy_costs, summarize, waste_costs, waste_reason
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.checks.base import WasteBudget
+
+# the plugin's KvprofileSession (plugin/session.py), read by attribute: report sits below plugin and cannot name it
+Session: TypeAlias = Any
 
 SCHEMA_VERSION = 1
 
@@ -33,7 +39,7 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def json_document(session: Any) -> JsonObject:
+def json_document(session: Session) -> JsonObject:
     return {
         "schema": SCHEMA_VERSION,
         "tier": session.tier,
@@ -50,7 +56,7 @@ def json_document(session: Any) -> JsonObject:
     }
 
 
-def _sizing_report(session: Any) -> JsonObject:
+def _sizing_report(session: Session) -> JsonObject:
     """Every layout's exact requirement next to the fixed sizes engines use, with the headline."""
     from pytest_kvprofile.sizing.comparison import report_for_matrix, report_headline, unsized_for_matrix
 
@@ -77,14 +83,14 @@ def _legacy_reason(declared: dict[str, str]) -> str | None:
     return None
 
 
-def waste_budget(budget: Any) -> JsonObject | None:
+def waste_budget(budget: WasteBudget | None) -> JsonObject | None:
     """The run's waste budget as the verdict records it (None: waste is reported, never refused)."""
     if budget is None:
         return None
     return {"amount": budget.amount, "unit": budget.unit, "text": budget.describe()}
 
 
-def verdict_document(session: Any) -> JsonObject:
+def verdict_document(session: Session) -> JsonObject:
     """Per backend: declared support, results per check x case, coverage of its matrix, and whether it may opt in.
 
     A backend's matrix is every runnable case its engine accepts, each with the checks that apply

@@ -7,7 +7,7 @@ row is :func:`pytest_kvprofile.sizing.for_case` of a case, so the report says wh
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, TypeAlias
 
 from pytest_kvprofile.matrix.cases import Case, Envelope, layout_case
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
@@ -20,13 +20,18 @@ from pytest_kvprofile.sizing.case import for_case
 from pytest_kvprofile.sizing.rules import FIXED_SIZES, seed004_rule
 from pytest_kvprofile.units import MiB
 
+# one row of the report as JSON writes it: each key has its own type (case_row lists them), read by key
+ReportRow: TypeAlias = dict[str, Any]
+# a layout as sizing_report takes it: a TP int, a (tp, dcp[, mtp]) sequence, or a mapping or object with tp/dcp/mtp
+LayoutSpec: TypeAlias = Any
+
 # vLLM's default capture sizes (tokens) top out at 512.
 VLLM_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 REPORT_ENVELOPE = Envelope(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32768, page_size=16,
                            cuda_graph_sizes=VLLM_CAPTURE_SIZES)
 
 
-def _layouts(layouts: Iterable[Any]) -> list[tuple[int, int, int]]:
+def _layouts(layouts: Iterable[LayoutSpec]) -> list[tuple[int, int, int]]:
     out = []
     for lay in layouts:
         if isinstance(lay, int):
@@ -42,7 +47,7 @@ def _layouts(layouts: Iterable[Any]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _compare(name: str, have: int, need: int, kv_tok: int) -> dict[str, Any]:
+def _compare(name: str, have: int, need: int, kv_tok: int) -> dict[str, object]:
     delta = have - need
     return {
         "name": name,
@@ -55,7 +60,7 @@ def _compare(name: str, have: int, need: int, kv_tok: int) -> dict[str, Any]:
     }
 
 
-def case_row(case: Case, *, use_oracle: bool | None = None) -> dict[str, Any]:
+def case_row(case: Case, *, use_oracle: bool | None = None) -> ReportRow:
     """One report row: what ``case`` needs, and how the common fixed sizes and the published rule
     (``seed004-rule``, docs/contract.md) compare."""
     model, gpu, heads = case.model, case.gpu, case.heads
@@ -96,8 +101,8 @@ def case_row(case: Case, *, use_oracle: bool | None = None) -> dict[str, Any]:
 
 
 def sizing_report(models: Mapping[str, ModelSpec] | Iterable[ModelSpec], gpus: Iterable[GpuSpec | str],
-                  layouts: Iterable[Any], envelope: Envelope = REPORT_ENVELOPE, *,
-                  use_oracle: bool | None = None) -> list[dict[str, Any]]:
+                  layouts: Iterable[LayoutSpec], envelope: Envelope = REPORT_ENVELOPE, *,
+                  use_oracle: bool | None = None) -> list[ReportRow]:
     """One row per possible (model, GPU, layout), each sized as a case with ``envelope``.
 
     ``layouts`` items are TP ints, (tp, dcp[, mtp]) tuples, or mappings/objects with tp/dcp/mtp.
@@ -113,7 +118,7 @@ def sizing_report(models: Mapping[str, ModelSpec] | Iterable[ModelSpec], gpus: I
     ]
 
 
-def report_headline(rows: list[dict[str, Any]]) -> list[str]:
+def report_headline(rows: list[ReportRow]) -> list[str]:
     """Which common sizes overflow where (one line per size)."""
     lines = []
     names = [c["name"] for c in rows[0]["compare"]] if rows else []
@@ -131,7 +136,7 @@ def report_headline(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def format_report(rows: list[dict[str, Any]]) -> str:
+def format_report(rows: list[ReportRow]) -> str:
     """A plain-text table of the report (MiB; +waste / -overflow)."""
     if not rows:
         return "no cases"
@@ -167,7 +172,7 @@ def unsized_layouts(cases: Iterable[Case]) -> list[dict[str, str]]:
     return list(out.values())
 
 
-def report_for_matrix(path: str, *, use_oracle: bool | None = None) -> list[dict[str, Any]]:
+def report_for_matrix(path: str, *, use_oracle: bool | None = None) -> list[ReportRow]:
     """The sizing report of every distinct runnable layout of a matrix file."""
     from pytest_kvprofile.matrix.schema import load_matrix
 

@@ -7,17 +7,20 @@ hides where each fixed size stops being enough.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from pytest_kvprofile.sizing.analytic import PlanEnvelope
 from pytest_kvprofile.sizing.requirement import required_workspace
 from pytest_kvprofile.sizing.rules import FIXED_SIZES
 from pytest_kvprofile.units import MiB
 
+if TYPE_CHECKING:
+    from pytest_kvprofile.sizing.comparison import ReportRow
+
 DEFAULT_TOKENS: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def requirement_curves(rows: Sequence[dict[str, Any]], tokens: Sequence[int] = DEFAULT_TOKENS,
+def requirement_curves(rows: Sequence[ReportRow], tokens: Sequence[int] = DEFAULT_TOKENS,
                        envelope: PlanEnvelope = PlanEnvelope()) -> dict[str, list[tuple[int, float]]]:
     """Per GPU: (tokens per step, MiB) of the largest requirement over the report's layouts.
 
@@ -43,7 +46,7 @@ def requirement_curves(rows: Sequence[dict[str, Any]], tokens: Sequence[int] = D
     return curves
 
 
-def plot_requirement(rows: Sequence[dict[str, Any]], out: Path,
+def plot_requirement(rows: Sequence[ReportRow], out: Path,
                      tokens: Sequence[int] = DEFAULT_TOKENS) -> Path:
     """Write a PNG of :func:`requirement_curves` with the common fixed sizes as reference lines."""
     import matplotlib
