@@ -83,7 +83,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
-HEAVY = ("torch", "flashinfer", "vllm", "pynvml", "numpy", "matplotlib")
+HEAVY = ("torch", "flashinfer", "vllm", "sglang", "pynvml", "numpy", "matplotlib")
 
 # Every module that imports a heavy third-party module inside a function, and why it may. A module not listed
 # here that does fails; so does an entry whose module no longer does (the list stays true).
@@ -102,6 +102,10 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.engines.vllm_standins": "the CPU stand-ins patch vLLM and torch only for a vLLM backend's run",
     "pytest_kvprofile.engines.vllm_gdn": "vLLM's GDN builder is imported by the hybrid backend's make_builders only",
     "pytest_kvprofile.engines.vllm_workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",
+    "pytest_kvprofile.engines.sglang_flashinfer": "SGLang is imported by make_builders and refuses_layout only, never "
+                                                  "at plugin import",
+    "pytest_kvprofile.engines.sglang_standins": "the CPU stand-ins patch SGLang and torch only for an SGLang backend's "
+                                                "run",
     "pytest_kvprofile.gpu.cuda_device": "the GPU tier only: the CPU tier and plugin import never load CUDA",
     "pytest_kvprofile.gpu.nvml": "counts GPUs through NVML only when asked (--kvprofile-gpu, pinning)",
     "pytest_kvprofile.attention.reference": "the GPU tier's float32 reference, run on CUDA only",

@@ -1,0 +1,593 @@
+"""The ``sglang-flashinfer`` backend: SGLang's own, unmodified ``FlashInferAttnBackend``
+(``sglang/srt/layers/attention/flashinfer_backend.py``) driven through the lifecycle on the simulated GPU.
+
+Why: SGLang is the other engine the suite's users run, and its memory model differs from vLLM's. SGLang makes no
+profile run: it sizes the KV pool from a static fraction (``mem_fraction_static``), and its order is weights, the KV
+pools, the attention backends, then the CUDA graphs. So everything the attention backend makes comes after KV
+sizing, out of the static slack: its process-wide float workspace (``get_buffer("flashinfer_workspace")``, 384 MiB,
+512 MiB for Qwen2/Qwen3 architectures), the int workspace and pinned mirror of every FlashInfer wrapper, its index
+buffers, ``init_cuda_graph_state``'s CUDA-graph KV indices and custom mask, and one decode wrapper per captured batch
+size. SGLang's backend declares nothing, so the adapter declares nothing: UNSUPPORTED, the legacy path, whose cost
+(every post-KV allocation, by SGLang's and FlashInfer's source lines) the suite reports.
+
+How SGLang's model runner integrates the backend, as the adapter drives it (docs/sglang.md):
+
+- the engine config (:func:`make_sglang_engine`): a local ``config.json`` of the case's head layout (the architecture
+  its model name implies: ``Qwen3ForCausalLM`` for a Qwen3, which SGLang gives the 512 MiB workspace), a real
+  ``ServerArgs`` resolved by SGLang's own pipeline, a runtime context made with SGLang's ``create_context`` and made
+  current around every call (``use_context``), SGLang's ``ModelConfig`` and KV dtype resolution;
+- the runner (:class:`SglangRunner`, made when the adapter is constructed on the run's device, i.e. before KV sizing
+  as SGLang makes its memory pools with the KV cache): a real ``ReqToTokenPool`` and ``KVIndexTranslator``, a KV pool
+  stand-in that answers SGLang's KV quantization method (the harness owns the KV cache), the runner's capture-stable
+  input buffers;
+- ``rebind`` (the first call after KV sizing): ``FlashInferAttnBackend(model_runner)``, then ``init_cuda_graph_state(
+  max_bs, max_num_tokens)`` as the decode CUDA-graph runner does at its construction; SGLang's runner has one
+  attention backend (two-batch overlap, which makes one per micro-batch, is for MoE models): micro-batch 0 is driven,
+  the harness's micro-batch 1 runs the same steps on it and is not repeated;
+- builds: a real ``ForwardBatch`` (``DECODE``, ``EXTEND`` or ``MIXED``) with its ``KVLocPlan``;
+  ``init_forward_metadata`` for eager steps, ``init_forward_metadata_out_graph(batch, in_capture=True)`` for a
+  captured decode size (SGLang 0.5.23's capture entry point; older releases called it
+  ``init_forward_metadata_capture_cuda_graph``) and ``init_forward_metadata_out_graph(batch)`` for a replay.
+
+What the simulated GPU or the adapter cannot do is refused by name (:func:`engine_refusal`): MLA (SGLang serves it
+with ``FlashInferMLAAttnBackend``), speculative decoding (MTP: SGLang's target-verify and draft backends), a
+quantized FP4 cache, and the prefill routes FlashInfer plans on modules the simulated GPU has no host planner for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.protocol import Batch
+from pytest_kvprofile.engines.adapter import EngineAdapter, EngineBuildError, Patches, device_active, engine_backend
+from pytest_kvprofile.engines.batches import capture_sizes, pad_to_capture, runner_batch
+from pytest_kvprofile.engines.sglang_standins import (
+    SGLANG_INSTALL_HINT,
+    import_sglang_flashinfer,
+    sglang_standins,
+)
+
+if TYPE_CHECKING:
+    from pytest_kvprofile.contract.protocol import BuilderContext
+    from pytest_kvprofile.matrix.cases import Case
+
+# An SGLang, torch or numpy object: each is imported lazily (never at plugin import), and SGLang ships no types
+SglangValue = Any
+
+__all__ = ["SGLANG_BACKENDS", "SglangBuildError", "SglangEngine", "SglangFlashInferAdapter", "SglangRunner",
+           "UnexpressibleSglangCase", "backends", "check_expressible", "engine_refusal", "hf_config",
+           "make_sglang_builders", "make_sglang_engine", "server_args_kwargs"]
+
+BACKEND_NAME = "sglang-flashinfer"
+# The HF architecture and model type a matrix model's name implies (SGLang branches on the architecture: Qwen2/Qwen3
+# get a 512 MiB FlashInfer workspace); anything else is a plain Llama-like decoder.
+_ARCHITECTURES = (("qwen3", "Qwen3ForCausalLM", "qwen3"), ("qwen2", "Qwen2ForCausalLM", "qwen2"),
+                  ("glm-4", "Glm4ForCausalLM", "glm4"), ("llama", "LlamaForCausalLM", "llama"))
+_DEFAULT_ARCHITECTURE = ("LlamaForCausalLM", "llama")
+# The case's KV dtype as SGLang's --kv-cache-dtype ("auto": the model's dtype)
+_SGLANG_KV_DTYPES = {"bf16": "auto", "auto": "auto", "fp16": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
+                     "fp8_e5m2": "fp8_e5m2"}
+_MODEL_DTYPES = {"bfloat16": "bfloat16", "float16": "float16"}
+
+
+class UnexpressibleSglangCase(ValueError):
+    """A case SGLang's FlashInfer backend, or this adapter on the simulated GPU, does not run; the message names it
+    and why."""
+
+
+class SglangBuildError(EngineBuildError):
+    """SGLang's ``init_forward_metadata`` failed on a batch; the message names the case, the batch and SGLang's
+    own error."""
+
+
+# -- the case as SGLang's config ----------------------------------------------------------------------------------
+
+def _architecture(case: Case) -> tuple[str, str]:
+    name = case.model.name.lower()
+    return next(((arch, kind) for prefix, arch, kind in _ARCHITECTURES if name.startswith(prefix)),
+                _DEFAULT_ARCHITECTURE)
+
+
+def model_dtype(case: Case) -> str:
+    """The model's dtype: the KV dtype where the cache is unquantized, bf16 under a quantized cache."""
+    kv = case.model.kv
+    return _MODEL_DTYPES.get(kv.torch, "bfloat16") if not kv.quantized else "bfloat16"
+
+
+def hf_config(case: Case) -> dict[str, SglangValue]:
+    """The ``config.json`` of a plain GQA decoder with the case's head layout, under the architecture its model name
+    implies."""
+    model = case.model
+    architecture, model_type = _architecture(case)
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": model.hidden,
+        "intermediate_size": 4 * model.hidden,
+        "num_attention_heads": model.heads_q,
+        "num_key_value_heads": model.heads_kv,
+        "head_dim": model.head_dim,
+        "num_hidden_layers": model.num_layers,
+        "vocab_size": 32000,
+        "pad_token_id": None,  # an architecture's default may lie outside the stand-in vocabulary (GLM-4: 151329)
+        "max_position_embeddings": max(case.envelope.max_model_len, 4096),
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "torch_dtype": model_dtype(case),
+        "tie_word_embeddings": False,
+    }
+
+
+def hf_config_dir(case: Case, root: Path | None = None) -> Path:
+    """A directory holding the case's ``config.json`` (written once per layout, atomically, under the project
+    cache; never a download)."""
+    from pytest_kvprofile.attention.oracle_build import cache_root
+
+    text = json.dumps(hf_config(case), sort_keys=True, indent=1)
+    folder = (root or cache_root() / "sglang-hf-configs") / hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = folder / "config.json"
+    if not path.exists() or path.read_text() != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".config.json.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return folder
+
+
+def server_args_kwargs(case: Case, model_path: str) -> dict[str, SglangValue]:
+    """``ServerArgs`` of one rank of the case: the envelope as SGLang's scheduler limits, TP/DCP, the capture sizes
+    (SGLang's decode graphs are captured per batch size), the case's utilization as ``mem_fraction_static``."""
+    env = case.envelope
+    return dict(
+        model_path=model_path, skip_tokenizer_init=True, load_format="dummy", device="cuda", random_seed=0,
+        attention_backend="flashinfer", dtype=model_dtype(case), kv_cache_dtype=_SGLANG_KV_DTYPES[case.model.kv_dtype],
+        page_size=env.page_size, context_length=env.max_model_len, max_running_requests=env.max_num_seqs,
+        chunked_prefill_size=env.max_num_batched_tokens, max_prefill_tokens=env.max_num_batched_tokens,
+        tp_size=case.tp, dcp_size=case.dcp, mem_fraction_static=case.gmu,
+        cuda_graph_bs_decode=capture_sizes(case), disable_cuda_graph=not env.cuda_graph_sizes,
+    )
+
+
+def check_expressible(case: Case) -> None:
+    """Raise :class:`UnexpressibleSglangCase` for a case SGLang's ``FlashInferAttnBackend`` (or this adapter on the
+    simulated GPU) does not run, naming why."""
+    model = case.model
+    if model.attention == "mla":
+        raise UnexpressibleSglangCase(f"case {case.id}: MLA layouts are served by SGLang's FlashInferMLAAttnBackend "
+                                      "(flashinfer_mla_backend.py), not FlashInferAttnBackend")
+    if case.unsized_reason is not None:
+        raise UnexpressibleSglangCase(f"case {case.id}: FlashInfer plans no FA2 route here, and the simulated GPU has "
+                                      f"no host module for it ({case.unsized_reason}; run it on the GPU tier)")
+    if case.mtp:
+        raise UnexpressibleSglangCase(
+            f"case {case.id}: speculative decoding (MTP, {case.mtp} speculative token(s)) runs SGLang's target-verify "
+            "graphs (prefill wrappers per captured size, with a custom mask) and a draft worker's "
+            "FlashInferMultiStepDraftBackend, which this adapter does not drive yet")
+    if model.kv_dtype not in _SGLANG_KV_DTYPES:
+        raise UnexpressibleSglangCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
+                                      f"(SGLang's FP4 caches take a KV quantization method and a dequant workspace; "
+                                      f"expressed: {', '.join(sorted(_SGLANG_KV_DTYPES))})")
+    if model.dim_vo != model.head_dim:
+        raise UnexpressibleSglangCase(f"case {case.id}: head_dim_vo {model.dim_vo} != head_dim {model.head_dim}; "
+                                      "SGLang's FlashInfer backend plans one head size")
+    if model.heads_q % case.tp:
+        raise UnexpressibleSglangCase(f"case {case.id}: {model.heads_q} query heads do not split over TP={case.tp}")
+    cc = case.gpu.compute_capability
+    if cc == (9, 0):
+        raise UnexpressibleSglangCase(
+            f"case {case.id}: on {case.gpu.name} (SM90) SGLang's ragged prefill wrapper is made with FlashInfer's "
+            "'auto' backend, which plans FA3, and the simulated GPU has no host planner for FA3 (run it on the GPU "
+            "tier)")
+
+
+@dataclasses.dataclass
+class SglangEngine:
+    """One case as SGLang sees it: its ``ServerArgs``, its runtime context (SGLang's process config, made current
+    around every call), its ``ModelConfig`` and KV dtype."""
+
+    server_args: SglangValue
+    context: SglangValue
+    model_config: SglangValue
+    kv_cache_dtype: SglangValue  # torch dtype of the KV cache
+    kv_cache_dtype_str: str
+    dtype: SglangValue  # the model's torch dtype
+    capture_bs: list[int]  # SGLang's decode capture batch sizes (its own filtering of the case's)
+
+
+def make_sglang_engine(case: Case, hf_dir: Path | None = None) -> SglangEngine:
+    """The case's ``ServerArgs`` (resolved by SGLang's own pipeline), a runtime context made from it, its
+    ``ModelConfig`` and KV dtype. Call inside :func:`sglang_standins`; SGLang's own errors propagate."""
+    import torch
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache import kv_cache_dtype
+    from sglang.srt.server_args import ServerArgs
+
+    check_expressible(case)
+    folder = hf_dir or hf_config_dir(case)
+    server_args = ServerArgs(**server_args_kwargs(case, str(folder)))
+    context = runtime_context.create_context(server_args, role="scheduler")
+    with runtime_context.use_context(context):
+        model_config = ModelConfig.from_server_args(server_args)
+        dtype = getattr(torch, model_dtype(case))
+        resolved, kv_dtype = kv_cache_dtype.configure_kv_cache_dtype(
+            server_args_kv_cache_dtype=runtime_context.get_model().kv_cache_dtype, model=None, model_dtype=dtype,
+            is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None)
+        kv_str = resolved if resolved is not None else runtime_context.get_model().kv_cache_dtype
+        capture_bs = _capture_bs(case, runtime_context)
+        refusal = _prefill_route_refusal(case, model_config)
+    if refusal is not None:
+        raise UnexpressibleSglangCase(refusal)
+    return SglangEngine(server_args, context, model_config, kv_dtype, kv_str, dtype, capture_bs)
+
+
+# FlashInferAttnBackend.__init__: on SM100 the ragged prefill wrapper is made with FlashInfer's CUTLASS FMHA for these
+# (head_dim, v_head_dim), unless prefill runs under piecewise CUDA graphs (FA2 otherwise)
+_SM100_CUTLASS_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+
+
+def _prefill_route_refusal(case: Case, model_config: SglangValue) -> str | None:
+    """Where SGLang's backend makes its ragged prefill wrapper on a FlashInfer module the simulated GPU has no host
+    planner for, what it makes and why, from SGLang's own answers in the case's context; None otherwise."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend as GraphBackend
+    from sglang.srt.model_executor.cuda_graph_config import Phase, check_cuda_graph_backend
+    from sglang.srt.runtime_context import get_platform
+
+    head_dims = (model_config.head_dim, model_config.v_head_dim)
+    if (get_platform().is_sm100 and head_dims in _SM100_CUTLASS_HEAD_DIMS
+            and not check_cuda_graph_backend(Phase.PREFILL, GraphBackend.TC_PIECEWISE)):
+        return (f"case {case.id}: on {case.gpu.name} (SM100) SGLang's FlashInferAttnBackend makes its ragged prefill "
+                f"wrapper with FlashInfer's CUTLASS sm100 FMHA (head dims {head_dims}, no piecewise prefill graphs; "
+                "flashinfer_backend.py, fmha_backend = \"cutlass\"), which the simulated GPU has no host module for "
+                "(FlashInfer: \"No supported CUDA architectures found for major versions [10, 11]\"); run it on the "
+                "GPU tier")
+    return None
+
+
+def _capture_bs(case: Case, runtime_context: SglangValue) -> list[int]:
+    """SGLang's decode capture sizes: the configured list (``cuda_graph_bs_decode``, as resolved) within the request
+    pool (``max_running_requests``), as ``get_batch_sizes_to_capture`` filters them."""
+    graph = runtime_context.get_exec().graph.cuda_graph_config.decode
+    sizes = list(getattr(graph, "bs", None) or capture_sizes(case))
+    return sorted({s for s in sizes if 1 <= s <= case.envelope.max_num_seqs})
+
+
+# -- the runner ---------------------------------------------------------------------------------------------------
+
+class HostKvIndices:
+    """SGLang's ``create_flashinfer_kv_indices_triton[grid](req_to_token, req_pool_indices, page_kernel_lens,
+    kv_indptr, kv_start_idx, kv_indices, stride, ENTRY_PAGE_SIZE=, TOKEN_BLOCK_PARALLEL=, token_mapping=)`` (a Triton
+    kernel) done on the host: lane ``b``'s ids ``[start_b, start_b + len_b)`` of its ``req_to_token`` row go to
+    ``kv_indices[kv_indptr[b]:]``, a page-granular source expanded to tokens, mapped through ``token_mapping``."""
+
+    def __getitem__(self, grid: SglangValue) -> SglangValue:
+        return self._launch
+
+    @staticmethod
+    def _launch(req_to_token: SglangValue, req_pool_indices: SglangValue, page_kernel_lens: SglangValue,
+                kv_indptr: SglangValue, kv_start_idx: SglangValue,
+                kv_indices: SglangValue, stride: int, ENTRY_PAGE_SIZE: int = 1, TOKEN_BLOCK_PARALLEL: bool = False,  # noqa: N803
+                token_mapping: SglangValue = None) -> None:
+        import numpy as np
+
+        lens = page_kernel_lens.numpy().astype(np.int64)
+        bs = len(lens)
+        if not bs:
+            return
+        rows = req_pool_indices.numpy()[:bs].astype(np.int64)
+        starts = (kv_start_idx.numpy()[:bs].astype(np.int64) if kv_start_idx is not None
+                  else np.zeros(bs, dtype=np.int64))
+        offsets = kv_indptr.numpy()[:bs].astype(np.int64)
+        table = req_to_token.reshape(-1).numpy()
+        out = kv_indices.numpy()
+        mapping = token_mapping.numpy() if token_mapping is not None else None
+        page = int(ENTRY_PAGE_SIZE)
+        for b in range(bs):
+            n = int(lens[b])
+            if n <= 0:
+                continue
+            pos = np.arange(starts[b], starts[b] + n, dtype=np.int64)
+            ids = table[rows[b] * stride + pos // page].astype(np.int64)
+            if page > 1:
+                ids = ids * page + pos % page
+            if mapping is not None:
+                ids = np.where(ids >= 0, mapping[np.maximum(ids, 0)], ids)
+            out[offsets[b]:offsets[b] + n] = ids
+
+
+@contextlib.contextmanager
+def host_kv_indices() -> Iterator[None]:
+    """SGLang's KV index translator packs its CSR read stream with :class:`HostKvIndices` for the block."""
+    import sglang.srt.mem_cache.kv_index_translator as translator
+
+    patches = Patches()
+    patches.set(translator, "create_flashinfer_kv_indices_triton", HostKvIndices())
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+class _KvPoolStandin:
+    """What SGLang's attention backend and index translator read of the KV pool: its KV quantization method (an
+    unquantized or FP8 cache has none of its own: SGLang's ``UnquantizedKVCacheMethod``). The harness owns the KV
+    cache itself, so no buffer is made here."""
+
+    def __init__(self, quant_method: SglangValue, dtype: SglangValue, size: int) -> None:
+        self.quant_method = quant_method
+        self.dtype = dtype
+        self.size = size
+
+    def get_kv_cache_quant_method(self) -> SglangValue:
+        return self.quant_method
+
+
+class _AllocatorStandin:
+    """SGLang's token-to-KV allocator as the backend reads it: its KV cache."""
+
+    def __init__(self, kvcache: SglangValue, page_size: int) -> None:
+        self._kvcache = kvcache
+        self.page_size = page_size
+
+    def get_kvcache(self) -> SglangValue:
+        return self._kvcache
+
+
+class SglangRunner:
+    """SGLang's ``ModelRunner`` as its attention backend reads it: the request pool (SGLang's ``ReqToTokenPool``), the
+    KV pool stand-in, SGLang's ``KVIndexTranslator``, its model config and dtypes, and the runner's capture-stable
+    input buffers (``req_pool_indices``, ``seq_lens``, ``out_cache_loc``, ``positions``), made once, before KV
+    sizing (SGLang makes its pools with the KV cache)."""
+
+    def __init__(self, case: Case, engine: SglangEngine) -> None:
+        import torch
+        from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import UnquantizedKVCacheMethod
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        env = case.envelope
+        self.case = case
+        self.server_args = engine.server_args
+        self.model_config = engine.model_config
+        self.device = "cuda"
+        self.gpu_id = 0
+        self.dtype = engine.dtype
+        self.kv_cache_dtype = engine.kv_cache_dtype
+        self.kv_cache_dtype_str = engine.kv_cache_dtype_str
+        self.page_size = env.page_size
+        self.sliding_window_size = None
+        self.is_draft_worker = False
+        self.spec_algorithm = SpeculativeAlgorithm.from_string(None)
+        self.prefill_attention_backend_str = "flashinfer"
+        self.decode_attention_backend_str = "flashinfer"
+        self.req_to_token_pool = ReqToTokenPool(size=env.max_num_seqs, max_context_len=engine.model_config.context_len,
+                                                device="cuda", enable_memory_saver=False)
+        self.token_to_kv_pool = _KvPoolStandin(UnquantizedKVCacheMethod(), engine.kv_cache_dtype, 0)
+        self.token_to_kv_pool_allocator = _AllocatorStandin(self.token_to_kv_pool, env.page_size)
+        self.kv_index_translator = KVIndexTranslator(
+            req_to_token=self.req_to_token_pool.req_to_token,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, token_to_kv_pool=self.token_to_kv_pool,
+            page_size=env.page_size, device="cuda")
+        tokens = max(env.max_num_batched_tokens, max(engine.capture_bs, default=1))
+        reqs = env.max_num_seqs
+        self.req_pool_indices = torch.zeros(reqs, dtype=torch.int64, device="cuda")
+        self.seq_lens = torch.ones(reqs, dtype=torch.int64, device="cuda")
+        self.out_cache_loc = torch.zeros(tokens, dtype=torch.int64, device="cuda")
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device="cuda")
+        self.prefix_lens = torch.zeros(reqs, dtype=torch.int32, device="cuda")
+        self.extend_lens = torch.zeros(reqs, dtype=torch.int32, device="cuda")
+
+    def forward_batch(self, batch: Batch, capture_bs: list[int], *, graph: bool, capture: bool) -> SglangValue:
+        """The batch as SGLang's ``ForwardBatch`` on the runner's buffers, with its ``KVLocPlan``: request ``i`` on
+        request-pool row ``i + 1`` (row 0 is SGLang's padding row), every request at the envelope's full context
+        (``engines/batches.py``). A captured decode size is SGLang's dummy capture batch: rows 0, lengths of
+        the backend's fill value."""
+        import torch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+        case = self.case
+        if graph:
+            batch = pad_to_capture(batch, capture_bs, case.mtp)
+        rb = runner_batch(case, batch, case.envelope.max_num_seqs)
+        bs, tokens = rb.num_reqs, rb.num_tokens
+        if capture:
+            self.req_pool_indices[:bs].zero_()
+            self.seq_lens[:bs].fill_(1)
+            seq_lens_cpu = torch.ones(bs, dtype=torch.int64)
+        else:
+            seq_lens_cpu = torch.tensor(rb.seq_lens, dtype=torch.int64)
+            self.req_pool_indices[:bs].copy_(torch.arange(1, bs + 1, dtype=torch.int64))
+            self.seq_lens[:bs].copy_(seq_lens_cpu)
+        mode = {"decode": ForwardMode.DECODE, "prefill": ForwardMode.EXTEND, "mixed": ForwardMode.MIXED}[batch.kind]
+        values: dict[str, SglangValue] = dict(
+            forward_mode=mode, batch_size=bs, input_ids=self.positions[:tokens], req_pool_indices=
+            self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs], seq_lens_cpu=seq_lens_cpu,
+            out_cache_loc=self.out_cache_loc[:tokens], seq_lens_sum=int(seq_lens_cpu.sum()),
+            positions=self.positions[:tokens], orig_seq_lens=self.seq_lens[:bs], spec_algorithm=self.spec_algorithm,
+            can_run_decode_cuda_graph=graph, global_forward_mode=mode)
+        if mode != ForwardMode.DECODE:
+            extend = torch.tensor(rb.query_lens, dtype=torch.int32)
+            prefix = seq_lens_cpu.to(torch.int32) - extend
+            self.prefix_lens[:bs].copy_(prefix)
+            self.extend_lens[:bs].copy_(extend)
+            values.update(extend_num_tokens=tokens, extend_seq_lens=self.extend_lens[:bs],
+                          extend_prefix_lens=self.prefix_lens[:bs], extend_prefix_lens_cpu=prefix.tolist(),
+                          extend_seq_lens_cpu=extend.tolist())
+        forward_batch = ForwardBatch(**values)
+        if capture:
+            self.kv_index_translator.bind_runner_slots(forward_batch)
+        else:
+            self.kv_index_translator.own_plan(forward_batch).bind(forward_batch, self.kv_index_translator)
+        return forward_batch
+
+
+# -- the adapter --------------------------------------------------------------------------------------------------
+
+class SglangFlashInferAdapter(EngineAdapter):
+    """SGLang's ``FlashInferAttnBackend`` as SGLang's model runner integrates it: made after the KV pools (the
+    harness's ``rebind``), its CUDA-graph state made for the decode capture sizes, then
+    ``init_forward_metadata`` per step and ``init_forward_metadata_out_graph`` per captured size. Declares nothing
+    (UNSUPPORTED: the legacy path)."""
+
+    name = BACKEND_NAME
+    builder_label = "SGLang's FlashInferAttnBackend"
+    build_error = SglangBuildError
+
+    def __init__(self, case: Case, builder_cls: type | None = None) -> None:
+        check_expressible(case)
+        super().__init__(case, builder_cls)
+        self.runner: SglangRunner | None = None
+        self.capturing = False
+        self.captured: list[int] = []  # decode batch sizes captured, in order
+        if device_active():
+            self.ensure_inputs()
+
+    # -- SGLang's objects ----------------------------------------------------------------------------
+    def standins(self) -> SglangValue:
+        return _standins_with_host_kernels(self.case)
+
+    def make_engine_config(self) -> SglangEngine:
+        return make_sglang_engine(self.case)
+
+    @contextlib.contextmanager
+    def _scope(self) -> Iterator[SglangValue]:
+        """The stand-ins, then the case's runtime context current (SGLang's ``use_context``)."""
+        from sglang.srt.runtime_context import use_context
+
+        with self.standins() as module, use_context(self.config().context):
+            yield module
+
+    def engine_scope(self) -> SglangValue:
+        return self._scope()
+
+    def ensure_inputs(self) -> None:
+        if self.runner is None:
+            with self._scope():
+                self.runner = SglangRunner(self.case, self.config())
+
+    def builder_keys(self, ubatch: int) -> list[SglangValue]:
+        """SGLang's runner has one attention backend: it is micro-batch 0's."""
+        return [0] if ubatch == 0 else []
+
+    def make_engine_builder(self, key: SglangValue) -> SglangValue:
+        """``FlashInferAttnBackend(model_runner)``, then the decode CUDA-graph runner's ``init_cuda_graph_state``."""
+        self.ensure_inputs()
+        runner = self.runner
+        assert runner is not None
+        cls = self.builder_cls or import_sglang_flashinfer().FlashInferAttnBackend
+        backend = cls(runner)
+        sizes = self.config().capture_bs
+        if sizes:
+            max_bs = max(sizes)
+            backend.init_cuda_graph_state(max_bs, max_bs * (1 + self.case.mtp))
+        return backend
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        """Micro-batch 0's steps on SGLang's one backend; the harness's micro-batch 1 repeats them and is not run
+        again."""
+        if batch.ubatch != 0:
+            return
+        self.capturing = ctx.capturing
+        super().build(ctx, batch)
+
+    def engine_metadata(self, batch: Batch) -> SglangValue:
+        assert self.runner is not None
+        graph = batch.cuda_graph and batch.kind == "decode"
+        return self.runner.forward_batch(batch, self.config().capture_bs, graph=graph, capture=graph and self.capturing)
+
+    def build_for_capture(self, builder: SglangValue, metadata: SglangValue) -> SglangValue:
+        """A captured decode size: SGLang's capture call (new decode wrappers for the size) while capturing, its
+        replay call after."""
+        if self.capturing:
+            builder.init_forward_metadata_out_graph(metadata, in_capture=True)
+            self.captured.append(metadata.batch_size)
+        else:
+            builder.init_forward_metadata_out_graph(metadata)
+        return builder.forward_metadata
+
+    def build_serving(self, builder: SglangValue, metadata: SglangValue) -> SglangValue:
+        builder.init_forward_metadata(metadata)
+        return builder.forward_metadata
+
+    def wrappers(self) -> Iterator[tuple[str, SglangValue]]:
+        """Every FlashInfer wrapper SGLang's backend holds: (role, wrapper)."""
+        for backend in self.builders.values():
+            yield "ragged prefill", backend.prefill_wrapper_ragged
+            for role, attr in (("paged prefill", "prefill_wrappers_paged"), ("verify", "prefill_wrappers_verify"),
+                               ("decode", "decode_wrappers")):
+                for w in getattr(backend, attr, []):
+                    yield role, w
+            for bs, ws in sorted(backend.decode_cuda_graph_metadata.items()):
+                for w in ws:
+                    yield f"cuda-graph decode bs={bs}", w
+
+    def close(self) -> None:
+        super().close()
+        self.runner = None
+        self.engine_config = None
+
+
+@contextlib.contextmanager
+def _standins_with_host_kernels(case: Case) -> Iterator[SglangValue]:
+    with sglang_standins(case.gpu) as module, host_kv_indices():
+        yield module
+
+
+# -- the backend --------------------------------------------------------------------------------------------------
+
+def make_sglang_builders(case: Case) -> list[SglangValue]:
+    """The adapter for ``case`` (SGLang's FlashInfer backend imported with its stand-ins)."""
+    check_expressible(case)
+    import_sglang_flashinfer()
+    return [SglangFlashInferAdapter(case)]
+
+
+def engine_refusal(case: Case) -> str | None:
+    """Why SGLang (its own ``ServerArgs`` resolution and ``ModelConfig``, on the stand-in platform) or this adapter
+    refuses ``case``; None when it runs."""
+    try:
+        check_expressible(case)
+        with sglang_standins(case.gpu):
+            make_sglang_engine(case)
+    except UnexpressibleSglangCase as exc:
+        return str(exc)
+    except (ValueError, AssertionError, NotImplementedError) as exc:
+        return f"case {case.id}: SGLang rejects this layout: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _version() -> str:
+    """The installed SGLang and the FlashInfer its backend binds (SGLang 0.5.23 pins 0.7.2; the project's is used)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        sglang = version("sglang")
+    except PackageNotFoundError:
+        return ""
+    try:
+        return f"{sglang} (flashinfer-python {version('flashinfer-python')})"
+    except PackageNotFoundError:
+        return sglang
+
+
+SGLANG_BACKENDS: tuple[Backend, ...] = (
+    engine_backend(BACKEND_NAME, make_sglang_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT,
+                   origin="builtin", refuses_layout=engine_refusal, version=_version(),
+                   description="SGLang's own FlashInferAttnBackend (static KV sizing: everything it makes is after the "
+                               "KV pool), unmodified, on the simulated GPU"),
+)
+
+
+def backends() -> list[Backend]:
+    """``--kvprofile-backend pytest_kvprofile.engines.sglang_flashinfer:backends`` (before the backend is registered
+    by ``engines/__init__.py``)."""
+    return list(SGLANG_BACKENDS)
+
