@@ -53,6 +53,7 @@ from pytest_kvprofile.engines.sglang_standins import (
     import_sglang_flashinfer,
     sglang_standins,
 )
+from pytest_kvprofile.matrix.kv_dtypes import KV_DTYPES
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.protocol import BuilderContext
@@ -71,10 +72,6 @@ BACKEND_NAME = "sglang-flashinfer"
 _ARCHITECTURES = (("qwen3", "Qwen3ForCausalLM", "qwen3"), ("qwen2", "Qwen2ForCausalLM", "qwen2"),
                   ("glm-4", "Glm4ForCausalLM", "glm4"), ("llama", "LlamaForCausalLM", "llama"))
 _DEFAULT_ARCHITECTURE = ("LlamaForCausalLM", "llama")
-# The case's KV dtype as SGLang's --kv-cache-dtype ("auto": the model's dtype)
-_SGLANG_KV_DTYPES = {"bf16": "auto", "auto": "auto", "fp16": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
-                     "fp8_e5m2": "fp8_e5m2"}
-_MODEL_DTYPES = {"bfloat16": "bfloat16", "float16": "float16"}
 
 
 class UnexpressibleSglangCase(ValueError):
@@ -96,9 +93,9 @@ def _architecture(case: Case) -> tuple[str, str]:
 
 
 def model_dtype(case: Case) -> str:
-    """The model's dtype: the KV dtype where the cache is unquantized, bf16 under a quantized cache."""
-    kv = case.model.kv
-    return _MODEL_DTYPES.get(kv.torch, "bfloat16") if not kv.quantized else "bfloat16"
+    """The model's dtype (``KvDtype.model_torch``: the KV dtype where the cache is unquantized, bf16 under a quantized
+    cache)."""
+    return case.model.kv.model_torch
 
 
 def hf_config(case: Case) -> dict[str, SglangValue]:
@@ -147,7 +144,7 @@ def server_args_kwargs(case: Case, model_path: str) -> dict[str, SglangValue]:
     env = case.envelope
     return dict(
         model_path=model_path, skip_tokenizer_init=True, load_format="dummy", device="cuda", random_seed=0,
-        attention_backend="flashinfer", dtype=model_dtype(case), kv_cache_dtype=_SGLANG_KV_DTYPES[case.model.kv_dtype],
+        attention_backend="flashinfer", dtype=model_dtype(case), kv_cache_dtype=case.model.kv.sglang,
         page_size=env.page_size, context_length=env.max_model_len, max_running_requests=env.max_num_seqs,
         chunked_prefill_size=env.max_num_batched_tokens, max_prefill_tokens=env.max_num_batched_tokens,
         tp_size=case.tp, dcp_size=case.dcp, mem_fraction_static=case.gmu,
@@ -170,10 +167,11 @@ def check_expressible(case: Case) -> None:
             f"case {case.id}: speculative decoding (MTP, {case.mtp} speculative token(s)) runs SGLang's target-verify "
             "graphs (prefill wrappers per captured size, with a custom mask) and a draft worker's "
             "FlashInferMultiStepDraftBackend, which this adapter does not drive yet")
-    if model.kv_dtype not in _SGLANG_KV_DTYPES:
+    if not model.kv.sglang:
+        expressed = sorted(name for name, kv in KV_DTYPES.items() if kv.sglang)
         raise UnexpressibleSglangCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
                                       f"(SGLang's FP4 caches take a KV quantization method and a dequant workspace; "
-                                      f"expressed: {', '.join(sorted(_SGLANG_KV_DTYPES))})")
+                                      f"expressed: {', '.join(expressed)})")
     if model.dim_vo != model.head_dim:
         raise UnexpressibleSglangCase(f"case {case.id}: head_dim_vo {model.dim_vo} != head_dim {model.head_dim}; "
                                       "SGLang's FlashInfer backend plans one head size")

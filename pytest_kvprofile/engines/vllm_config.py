@@ -54,7 +54,7 @@ def check_expressible(case: Case) -> None:
     refusal = _fp8_query_refusal(case) or _nvfp4_fa2_refusal(case)
     if refusal is not None:
         raise UnexpressibleCase(refusal)
-    if not model.kv.quantized and model.kv.torch not in _MODEL_TORCH_DTYPES:
+    if model.kv.model_torch not in _MODEL_TORCH_DTYPES:
         raise UnexpressibleCase(f"case {case.id}: KV dtype {model.kv_dtype!r} ({model.kv.torch}) is not expressed by "
                                 f"this adapter: its stand-in model is {' or '.join(_MODEL_TORCH_DTYPES)}, under any "
                                 "quantized cache of matrix/kv_dtypes.py")
@@ -206,8 +206,8 @@ def standin_model_registered() -> Iterator[None]:
 def model_dtype(case: Case) -> Literal["bfloat16", "float16"]:
     """The model's dtype: the KV dtype where the cache is unquantized, bf16 under a quantized cache."""
     kv = case.model.kv
-    # cast: KvDtype.torch is a str; check_expressible lets an unquantized cache through only in _MODEL_TORCH_DTYPES
-    return cast('Literal["bfloat16", "float16"]', kv.torch) if not kv.quantized else "bfloat16"
+    # cast: KvDtype.model_torch is a str; check_expressible lets a case through only where it is in _MODEL_TORCH_DTYPES
+    return cast('Literal["bfloat16", "float16"]', kv.model_torch)
 
 
 def cache_dtype(case: Case) -> str:

@@ -33,6 +33,13 @@ class KvDtype:
     quantized: bool = False
     trtllm_only_cc_majors: tuple[int, ...] = ()
     fa2_max_head_dim: int = 0
+    sglang: str = ""  # SGLang's --kv-cache-dtype for it ("" where the SGLang adapter expresses none)
+
+    @property
+    def model_torch(self) -> str:
+        """The model's torch dtype over this cache: the cache's own where it is unquantized (the cache is the model's
+        dtype), bfloat16 under a quantized one (a bf16 model, as --kv-cache-dtype puts it under one)."""
+        return "bfloat16" if self.quantized else self.torch
 
     def row_bytes(self, elements: int) -> int:
         """Bytes of one head's row of ``elements`` values, scales included."""
@@ -64,13 +71,13 @@ class KvDtype:
 
 
 KV_DTYPES: dict[str, KvDtype] = {d.name: d for d in (
-    KvDtype("bf16", 16, "auto", "bfloat16", 2),
-    KvDtype("auto", 16, "auto", "bfloat16", 2),  # the model's dtype; the matrices' models are bf16
-    KvDtype("fp16", 16, "auto", "float16", 2),
+    KvDtype("bf16", 16, "auto", "bfloat16", 2, sglang="auto"),
+    KvDtype("auto", 16, "auto", "bfloat16", 2, sglang="auto"),  # the model's dtype; the matrices' models are bf16
+    KvDtype("fp16", 16, "auto", "float16", 2, sglang="auto"),
     KvDtype("fp32", 32, "auto", "float32", 4),
-    KvDtype("fp8", 8, "fp8", "float8_e4m3fn", 1, quantized=True),  # vLLM's "fp8" is E4M3 on CUDA
-    KvDtype("fp8_e4m3", 8, "fp8_e4m3", "float8_e4m3fn", 1, quantized=True),
-    KvDtype("fp8_e5m2", 8, "fp8_e5m2", "float8_e5m2", 1, quantized=True),
+    KvDtype("fp8", 8, "fp8", "float8_e4m3fn", 1, quantized=True, sglang="fp8_e4m3"),  # vLLM's "fp8" is E4M3 on CUDA
+    KvDtype("fp8_e4m3", 8, "fp8_e4m3", "float8_e4m3fn", 1, quantized=True, sglang="fp8_e4m3"),
+    KvDtype("fp8_e5m2", 8, "fp8_e5m2", "float8_e5m2", 1, quantized=True, sglang="fp8_e5m2"),
     # NVFP4: E2M1 values, one E4M3 scale per 16 of a row. vLLM 0.33 plans it on FA2 as packed uint8 (FlashInfer's
     # DTypeKV) on SM8x/9x/12x, on trtllm-gen only on SM10x (its FlashInferBackend.supports_kv_cache_dtype)
     KvDtype("nvfp4", 4, "nvfp4", "uint8", 1, scale_block=16, scale_bytes=1, min_cc_major=8, quantized=True,
