@@ -50,3 +50,16 @@ def test_route_probes_cover_prefill_and_decode():
     for p in probes:
         assert p.float_bytes > 0 and len(p.qo_lens) == len(p.kv_lens)
         assert p.layout().num_physical_pages <= 4096
+
+
+def test_the_gpu_tier_skips_a_layout_the_real_builders_refuse_by_name():
+    """An MLA case on the GPU tier is skipped with the builders' reason, not failed in their constructor."""
+    import pytest
+
+    from pytest_kvprofile.gpu_suite.test_gpu_tier import _skip_refused
+    from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+
+    mla = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.model.attention == "mla")
+    with pytest.raises(pytest.skip.Exception, match="MLA layouts run FlashInfer's MLA planner"):
+        _skip_refused(REAL_FLASHINFER_BACKENDS[0], mla)
+    _skip_refused(REAL_FLASHINFER_BACKENDS[0], CASE[0])  # a GQA case runs
