@@ -38,9 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -48,6 +45,7 @@ from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import Batch
 from pytest_kvprofile.engines.adapter import EngineAdapter, EngineBuildError, Patches, device_active, engine_backend
 from pytest_kvprofile.engines.batches import capture_sizes, pad_to_capture, runner_batch
+from pytest_kvprofile.engines.model_config import config_dir, decoder_config
 from pytest_kvprofile.engines.sglang_standins import (
     SGLANG_INSTALL_HINT,
     import_sglang_flashinfer,
@@ -98,28 +96,12 @@ def model_dtype(case: Case) -> str:
     return case.model.kv.model_torch
 
 
-def hf_config(case: Case) -> dict[str, SglangValue]:
+def hf_config(case: Case) -> dict[str, object]:
     """The ``config.json`` of a plain GQA decoder with the case's head layout, under the architecture its model name
     implies."""
-    model = case.model
     architecture, model_type = _architecture(case)
-    return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "hidden_size": model.hidden,
-        "intermediate_size": 4 * model.hidden,
-        "num_attention_heads": model.heads_q,
-        "num_key_value_heads": model.heads_kv,
-        "head_dim": model.head_dim,
-        "num_hidden_layers": model.num_layers,
-        "vocab_size": 32000,
-        "pad_token_id": None,  # an architecture's default may lie outside the stand-in vocabulary (GLM-4: 151329)
-        "max_position_embeddings": max(case.envelope.max_model_len, 4096),
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "torch_dtype": model_dtype(case),
-        "tie_word_embeddings": False,
-    }
+    # pad_token_id: an architecture's default may lie outside the stand-in vocabulary (GLM-4: 151329)
+    return decoder_config(case, architecture, model_type, pad_token_id=None)
 
 
 def hf_config_dir(case: Case, root: Path | None = None) -> Path:
@@ -127,15 +109,7 @@ def hf_config_dir(case: Case, root: Path | None = None) -> Path:
     cache; never a download)."""
     from pytest_kvprofile.attention.oracle_build import cache_root
 
-    text = json.dumps(hf_config(case), sort_keys=True, indent=1)
-    folder = (root or cache_root() / "sglang-hf-configs") / hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = folder / "config.json"
-    if not path.exists() or path.read_text() != text:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".config.json.{os.getpid()}"
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    return folder
+    return config_dir(hf_config(case), root or cache_root() / "sglang-hf-configs")
 
 
 def server_args_kwargs(case: Case, model_path: str) -> dict[str, SglangValue]:

@@ -11,12 +11,10 @@ need the CUDA flash-attention extension); the layers are stand-ins holding vLLM'
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, cast
 
+from pytest_kvprofile.engines.model_config import config_dir, decoder_config
 from pytest_kvprofile.matrix.cases import Case
 
 if TYPE_CHECKING:
@@ -107,25 +105,8 @@ def _nvfp4_fa2_refusal(case: Case) -> str | None:
 
 
 def hf_config(case: Case) -> dict[str, object]:
-    """The ``config.json`` of a plain GQA decoder with the case's head layout."""
-    model = case.model
-    return {
-        "architectures": [STANDIN_ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": model.hidden,
-        "intermediate_size": 4 * model.hidden,
-        "num_attention_heads": model.heads_q,
-        "num_key_value_heads": model.heads_kv,
-        "head_dim": model.head_dim,
-        "num_hidden_layers": model.num_layers,
-        "vocab_size": 32000,
-        "max_position_embeddings": max(case.envelope.max_model_len, 4096),
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "torch_dtype": model_dtype(case),
-        "tie_word_embeddings": False,
-        **_hybrid_keys(model),
-    }
+    """The ``config.json`` of a plain GQA decoder with the case's head layout (a hybrid model's GDN keys added)."""
+    return decoder_config(case, STANDIN_ARCHITECTURE, "llama", **_hybrid_keys(case.model))
 
 
 def _hybrid_keys(model: ModelSpec) -> dict[str, object]:
@@ -153,15 +134,7 @@ def _cache_root() -> Path:
 
 def hf_config_dir(case: Case, root: Path | None = None) -> Path:
     """A directory holding the case's ``config.json`` (written once per layout, atomically)."""
-    text = json.dumps(hf_config(case), sort_keys=True, indent=1)
-    folder = (root or _cache_root()) / hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = folder / "config.json"
-    if not path.exists() or path.read_text() != text:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".config.json.{os.getpid()}"
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    return folder
+    return config_dir(hf_config(case), root or _cache_root())
 
 
 def _standin_model_cls() -> type:
