@@ -68,18 +68,21 @@ class PostKvCost:
         return head + (": " + "; ".join(parts) if parts else "")
 
 
+def post_kv_allocations(result: LifecycleResult) -> list[Allocation]:
+    """The parts' device allocations made after KV sizing and still held when serving ended: the post-KV cost."""
+    names = set(result.builder_names())
+    return [a for a in result.allocations
+            if a.owner in names and a.kind == "device" and a.phase in lc.POST_KV_PHASES
+            and (a.freed_phase is None or lc.PHASE_INDEX.get(a.freed_phase, 0) > lc.PHASE_INDEX[lc.SERVING])]
+
+
 def post_kv_cost(result: LifecycleResult) -> PostKvCost | None:
     """The record's post-KV cost, or None when the run never reached KV sizing."""
     budget = result.budget
     if budget is None:
         return None
-    names = set(result.builder_names())
     groups: dict[tuple[str, str], list[Allocation]] = {}
-    for a in result.allocations:
-        if a.owner not in names or a.kind != "device" or a.phase not in lc.POST_KV_PHASES:
-            continue
-        if a.freed_phase is not None and lc.PHASE_INDEX.get(a.freed_phase, 0) <= lc.PHASE_INDEX[lc.SERVING]:
-            continue
+    for a in post_kv_allocations(result):
         groups.setdefault((a.owner, _short(a.stack) if a.stack else f"ctx.allocate({a.tag!r})"), []).append(a)
     sources = sorted(
         (CostSource(owner, source, tuple(sorted({a.tag for a in allocs})), len(allocs), sum(a.nbytes for a in allocs))

@@ -104,6 +104,8 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.engines.vllm_workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",
     "pytest_kvprofile.engines.sglang_flashinfer": "SGLang is imported by make_builders and refuses_layout only, never "
                                                   "at plugin import",
+    "pytest_kvprofile.engines.sglang_memory": "SGLang's default mem_fraction_static, resolved by SGLang when a row "
+                                              "is made (scripts/sglang_table.py), never at plugin import",
     "pytest_kvprofile.engines.sglang_standins": "the CPU stand-ins patch SGLang and torch only for an SGLang backend's "
                                                 "run",
     "pytest_kvprofile.gpu.cuda_device": "the GPU tier only: the CPU tier and plugin import never load CUDA",

@@ -1,0 +1,142 @@
+"""SGLang's memory model next to what its FlashInfer backend really makes: one row per case of the static path.
+
+Why: SGLang makes no profile run. It sizes the KV pool from ``mem_fraction_static`` (weights + KV pool over GPU
+memory) and leaves the rest, ``1 - mem_fraction_static`` of the GPU, for what comes after: activations, CUDA graphs
+and every buffer the attention backend makes (the backend is made after the KV pools). Its default fraction is a
+heuristic (``arg_groups/memory_hook.py``: 512 MiB of "constant meta data (e.g., from attention backend)" plus 1.5 MiB
+per activation token, TP slack and a graph reserve, floored at 10 GiB on GPUs above 60 GiB). A row says what the
+backend made after KV sizing (by SGLang's and FlashInfer's source lines, from the lifecycle's record), what of it is
+workspace beyond FlashInfer's exact need for the case (``sizing.for_case``), what ``mem_fraction_static`` must leave
+for it, and whether SGLang's own default covers it: its attention share (the 512 MiB constant) and its whole reserve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pytest_kvprofile.checks.post_kv_cost import post_kv_allocations, post_kv_cost
+from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.lifecycle.record import LifecycleResult
+from pytest_kvprofile.matrix.cases import Case
+from pytest_kvprofile.memory.budget import tokens_for
+from pytest_kvprofile.units import MiB
+
+__all__ = ["SGLANG_ATTENTION_RESERVE", "SglangCostRow", "cost_row", "default_mem_fraction", "sglang_table"]
+
+# The constant of SGLang's default reserve that its comment gives to "meta data (e.g., from attention backend)"
+SGLANG_ATTENTION_RESERVE = 512 * MiB
+
+
+@dataclass(frozen=True)
+class SglangCostRow:
+    """One case on SGLang's static path (bytes per rank; KV tokens at the case's bytes per token)."""
+
+    case: str
+    gpu_bytes: int
+    backend_bytes: int  # what SGLang's backend made after KV sizing and kept (its own owner only)
+    backend_kv_tokens: int
+    float_workspace_bytes: int  # SGLang's shared float workspace
+    int_workspace_bytes: int  # the wrappers' int workspaces, all of them
+    int_workspaces: int
+    float_need_bytes: int  # FlashInfer's exact float need for the case's routes (sizing.for_case)
+    int_need_bytes: int  # and per wrapper
+    waste_bytes: int  # workspace beyond the exact need: the float workspace's and every int workspace's excess
+    waste_kv_tokens: int
+    default_fraction: float  # SGLang's default mem_fraction_static on this GPU for this case
+    default_reserve_bytes: int  # (1 - default_fraction) x GPU memory: what the default leaves after the KV pool
+    top_sources: tuple[tuple[str, int], ...]  # (source line, bytes), largest first
+
+    @property
+    def must_leave_fraction(self) -> float:
+        """The share of GPU memory ``mem_fraction_static`` must leave for the backend alone."""
+        return self.backend_bytes / self.gpu_bytes
+
+    @property
+    def attention_share_covers(self) -> bool:
+        return self.backend_bytes <= SGLANG_ATTENTION_RESERVE
+
+    @property
+    def reserve_covers(self) -> bool:
+        return self.backend_bytes <= self.default_reserve_bytes
+
+
+def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float) -> SglangCostRow | None:
+    """The row of one lifecycle record of SGLang's backend (None when the run never reached KV sizing)."""
+    from pytest_kvprofile.sizing.case import for_case
+
+    cost = post_kv_cost(result)
+    if cost is None or result.budget is None:
+        return None
+    case, per_token = result.case, result.budget.kv_bytes_per_token
+    own = [s for s in cost.sources if s.owner == backend_name]
+    backend = sum(s.nbytes for s in own)
+    kept = [a for a in post_kv_allocations(result) if a.owner == backend_name]
+    floats = sum(a.nbytes for a in kept if a.role is Role.FLOAT_WORKSPACE)  # SGLang's get_buffer("flashinfer_...")
+    ints = [a for a in kept if a.role is Role.INT_WORKSPACE]  # each wrapper's own
+    int_bytes, int_count = sum(a.nbytes for a in ints), len(ints)
+    need = for_case(case)
+    waste = max(0, floats - need.float_bytes) + max(0, int_bytes - int_count * need.int_bytes)
+    gpu = case.gpu.memory_bytes
+    return SglangCostRow(
+        case.id, gpu, backend, tokens_for(backend, per_token), floats, int_bytes, int_count, need.float_bytes,
+        need.int_bytes, waste, tokens_for(waste, per_token), default_fraction, int(gpu * (1 - default_fraction)),
+        tuple((s.source, s.nbytes) for s in own[:3]))
+
+
+@contextlib.contextmanager
+def _gpu_memory(case: Case) -> Iterator[None]:
+    """SGLang asks the device for its memory (``get_device_memory_capacity``, in MiB); the case's GPU answers."""
+    import sglang.srt.arg_groups.memory_hook as hook
+
+    from pytest_kvprofile.engines.adapter import Patches
+
+    patches = Patches()
+    patches.set(hook, "get_device_memory_capacity", lambda device=None: case.gpu.memory_bytes / MiB)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+def default_mem_fraction(case: Case) -> float:
+    """SGLang's own default ``mem_fraction_static`` for the case's rank (its heuristic, resolved by SGLang's
+    pipeline from the case's ``ServerArgs`` without one, on the case's GPU memory)."""
+    from pytest_kvprofile.engines.sglang_flashinfer import hf_config_dir, server_args_kwargs
+    from pytest_kvprofile.engines.sglang_standins import sglang_standins
+
+    with sglang_standins(case.gpu), _gpu_memory(case):
+        from sglang.srt import runtime_context
+        from sglang.srt.server_args import ServerArgs
+
+        kwargs = server_args_kwargs(case, str(hf_config_dir(case)))
+        kwargs["mem_fraction_static"] = None
+        context = runtime_context.create_context(ServerArgs(**kwargs), role="scheduler")
+        with runtime_context.use_context(context):
+            return float(runtime_context.get_schedule().mem_fraction_static)
+
+
+def sglang_table(rows: list[SglangCostRow], refused: dict[str, str]) -> list[str]:
+    """The Markdown table of docs/sglang-results.md: one line per row, then the refused cases with their reason."""
+    out = [
+        "| case | after KV sizing, per rank | of it: float / int workspaces | waste vs exact need | "
+        "`mem_fraction_static` must leave | SGLang's default (reserve) | "
+        "attention share (512 MiB) covers | default reserve covers |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_int = r.int_workspace_bytes / MiB / max(1, r.int_workspaces)
+        need = f"need {r.float_need_bytes / MiB:.1f} + {r.int_workspaces} x {r.int_need_bytes / MiB:.2f} MiB"
+        out.append(
+            f"| {r.case} | {r.backend_bytes / MiB:.1f} MiB ({r.backend_kv_tokens} KV tokens) | "
+            f"{r.float_workspace_bytes / MiB:.0f} MiB / {r.int_workspaces} x {per_int:.0f} MiB | "
+            f"{r.waste_bytes / MiB:.1f} MiB ({r.waste_kv_tokens} KV tokens; {need}) | "
+            f"{r.must_leave_fraction:.3f} of {r.gpu_bytes / MiB / 1024:.1f} GiB | "
+            f"{r.default_fraction:.3f} ({r.default_reserve_bytes / MiB:.0f} MiB) | "
+            f"{'yes' if r.attention_share_covers else 'no'} | {'yes' if r.reserve_covers else 'no'} |")
+    if refused:
+        out += ["", "Refused by name (not run):", ""]
+        out += [f"- {case}: {reason.removeprefix(f'case {case}: ')}" for case, reason in refused.items()]
+    return out
+
