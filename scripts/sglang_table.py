@@ -39,7 +39,6 @@ def read_rows(path: Path) -> tuple[dict, dict]:
         if "refused" in raw:
             refused[raw["case"]] = raw["refused"]
         else:
-            raw["top_sources"] = tuple(tuple(s) for s in raw["top_sources"])
             rows[raw["case"]] = SglangCostRow(**raw)
     return rows, refused
 

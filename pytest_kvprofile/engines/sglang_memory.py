@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pytest_kvprofile.checks.post_kv_cost import post_kv_allocations, post_kv_cost
+from pytest_kvprofile.checks.post_kv_cost import post_kv_allocations
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
@@ -46,7 +46,6 @@ class SglangCostRow:
     waste_kv_tokens: int
     default_fraction: float  # SGLang's default mem_fraction_static on this GPU for this case
     default_reserve_bytes: int  # (1 - default_fraction) x GPU memory: what the default leaves after the KV pool
-    top_sources: tuple[tuple[str, int], ...]  # (source line, bytes), largest first
 
     @property
     def must_leave_fraction(self) -> float:
@@ -66,13 +65,11 @@ def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float
     """The row of one lifecycle record of SGLang's backend (None when the run never reached KV sizing)."""
     from pytest_kvprofile.sizing.case import for_case
 
-    cost = post_kv_cost(result)
-    if cost is None or result.budget is None:
+    if result.budget is None:
         return None
     case, per_token = result.case, result.budget.kv_bytes_per_token
-    own = [s for s in cost.sources if s.owner == backend_name]
-    backend = sum(s.nbytes for s in own)
-    kept = [a for a in post_kv_allocations(result) if a.owner == backend_name]
+    kept = [a for a in post_kv_allocations(result) if a.owner == backend_name]  # the post-KV cost's own allocations
+    backend = sum(a.nbytes for a in kept)
     floats = sum(a.nbytes for a in kept if a.role is Role.FLOAT_WORKSPACE)  # SGLang's get_buffer("flashinfer_...")
     ints = [a for a in kept if a.role is Role.INT_WORKSPACE]  # each wrapper's own
     int_bytes, int_count = sum(a.nbytes for a in ints), len(ints)
@@ -81,8 +78,7 @@ def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float
     gpu = case.gpu.memory_bytes
     return SglangCostRow(
         case.id, gpu, backend, tokens_for(backend, per_token), floats, int_bytes, int_count, need.float_bytes,
-        need.int_bytes, waste, tokens_for(waste, per_token), default_fraction, int(gpu * (1 - default_fraction)),
-        tuple((s.source, s.nbytes) for s in own[:3]))
+        need.int_bytes, waste, tokens_for(waste, per_token), default_fraction, int(gpu * (1 - default_fraction)))
 
 
 @contextlib.contextmanager

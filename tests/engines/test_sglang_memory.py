@@ -27,8 +27,7 @@ GLM_B200 = CASES["glm-4-9b-32q2kv-tp1-dcp1-mtp0-b200-gmu0.90"]
 def _row(backend: int, fraction: float = 0.695) -> SglangCostRow:
     gpu = QWEN_L40S.gpu.memory_bytes
     return SglangCostRow(QWEN_L40S.id, gpu, backend, 4669, 512 * MiB, 13 * 8 * MiB, 13, 124 * MiB, 64 << 10,
-                         (512 - 124) * MiB + 13 * (8 * MiB - (64 << 10)), 3490, fraction, int(gpu * (1 - fraction)),
-                         (("sglang/srt/layers/attention/flashinfer_backend.py:459 in <lambda>", 512 * MiB),))
+                         (512 - 124) * MiB + 13 * (8 * MiB - (64 << 10)), 3490, fraction, int(gpu * (1 - fraction)))
 
 
 def test_a_row_says_what_the_default_covers():
@@ -84,6 +83,7 @@ def test_sglangs_default_fraction_is_its_heuristic_on_the_cases_gpu(sglang):
 
 
 def test_a_row_from_a_run_reads_the_backends_workspaces_by_role(sglang):
+    from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
     from pytest_kvprofile.engines.sglang_flashinfer import BACKEND_NAME, SGLANG_BACKENDS
     from pytest_kvprofile.engines.sglang_memory import cost_row
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
@@ -92,9 +92,11 @@ def test_a_row_from_a_run_reads_the_backends_workspaces_by_role(sglang):
     result = run_lifecycle(SGLANG_BACKENDS[0], QWEN_L40S)
     try:
         row = cost_row(result, BACKEND_NAME, 0.695)
+        cost = post_kv_cost(result)
     finally:
         close_parts(result)
     assert row is not None and row.float_workspace_bytes == 512 * MiB  # a Qwen3 architecture's workspace
+    assert cost is not None and row.backend_bytes == sum(s.nbytes for s in cost.sources if s.owner == BACKEND_NAME)
     captures = len(QWEN_L40S.envelope.decode_captures(QWEN_L40S.mtp))
     assert row.int_workspaces == 4 + captures and row.int_workspace_bytes == row.int_workspaces * 8 * MiB
     assert row.float_need_bytes == for_case(QWEN_L40S).float_bytes < row.float_workspace_bytes
