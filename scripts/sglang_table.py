@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""The table of docs/sglang-results.md: per case of a matrix, what SGLang's own FlashInferAttnBackend makes after KV
-sizing on SGLang's static path, its waste against FlashInfer's exact need, what ``mem_fraction_static`` must leave for
-it, and whether SGLang's default heuristic covers it (``pytest_kvprofile.engines.sglang_memory``).
+"""The tables of docs/sglang-results.md: per case of a matrix, SGLang's own FlashInferAttnBackend on both of SGLang's
+paths (``pytest_kvprofile.engines.sglang_memory``). The static path: what it makes after KV sizing, its waste against
+FlashInfer's exact need, what ``mem_fraction_static`` must leave for it, whether SGLang's default heuristic covers it.
+The post-capture path (``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1``): the contract's checks at SGLang's sizing point,
+what is made after it, the waste, the serving headroom used and whether SGLang's post-capture default leaves it.
 
     scripts/install_sglang_cpu.sh .venv
     .venv/bin/python scripts/sglang_table.py --matrix matrices/ci.yaml --json /tmp/sglang.jsonl --out /tmp/sglang.md
 
-Each case runs ``run_lifecycle`` once, one after another in this process. With ``--json FILE`` every row (or refusal)
-is appended to FILE as it finishes (with ``seconds``), and a run given a FILE that already holds rows resumes: the
-cases found there are not run again, so a run killed part-way is finished by running the same command.
+Each case runs ``run_lifecycle`` once per path, one after another in this process. With ``--json FILE`` every row (or
+refusal) is appended to FILE as it finishes (with ``seconds``), and a run given a FILE that already holds rows
+resumes: the rows found there are not run again, so a run killed part-way is finished by running the same command.
 """
 
 from __future__ import annotations
@@ -24,23 +26,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def read_rows(path: Path) -> tuple[dict, dict]:
-    """The rows and refusals of a ``--json`` file, by case; a later line wins, a line cut short is ignored."""
-    from pytest_kvprofile.engines.sglang_memory import SglangCostRow
+def read_rows(path: Path) -> tuple[dict, dict, dict]:
+    """The static rows, refusals and post-capture rows of a ``--json`` file, by case; a later line wins, a line cut
+    short is ignored (a line without ``path`` is a static one: journals of the first release)."""
+    from pytest_kvprofile.engines.sglang_memory import PostCaptureRow, SglangCostRow
 
     rows: dict = {}
     refused: dict = {}
+    post: dict = {}
     for line in path.read_text().splitlines():
         try:
             raw = json.loads(line)
         except json.JSONDecodeError:
             continue
         raw.pop("seconds", None)
+        kind = raw.pop("path", "static")
         if "refused" in raw:
             refused[raw["case"]] = raw["refused"]
+        elif kind == "post_capture":
+            post[raw["case"]] = PostCaptureRow(**dict(raw, failed=tuple(raw.get("failed", ()))))
         else:
             rows[raw["case"]] = SglangCostRow(**raw)
-    return rows, refused
+    return rows, refused, post
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,13 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", default=None, help="render the table from such a file; run nothing")
     args = parser.parse_args(argv)
 
-    from pytest_kvprofile.engines.sglang_memory import sglang_table
+    from pytest_kvprofile.engines.sglang_memory import post_capture_table, sglang_table
 
     if args.from_json:
-        rows, refused = read_rows(Path(args.from_json))
+        rows, refused, post = read_rows(Path(args.from_json))
     else:
-        rows, refused = run(args.matrix, Path(args.json) if args.json else None)
-    text = "\n".join(sglang_table(list(rows.values()), refused)) + "\n"
+        rows, refused, post = run(args.matrix, Path(args.json) if args.json else None)
+    lines = [*sglang_table(list(rows.values()), refused), "", "Post-capture path:", "",
+             *post_capture_table(list(post.values()))]
+    text = "\n".join(lines) + "\n"
     if args.out == "-":
         sys.stdout.write(text)
     else:
@@ -66,30 +75,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(matrix: str, journal: Path | None) -> tuple[dict, dict]:
+def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
     from pytest_kvprofile.engines.sglang_flashinfer import BACKEND_NAME, SGLANG_BACKENDS, engine_refusal
-    from pytest_kvprofile.engines.sglang_memory import cost_row, default_mem_fraction
+    from pytest_kvprofile.engines.sglang_memory import cost_row, default_mem_fraction, post_capture_row
+    from pytest_kvprofile.engines.sglang_post_capture import SGLANG_POST_CAPTURE_BACKENDS
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
     from pytest_kvprofile.matrix.schema import load_matrix
 
-    done_rows, done_refused = read_rows(journal) if journal and journal.exists() else ({}, {})
+    done = read_rows(journal) if journal and journal.exists() else ({}, {}, {})
     if journal and journal.exists() and not journal.read_text().endswith("\n"):
         with open(journal, "a") as out:  # a line cut short: the next row starts afresh
             out.write("\n")
     rows: dict = {}
     refused: dict = {}
+    post: dict = {}
     started = time.monotonic()
+
+    def record(entry: dict, since: float) -> None:
+        if journal:
+            with open(journal, "a") as out:
+                out.write(json.dumps(dict(entry, seconds=round(time.monotonic() - since, 2))) + "\n")
+
     for case in load_matrix(matrix).cases:
-        if case.id in done_rows or case.id in done_refused:
-            rows.update({case.id: done_rows[case.id]} if case.id in done_rows else {})
-            refused.update({case.id: done_refused[case.id]} if case.id in done_refused else {})
+        if case.id in done[1]:
+            refused[case.id] = done[1][case.id]
             continue
         case_started = time.monotonic()
         reason = case.skip_reason or engine_refusal(case)
-        record: dict
         if reason is not None:
             refused[case.id] = reason
-            record = {"case": case.id, "refused": reason}
+            record({"case": case.id, "refused": reason}, case_started)
+            continue
+        if case.id in done[0]:
+            rows[case.id] = done[0][case.id]
         else:
             result = run_lifecycle(SGLANG_BACKENDS[0], case)  # an OOM once its memory is there is part of the row
             row = cost_row(result, BACKEND_NAME, default_mem_fraction(case))
@@ -99,13 +117,21 @@ def run(matrix: str, journal: Path | None) -> tuple[dict, dict]:
             if row is None:
                 raise SystemExit(f"{case.id}: the run never reached KV sizing")
             rows[case.id] = row
-            record = dataclasses.asdict(row)
-            print(f"{case.id}: {time.monotonic() - case_started:.1f} s, {time.monotonic() - started:.0f} s in all",
-                  file=sys.stderr, flush=True)
-        if journal:
-            with open(journal, "a") as out:
-                out.write(json.dumps(dict(record, seconds=round(time.monotonic() - case_started, 2))) + "\n")
-    return rows, refused
+            record(dict(dataclasses.asdict(row), path="static"), case_started)
+        if case.id in done[2]:
+            post[case.id] = done[2][case.id]
+        else:
+            path_started = time.monotonic()
+            result = run_lifecycle(SGLANG_POST_CAPTURE_BACKENDS[0], case)
+            post_row = post_capture_row(result, default_mem_fraction(case, post_capture=True))
+            close_parts(result)
+            del result
+            gc.collect()
+            post[case.id] = post_row
+            record(dict(dataclasses.asdict(post_row), path="post_capture"), path_started)
+        print(f"{case.id}: {time.monotonic() - case_started:.1f} s, {time.monotonic() - started:.0f} s in all",
+              file=sys.stderr, flush=True)
+    return rows, refused, post
 
 
 if __name__ == "__main__":

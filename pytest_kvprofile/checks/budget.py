@@ -28,7 +28,7 @@ def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> 
         tokens = tokens_for(max(overrun, 0), budget.kv_bytes_per_token)
         head = (
             f"after KV sizing the device peaked at {result.post_kv_peak_used / MiB:.1f} MiB, "
-            f"{bytes_text(max(overrun, 0))} over total x gmu = {budget.limit / MiB:.1f} MiB"
+            f"{bytes_text(max(overrun, 0))} over {budget.limit_text}"
         )
         if oom:
             head += f"; out of memory: {oom[0].message}"

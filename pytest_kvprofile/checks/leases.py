@@ -10,6 +10,7 @@ import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import BOTH, Check, CheckOptions
 from pytest_kvprofile.checks.evidence import (
     alive_at,
+    alive_at_end,
     grouped,
     live_device_bytes,
 )
@@ -19,30 +20,35 @@ from pytest_kvprofile.units import bytes_text
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.lifecycle.phases import Phase
     from pytest_kvprofile.matrix.cases import Case
 
 
 def check_persistent_memory_visible_at_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
-    """Every builder byte alive after KV sizing was already held at the closing measurement."""
+    """Every builder byte alive after KV sizing was already held at the closing measurement.
+
+    Under an engine that serves from a headroom (``post_capture`` KV sizing: SGLang), a step's own tensors come out
+    of that headroom: what a source line made after KV sizing is step memory when the line also made memory that was
+    freed again (a wrapper keeps its last plan's indices until its next plan), and only the rest is persistent."""
     out = []
-    by_id = {a.id: a for a in result.allocations}
     for owner in result.builder_names():
         held = live_device_bytes(result, owner, lc.CLOSING)
         for phase in lc.POST_KV_PHASES:
             if result.phase(phase) is None:
                 continue
             live = live_device_bytes(result, owner, phase)
+            if live <= held:
+                continue
+            late, step = made_after_closing(result, owner, phase)
+            live -= sum(a.nbytes for a in step)
             if live > held:
-                late = [
-                    by_id[a.id] for a in result.allocations
-                    if a.owner == owner and a.kind == "device"
-                    and lc.PHASE_INDEX[lc.CLOSING] < lc.PHASE_INDEX.get(a.phase, -1) <= lc.PHASE_INDEX[phase]
-                    and (a.freed_phase is None or lc.PHASE_ORDER.index(a.freed_phase) > lc.PHASE_ORDER.index(phase))
-                ]
                 new, remade = _unmatched(result, owner, late)
                 made = grouped(result, new) or "nothing new: the memory is re-used from earlier phases"
                 context = (f". Context, made again after KV sizing at the same bytes and source line as memory the "
                            f"closing measurement saw: {grouped(result, remade)}" if remade else "")
+                if step:
+                    context += (f". Not counted, step memory from the serving headroom (lines that also freed what "
+                                f"they made after KV sizing): {grouped(result, step)}")
                 out.append(
                     f"persistent_memory_visible_at_closing: case {result.case.id}: builder {owner!r}: "
                     f"{bytes_text(live - held)} invisible to KV sizing (held {bytes_text(held)} at the closing "
@@ -51,6 +57,24 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
                 )
                 break
     return out
+
+
+def made_after_closing(result: LifecycleResult, owner: str,
+                       phase: Phase) -> tuple[list[Allocation], list[Allocation]]:
+    """``owner``'s device memory made after the closing measurement and alive at the end of ``phase``: what is
+    persistent, and (under ``post_capture`` KV sizing only) step memory from the serving headroom: what a source line
+    made that also made memory it freed again before the run ended."""
+    late = [a for a in result.allocations
+            if a.owner == owner and a.kind == "device"
+            and lc.PHASE_INDEX[lc.CLOSING] < lc.PHASE_INDEX.get(a.phase, -1) <= lc.PHASE_INDEX[phase]
+            and (a.freed_phase is None or lc.PHASE_INDEX[a.freed_phase] > lc.PHASE_INDEX[phase])]
+    if result.budget is None or result.budget.rule != "post_capture":
+        return late, []
+    steps = {own_frame(a.stack or a.tag) for a in result.allocations
+             if a.owner == owner and a.kind == "device" and a.phase in lc.POST_KV_PHASES and not alive_at_end(a)}
+    step = [a for a in late if own_frame(a.stack or a.tag) in steps]
+    stepped = {a.id for a in step}
+    return [a for a in late if a.id not in stepped], step
 
 
 def _unmatched(result: LifecycleResult, owner: str,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, Sequence
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.protocol import Builder
@@ -18,6 +18,16 @@ if TYPE_CHECKING:
     from pytest_kvprofile.matrix.cases import Case
 
 REQUIRED_BUILDER_ATTRS = ("name",)
+
+KvSizingRule = Literal["profile", "post_capture"]
+"""How an engine's memory budget reads ``gmu``, which the closing measurement sizes KV from.
+
+Both size KV as ``total x gmu - non_kv - graph estimate``. ``profile`` (vLLM's ``gpu_memory_utilization``):
+``total x gmu`` caps the engine, nothing after KV sizing may exceed it. ``post_capture`` (SGLang's
+``mem_fraction_static`` under ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING``, measured after the decode and breakable
+prefill graphs are captured, which the window's peak stands for): ``total x gmu`` is the static share and the rest
+of the device, ``total x (1 - gmu)``, the headroom serving steps take their own tensors from, so nothing after KV
+sizing may exceed the device."""
 
 
 class BackendError(ValueError):
@@ -37,8 +47,10 @@ class EnginePolicy:
     ``WorkspaceManager``, ``engines/vllm_workspace.py``; set by ``--kvprofile-workspace-manager``), and
     ``manager_factory`` what makes it for a run (``(run, device, num_ubatches) -> manager``; None: the engine's
     own), set with the name by ``registry.with_workspace_manager`` so the engine imports no adapter.
-    ``gate(case)``: the engine's own reason to keep a case on the legacy path even when every builder opts in
-    (vLLM's runner: speculative decoding, elastic EP), or None; None (the default) gates nothing.
+    ``kv_sizing``: how the engine's budget reads gmu (``KvSizingRule``: vLLM's cap, or SGLang's post-capture
+    static share with the rest of the device as serving headroom). ``gate(case)``: the engine's own reason to keep
+    a case on the legacy path even when every builder opts in (vLLM's runner: speculative decoding, elastic EP), or
+    None; None (the default) gates nothing.
     """
 
     warmup_in_window: bool | None = None
@@ -48,6 +60,7 @@ class EnginePolicy:
     workspace_manager: str = "harness"
     manager_factory: Callable[..., ArenaManager] | None = None
     gate: Callable[[Case], str | None] | None = None
+    kv_sizing: KvSizingRule = "profile"
 
 
 def engine_gate(policy: EnginePolicy, case: Case) -> str | None:

@@ -23,7 +23,8 @@ from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import tokens_for
 from pytest_kvprofile.units import MiB
 
-__all__ = ["SGLANG_ATTENTION_RESERVE", "SglangCostRow", "cost_row", "default_mem_fraction", "sglang_table"]
+__all__ = ["SGLANG_ATTENTION_RESERVE", "PostCaptureRow", "SglangCostRow", "cost_row", "default_mem_fraction",
+           "post_capture_row", "post_capture_table", "sglang_table"]
 
 # The constant of SGLang's default reserve that its comment gives to "meta data (e.g., from attention backend)"
 SGLANG_ATTENTION_RESERVE = 512 * MiB
@@ -81,6 +82,55 @@ def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float
         need.int_bytes, waste, tokens_for(waste, per_token), default_fraction, int(gpu * (1 - default_fraction)))
 
 
+@dataclass(frozen=True)
+class PostCaptureRow:
+    """One case on SGLang's post-capture KV sizing path (``sglang-flashinfer-post-capture``; bytes per rank).
+
+    ``static_reason``: SGLang's own reason it sizes this case statically instead (then the row is that reason
+    only). ``failed``: the contract's checks the run fails. ``late_bytes``: what the backend made after the sizing
+    point and still held after serving, its step memory aside (``checks.leases.made_after_closing``).
+    ``headroom_bytes``: how far the device's peak after KV sizing rose above the static share
+    (``total x mem_fraction_static``): what the serving headroom must hold."""
+
+    case: str
+    gpu_bytes: int
+    static_reason: str | None = None
+    failed: tuple[str, ...] = ()
+    late_bytes: int = 0
+    waste_bytes: int = 0
+    waste_kv_tokens: int = 0
+    headroom_bytes: int = 0
+    default_fraction: float = 0.0  # SGLang's default mem_fraction_static with post-capture sizing planned
+
+    @property
+    def default_headroom_bytes(self) -> int:
+        return int(self.gpu_bytes * (1 - self.default_fraction))
+
+    @property
+    def default_covers(self) -> bool:
+        return self.headroom_bytes <= self.default_headroom_bytes
+
+
+def post_capture_row(result: LifecycleResult, default_fraction: float) -> PostCaptureRow:
+    """The row of one lifecycle record of the post-capture backend."""
+    from pytest_kvprofile.checks.catalog import failing_checks
+    from pytest_kvprofile.checks.leases import made_after_closing
+    from pytest_kvprofile.checks.workspace import case_waste
+    from pytest_kvprofile.lifecycle.phases import SERVING
+
+    case, gpu = result.case, result.case.gpu.memory_bytes
+    resolution = result.resolution
+    if resolution is not None and resolution.engine_gate is not None:
+        return PostCaptureRow(case.id, gpu, static_reason=resolution.engine_gate)
+    late = sum(a.nbytes for a in made_after_closing(result, result.builder_names()[0], SERVING)[0])
+    waste = case_waste(result)
+    budget = result.budget
+    headroom = max(0, result.post_kv_peak_used - int(budget.total * budget.gmu)) if budget is not None else 0
+    return PostCaptureRow(
+        case.id, gpu, None, tuple(sorted(failing_checks(result))), late, waste.nbytes if waste else 0,
+        waste.kv_tokens if waste else 0, headroom, default_fraction)
+
+
 @contextlib.contextmanager
 def _gpu_memory(case: Case) -> Iterator[None]:
     """SGLang asks the device for its memory (``get_device_memory_capacity``, in MiB); the case's GPU answers."""
@@ -96,13 +146,16 @@ def _gpu_memory(case: Case) -> Iterator[None]:
         patches.undo()
 
 
-def default_mem_fraction(case: Case) -> float:
+def default_mem_fraction(case: Case, *, post_capture: bool = False) -> float:
     """SGLang's own default ``mem_fraction_static`` for the case's rank (its heuristic, resolved by SGLang's
-    pipeline from the case's ``ServerArgs`` without one, on the case's GPU memory)."""
+    pipeline from the case's ``ServerArgs`` without one, on the case's GPU memory); with ``post_capture``, as
+    ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` resolves it (no activation or graph reserve where it applies)."""
     from pytest_kvprofile.engines.sglang_flashinfer import hf_config_dir, server_args_kwargs
+    from pytest_kvprofile.engines.sglang_post_capture import post_capture_scope
     from pytest_kvprofile.engines.sglang_standins import sglang_standins
 
-    with sglang_standins(case.gpu), _gpu_memory(case):
+    opt_in = post_capture_scope() if post_capture else contextlib.nullcontext()
+    with sglang_standins(case.gpu), _gpu_memory(case), opt_in:
         from sglang.srt import runtime_context
         from sglang.srt.server_args import ServerArgs
 
@@ -136,3 +189,24 @@ def sglang_table(rows: list[SglangCostRow], refused: dict[str, str]) -> list[str
         out += [f"- {case}: {reason.removeprefix(f'case {case}: ')}" for case, reason in refused.items()]
     return out
 
+
+
+def post_capture_table(rows: list[PostCaptureRow]) -> list[str]:
+    """The post-capture table of docs/sglang-results.md: one line per case, SGLang's static reason where it has one."""
+    out = [
+        "| case | contract's checks | made after the sizing point and kept | waste vs exact need | "
+        "serving headroom used | SGLang's post-capture default (headroom) | default headroom covers |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.static_reason is not None:
+            why = r.static_reason.split(" statically: ", 1)[-1].split(";", 1)[0]
+            out.append(f"| {r.case} | sized statically: {why} | - | - | - | - | - |")
+            continue
+        verdict = "all pass" if not r.failed else "fails " + ", ".join(r.failed)
+        out.append(
+            f"| {r.case} | {verdict} | {r.late_bytes / MiB:.2f} MiB | "
+            f"{r.waste_bytes / MiB:.1f} MiB ({r.waste_kv_tokens} KV tokens) | {r.headroom_bytes / MiB:.1f} MiB | "
+            f"{r.default_fraction:.3f} ({r.default_headroom_bytes / MiB:.0f} MiB) | "
+            f"{'yes' if r.default_covers else 'no'} |")
+    return out

@@ -301,11 +301,28 @@ def platform_facts(gpu: GpuSpec | None) -> dict[str, SglangValue]:
 
 @contextlib.contextmanager
 def sglang_platform(gpu: GpuSpec | None) -> Iterator[SglangValue]:
-    """SGLang's ``get_platform()`` answers ``gpu`` for the block (SGLang's own ``override_platform``); yields it."""
+    """SGLang's ``get_platform()`` answers ``gpu`` for the block (SGLang's own ``override_platform``); yields it.
+
+    SGLang's default prefill CUDA-graph backend is asked of ``is_cuda()`` instead (``default_prefill_backend``:
+    breakable on CUDA, disabled elsewhere), which this CPU machine answers False; for the block it answers as on
+    the case's GPU, so a ``ServerArgs`` resolves as it does there (its memory heuristic and its post-capture KV
+    sizing both read it)."""
+    import sglang.srt.model_executor.cuda_graph_config as graph_config
     from sglang.srt.runtime_context import override_platform
 
-    with override_platform(**platform_facts(gpu)) as platform:
-        yield platform
+    patches = Patches()
+    patches.set(graph_config, "default_prefill_backend", _cuda_default_prefill_backend)
+    try:
+        with override_platform(**platform_facts(gpu)) as platform:
+            yield platform
+    finally:
+        patches.undo()
+
+
+def _cuda_default_prefill_backend() -> str:
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    return str(Backend.BREAKABLE)
 
 
 @contextlib.contextmanager

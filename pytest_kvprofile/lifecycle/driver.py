@@ -475,7 +475,8 @@ class LifecycleRun:
         alloc = self._torch.memory_of(float_ws)
         builder = self.result.calls[-1].builder if self.result.calls else None
         self.result.plans.append(PlanRecord(self.device.phase, builder, route, alloc.id if alloc else None,
-                                            int(float_ws.numel()) * int(float_ws.element_size()), cuda_graph))
+                                            int(float_ws.numel()) * int(float_ws.element_size()), cuda_graph,
+                                            self._current_ubatch))
 
     def construct(self) -> list[Builder]:
         """The backend's parts for the case, made from a fresh view of process-wide state; raises what the
@@ -852,6 +853,7 @@ class LifecycleRun:
         else:
             estimate = self.result.graph_pool_high_water
         per_token = kv_bytes_per_token(case.model, case.tp, case.dcp)
+        rule = self.policy.kv_sizing
         available = available_kv_bytes(dev.total_memory, case.gmu, window.non_kv, estimate)
         persistent = window.consumed
         self.result.budget = Budget(
@@ -860,7 +862,7 @@ class LifecycleRun:
             persistent_reserved=persistent, peak_activation=window.transient_headroom, non_kv=window.non_kv,
             graph_pool_estimate=estimate, graph_pool_high_water=self.result.graph_pool_high_water,
             available_kv=available, kv_bytes_per_token=per_token, kv_tokens=available // per_token,
-            reservation_kv_tokens=tokens_for(persistent, per_token),
+            reservation_kv_tokens=tokens_for(persistent, per_token), rule=rule,
         )
         dev.empty_cache()
         dev.reset_peak_memory_stats()

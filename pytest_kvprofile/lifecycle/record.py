@@ -146,7 +146,8 @@ class PlanRecord:
     """One FlashInfer ``plan()`` seen in torch mode: the wrapper's route and the float workspace it planned into.
 
     ``alloc_id``: the ledger entry behind the float workspace tensor (the arena, or a buffer of the builder's own),
-    None when it is not simulated memory; ``nbytes``: the bytes of the tensor the planner was handed.
+    None when it is not simulated memory; ``nbytes``: the bytes of the tensor the planner was handed; ``ubatch``: the
+    micro-batch whose batch was being built (None outside a build: a reservation, a warmup).
     """
 
     phase: str
@@ -155,6 +156,7 @@ class PlanRecord:
     alloc_id: int | None
     nbytes: int
     cuda_graph: bool
+    ubatch: int | None = None
 
 
 @dataclass(frozen=True)

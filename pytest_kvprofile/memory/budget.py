@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from pytest_kvprofile.contract.backends import KvSizingRule
 from pytest_kvprofile.units import GiB, MiB
 
 KV_ALIGN = 2 * MiB  # the KV cache is carved in allocator-block multiples, so sizing never rounds up
@@ -63,10 +64,20 @@ class Budget:
     kv_bytes_per_token: int
     kv_tokens: int
     reservation_kv_tokens: int
+    rule: KvSizingRule = "profile"
 
     @property
     def limit(self) -> int:
-        return int(self.total * self.gmu)
+        """What the device may hold after KV sizing: ``total x gmu``, or the whole device where the engine keeps the
+        rest as serving headroom."""
+        return self.total if self.rule == "post_capture" else int(self.total * self.gmu)
+
+    @property
+    def limit_text(self) -> str:
+        if self.rule == "post_capture":
+            return (f"the device ({self.total / MiB:.1f} MiB: mem_fraction_static {self.gmu:.2f} static, the rest "
+                    "serving headroom)")
+        return f"total x gmu = {self.limit / MiB:.1f} MiB"
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -75,8 +86,11 @@ class Budget:
         def gib(n: int) -> str:
             return f"{n / GiB:.2f} GiB"
 
+        first = (f"total {gib(self.total)} x gmu {self.gmu:.2f} = {gib(self.limit)}" if self.rule == "profile" else
+                 f"total {gib(self.total)} x mem_fraction_static {self.gmu:.2f} = {gib(int(self.total * self.gmu))} "
+                 f"static, sized after capture; {gib(self.total - int(self.total * self.gmu))} serving headroom")
         return [
-            f"total {gib(self.total)} x gmu {self.gmu:.2f} = {gib(self.limit)}",
+            first,
             f"weights {gib(self.weights)}, peak activation {gib(self.peak_activation)}, "
             f"non-torch {gib(self.nontorch)}, persistent workspace {self.persistent_workspace / MiB:.1f} MiB "
             f"({self.persistent_reserved / MiB:.1f} MiB reserved)",

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from pytest_kvprofile.engines import sglang_standins as ss
-from pytest_kvprofile.engines.sglang_memory import SGLANG_ATTENTION_RESERVE, SglangCostRow, sglang_table
+from pytest_kvprofile.engines.sglang_memory import (
+    SGLANG_ATTENTION_RESERVE,
+    PostCaptureRow,
+    SglangCostRow,
+    post_capture_table,
+    sglang_table,
+)
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.units import GiB, MiB
 
@@ -51,14 +57,34 @@ def test_the_script_resumes_from_its_journal_and_renders_without_running(tmp_pat
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     journal = tmp_path / "rows.jsonl"
-    row = dataclasses.asdict(_row(656 * MiB))
-    journal.write_text(json.dumps(dict(row, seconds=1.0)) + "\n" + json.dumps({"case": "m", "refused": "why"})
-                       + "\n" + '{"case": "cut sh')  # a run killed part-way leaves a line cut short
-    rows, refused = script.read_rows(journal)
+    row = dataclasses.asdict(_row(656 * MiB))  # a first-release line: no path, so the static one
+    post = PostCaptureRow(QWEN_L40S.id, QWEN_L40S.gpu.memory_bytes, None, (), 0, 449 * MiB, 12794, 640 * MiB, 0.95)
+    lines = [json.dumps(dict(row, seconds=1.0)), json.dumps({"case": "m", "refused": "why"}),
+             json.dumps(dict(dataclasses.asdict(post), path="post_capture")),
+             '{"case": "cut sh']  # a run killed part-way leaves a line cut short
+    journal.write_text("\n".join(lines))
+    rows, refused, posts = script.read_rows(journal)
     assert list(rows) == [QWEN_L40S.id] and rows[QWEN_L40S.id] == _row(656 * MiB) and refused == {"m": "why"}
+    assert posts == {QWEN_L40S.id: post}
     out = tmp_path / "table.md"
     assert script.main(["--from-json", str(journal), "--out", str(out)]) == 0
-    assert out.read_text().count(f"| {QWEN_L40S.id} |") == 1 and "- m: why" in out.read_text()
+    text = out.read_text()
+    assert text.count(f"| {QWEN_L40S.id} |") == 2 and "- m: why" in text and "Post-capture path:" in text
+
+
+def test_a_post_capture_row_says_whether_sglangs_default_headroom_holds_the_serving_peak():
+    gpu = QWEN_L40S.gpu.memory_bytes
+    fits = PostCaptureRow(QWEN_L40S.id, gpu, headroom_bytes=640 * MiB, default_fraction=0.95)
+    assert fits.default_headroom_bytes == int(gpu * 0.05) and fits.default_covers
+    assert not dataclasses.replace(fits, default_fraction=0.99).default_covers  # 458 MiB < 640 MiB
+    static = PostCaptureRow("m-dcp2", gpu, static_reason="SGLang sizes m-dcp2 statically: "
+                            "post_capture_kv_sizing_planned() is False (dcp_size 2 != 1); the static path's cost is x")
+    failing = dataclasses.replace(fits, failed=("persistent_memory_visible_at_closing",), late_bytes=64 * MiB)
+    lines = post_capture_table([fits, static, failing])
+    assert "| all pass | 0.00 MiB | 0.0 MiB (0 KV tokens) | 640.0 MiB | 0.950 (2289 MiB) | yes |" in lines[2]
+    assert lines[3] == ("| m-dcp2 | sized statically: post_capture_kv_sizing_planned() is False (dcp_size 2 != 1) "
+                        "| - | - | - | - | - |")
+    assert "fails persistent_memory_visible_at_closing | 64.00 MiB" in lines[4]
 
 
 # -- with SGLang -------------------------------------------------------------------------------------------------------
