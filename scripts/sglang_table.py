@@ -76,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
-    from pytest_kvprofile.engines.sglang_flashinfer import BACKEND_NAME, SGLANG_BACKENDS, engine_refusal
+    from pytest_kvprofile.engines.sglang_flashinfer import SGLANG_BACKENDS, engine_refusal
     from pytest_kvprofile.engines.sglang_memory import cost_row, default_mem_fraction, post_capture_row
     from pytest_kvprofile.engines.sglang_post_capture import SGLANG_POST_CAPTURE_BACKENDS
+    from pytest_kvprofile.engines.sglang_trtllm_mha import ATTENTION_BACKEND, SGLANG_TRTLLM_MHA_BACKENDS, trtllm_refusal
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
     from pytest_kvprofile.matrix.schema import load_matrix
 
@@ -101,7 +102,12 @@ def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
             refused[case.id] = done[1][case.id]
             continue
         case_started = time.monotonic()
+        # SGLang's FlashInfer backend, or where the simulated GPU cannot plan its routes (SM100's CUTLASS prefill),
+        # SGLang's MHA default there, trtllm_mha, when SGLang accepts it
+        backend, attention = SGLANG_BACKENDS[0], "flashinfer"
         reason = case.skip_reason or engine_refusal(case)
+        if reason is not None and case.skip_reason is None and trtllm_refusal(case) is None:
+            backend, attention, reason = SGLANG_TRTLLM_MHA_BACKENDS[0], ATTENTION_BACKEND, None
         if reason is not None:
             refused[case.id] = reason
             record({"case": case.id, "refused": reason}, case_started)
@@ -109,8 +115,8 @@ def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
         if case.id in done[0]:
             rows[case.id] = done[0][case.id]
         else:
-            result = run_lifecycle(SGLANG_BACKENDS[0], case)  # an OOM once its memory is there is part of the row
-            row = cost_row(result, BACKEND_NAME, default_mem_fraction(case))
+            result = run_lifecycle(backend, case)  # an OOM once its memory is there is part of the row
+            row = cost_row(result, backend.name, default_mem_fraction(case, attention_backend=attention))
             close_parts(result)
             del result
             gc.collect()
@@ -122,8 +128,10 @@ def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
             post[case.id] = done[2][case.id]
         else:
             path_started = time.monotonic()
-            result = run_lifecycle(SGLANG_POST_CAPTURE_BACKENDS[0], case)
-            post_row = post_capture_row(result, default_mem_fraction(case, post_capture=True))
+            post_backend = next(b for b in SGLANG_POST_CAPTURE_BACKENDS if b.name.startswith(backend.name + "-"))
+            result = run_lifecycle(post_backend, case)
+            fraction = default_mem_fraction(case, post_capture=True, attention_backend=attention)
+            post_row = post_capture_row(result, fraction)
             close_parts(result)
             del result
             gc.collect()

@@ -135,11 +135,13 @@ def _native_routes(result: LifecycleResult, name: str, views: list[ViewGrant],
                    private: tuple[Allocation, ...]) -> tuple[str, ...]:
     """The case routes the builder's wrappers plan into float workspace, as observed: the routes of FlashInfer
     ``plan()`` calls seen in torch mode and the routes its arena views name; without plans, a view that names no
-    route or a float buffer of its own stands for every route."""
+    route or a float buffer of its own stands for every route, unless the run observed every plan (torch mode on
+    the simulated GPU) and the builder asked for no view: then it planned none (SGLang's trtllm_mha backend carries
+    FlashInfer's float workspace and never plans into it)."""
     case_routes = routes(result.case)
     named = {g.route for g in views}
     planned = {p.route for p in result.plans if p.builder == name}
-    if planned:
+    if planned or (result.plans_observed and not views):
         return tuple(r for r in case_routes if r in planned or r in named)
     if None in named or private:
         return case_routes

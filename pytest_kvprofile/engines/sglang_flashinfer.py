@@ -112,13 +112,14 @@ def hf_config_dir(case: Case, root: Path | None = None) -> Path:
     return config_dir(hf_config(case), root or cache_root() / "sglang-hf-configs")
 
 
-def server_args_kwargs(case: Case, model_path: str) -> dict[str, SglangValue]:
+def server_args_kwargs(case: Case, model_path: str, attention_backend: str = "flashinfer") -> dict[str, SglangValue]:
     """``ServerArgs`` of one rank of the case: the envelope as SGLang's scheduler limits, TP/DCP, the capture sizes
-    (SGLang's decode graphs are captured per batch size), the case's utilization as ``mem_fraction_static``."""
+    (SGLang's decode graphs are captured per batch size), the case's utilization as ``mem_fraction_static``, and the
+    attention backend (``flashinfer``, or ``trtllm_mha``: ``engines/sglang_trtllm_mha.py``)."""
     env = case.envelope
     return dict(
         model_path=model_path, skip_tokenizer_init=True, load_format="dummy", device="cuda", random_seed=0,
-        attention_backend="flashinfer", dtype=model_dtype(case), kv_cache_dtype=case.model.kv.sglang,
+        attention_backend=attention_backend, dtype=model_dtype(case), kv_cache_dtype=case.model.kv.sglang,
         page_size=env.page_size, context_length=env.max_model_len, max_running_requests=env.max_num_seqs,
         chunked_prefill_size=env.max_num_batched_tokens, max_prefill_tokens=env.max_num_batched_tokens,
         tp_size=case.tp, dcp_size=case.dcp, mem_fraction_static=case.gmu,
@@ -126,14 +127,15 @@ def server_args_kwargs(case: Case, model_path: str) -> dict[str, SglangValue]:
     )
 
 
-def check_expressible(case: Case) -> None:
+def check_expressible(case: Case, attention_backend: str = "flashinfer") -> None:
     """Raise :class:`UnexpressibleSglangCase` for a case SGLang's ``FlashInferAttnBackend`` (or this adapter on the
-    simulated GPU) does not run, naming why."""
+    simulated GPU) does not run, naming why; ``trtllm_mha`` plans no FlashInfer route, so the planner's limits (an
+    unsized case, SM90's FA3) are not its."""
     model = case.model
     if model.attention == "mla":
         raise UnexpressibleSglangCase(f"case {case.id}: MLA layouts are served by SGLang's FlashInferMLAAttnBackend "
                                       "(flashinfer_mla_backend.py), not FlashInferAttnBackend")
-    if case.unsized_reason is not None:
+    if case.unsized_reason is not None and attention_backend == "flashinfer":
         raise UnexpressibleSglangCase(f"case {case.id}: FlashInfer plans no FA2 route here, and the simulated GPU has "
                                       f"no host module for it ({case.unsized_reason}; run it on the GPU tier)")
     if case.mtp:
@@ -152,7 +154,7 @@ def check_expressible(case: Case) -> None:
     if model.heads_q % case.tp:
         raise UnexpressibleSglangCase(f"case {case.id}: {model.heads_q} query heads do not split over TP={case.tp}")
     cc = case.gpu.compute_capability
-    if cc == (9, 0):
+    if cc == (9, 0) and attention_backend == "flashinfer":
         raise UnexpressibleSglangCase(
             f"case {case.id}: on {case.gpu.name} (SM90) SGLang's ragged prefill wrapper is made with FlashInfer's "
             "'auto' backend, which plans FA3, and the simulated GPU has no host planner for FA3 (run it on the GPU "
@@ -171,9 +173,10 @@ class SglangEngine:
     kv_cache_dtype_str: str
     dtype: SglangValue  # the model's torch dtype
     capture_bs: list[int]  # SGLang's decode capture batch sizes (its own filtering of the case's)
+    attention_backend: str = "flashinfer"  # SGLang's --attention-backend
 
 
-def make_sglang_engine(case: Case, hf_dir: Path | None = None) -> SglangEngine:
+def make_sglang_engine(case: Case, hf_dir: Path | None = None, attention_backend: str = "flashinfer") -> SglangEngine:
     """The case's ``ServerArgs`` (resolved by SGLang's own pipeline), a runtime context made from it, its
     ``ModelConfig`` and KV dtype. Call inside :func:`sglang_standins`; SGLang's own errors propagate."""
     import torch
@@ -182,9 +185,9 @@ def make_sglang_engine(case: Case, hf_dir: Path | None = None) -> SglangEngine:
     from sglang.srt.mem_cache import kv_cache_dtype
     from sglang.srt.server_args import ServerArgs
 
-    check_expressible(case)
+    check_expressible(case, attention_backend)
     folder = hf_dir or hf_config_dir(case)
-    server_args = ServerArgs(**server_args_kwargs(case, str(folder)))
+    server_args = ServerArgs(**server_args_kwargs(case, str(folder), attention_backend))
     context = runtime_context.create_context(server_args, role="scheduler")
     with runtime_context.use_context(context):
         model_config = ModelConfig.from_server_args(server_args)
@@ -194,10 +197,10 @@ def make_sglang_engine(case: Case, hf_dir: Path | None = None) -> SglangEngine:
             is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None)
         kv_str = resolved if resolved is not None else runtime_context.get_model().kv_cache_dtype
         capture_bs = _capture_bs(case, runtime_context)
-        refusal = _prefill_route_refusal(case, model_config)
+        refusal = _prefill_route_refusal(case, model_config) if attention_backend == "flashinfer" else None
     if refusal is not None:
         raise UnexpressibleSglangCase(refusal)
-    return SglangEngine(server_args, context, model_config, kv_dtype, kv_str, dtype, capture_bs)
+    return SglangEngine(server_args, context, model_config, kv_dtype, kv_str, dtype, capture_bs, attention_backend)
 
 
 # FlashInferAttnBackend.__init__: on SM100 the ragged prefill wrapper is made with FlashInfer's CUTLASS FMHA for these
@@ -312,6 +315,14 @@ class _AllocatorStandin:
         return self._kvcache
 
 
+class _ModelStandin:
+    """The runner's model as SGLang's attention backends read it: its modules (``TRTLLMHAAttnBackend`` looks for
+    encoder-only attention layers; a plain decoder has none)."""
+
+    def modules(self) -> Iterator[SglangValue]:
+        return iter(())
+
+
 class SglangRunner:
     """SGLang's ``ModelRunner`` as its attention backend reads it: the request pool (SGLang's ``ReqToTokenPool``), the
     KV pool stand-in, SGLang's ``KVIndexTranslator``, its model config and dtypes, and the runner's capture-stable
@@ -338,8 +349,10 @@ class SglangRunner:
         self.sliding_window_size = None
         self.is_draft_worker = False
         self.spec_algorithm = SpeculativeAlgorithm.from_string(None)
-        self.prefill_attention_backend_str = "flashinfer"
-        self.decode_attention_backend_str = "flashinfer"
+        self.prefill_attention_backend_str = engine.attention_backend
+        self.decode_attention_backend_str = engine.attention_backend
+        self.max_running_requests = env.max_num_seqs
+        self.model = _ModelStandin()
         self.req_to_token_pool = ReqToTokenPool(size=env.max_num_seqs, max_context_len=engine.model_config.context_len,
                                                 device="cuda", enable_memory_saver=False)
         self.token_to_kv_pool = _KvPoolStandin(UnquantizedKVCacheMethod(), engine.kv_cache_dtype, 0)
@@ -412,9 +425,10 @@ class SglangFlashInferAdapter(EngineAdapter):
     name = BACKEND_NAME
     builder_label = "SGLang's FlashInferAttnBackend"
     build_error = SglangBuildError
+    attention_backend = "flashinfer"  # SGLang's --attention-backend
 
     def __init__(self, case: Case, builder_cls: type | None = None) -> None:
-        check_expressible(case)
+        check_expressible(case, self.attention_backend)
         super().__init__(case, builder_cls)
         self.runner: SglangRunner | None = None
         self.capturing = False
@@ -427,7 +441,7 @@ class SglangFlashInferAdapter(EngineAdapter):
         return _standins_with_host_kernels(self.case)
 
     def make_engine_config(self) -> SglangEngine:
-        return make_sglang_engine(self.case)
+        return make_sglang_engine(self.case, attention_backend=self.attention_backend)
 
     @contextlib.contextmanager
     def _scope(self) -> Iterator[SglangValue]:
@@ -522,13 +536,13 @@ def make_sglang_builders(case: Case) -> list[SglangValue]:
     return [SglangFlashInferAdapter(case)]
 
 
-def engine_refusal(case: Case) -> str | None:
+def engine_refusal(case: Case, attention_backend: str = "flashinfer") -> str | None:
     """Why SGLang (its own ``ServerArgs`` resolution and ``ModelConfig``, on the stand-in platform) or this adapter
-    refuses ``case``; None when it runs."""
+    refuses ``case`` with ``attention_backend``; None when it runs."""
     try:
-        check_expressible(case)
+        check_expressible(case, attention_backend)
         with sglang_standins(case.gpu):
-            make_sglang_engine(case)
+            make_sglang_engine(case, attention_backend=attention_backend)
     except UnexpressibleSglangCase as exc:
         return str(exc)
     except (ValueError, AssertionError, NotImplementedError) as exc:

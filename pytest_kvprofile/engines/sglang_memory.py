@@ -24,7 +24,7 @@ from pytest_kvprofile.memory.budget import tokens_for
 from pytest_kvprofile.units import MiB
 
 __all__ = ["SGLANG_ATTENTION_RESERVE", "PostCaptureRow", "SglangCostRow", "cost_row", "default_mem_fraction",
-           "post_capture_row", "post_capture_table", "sglang_table"]
+           "planner_need", "post_capture_row", "post_capture_table", "sglang_table"]
 
 # The constant of SGLang's default reserve that its comment gives to "meta data (e.g., from attention backend)"
 SGLANG_ATTENTION_RESERVE = 512 * MiB
@@ -47,6 +47,7 @@ class SglangCostRow:
     waste_kv_tokens: int
     default_fraction: float  # SGLang's default mem_fraction_static on this GPU for this case
     default_reserve_bytes: int  # (1 - default_fraction) x GPU memory: what the default leaves after the KV pool
+    backend: str = "sglang-flashinfer"  # the suite's backend the row is of (sglang-trtllm-mha: SGLang's SM100 default)
 
     @property
     def must_leave_fraction(self) -> float:
@@ -62,10 +63,21 @@ class SglangCostRow:
         return self.backend_bytes <= self.default_reserve_bytes
 
 
+def planner_need(result: LifecycleResult, backend_name: str) -> tuple[int, int]:
+    """FlashInfer's exact float need and int need per wrapper for the routes the backend was seen planning (the
+    waste check's ``need_for_routes``); nothing planned (trtllm-gen plans no FlashInfer route) needs nothing."""
+    from pytest_kvprofile.sizing.case import for_case, need_for_routes
+
+    planned = {p.route for p in result.plans if p.builder == backend_name}
+    if not planned:
+        return 0, 0
+    float_need, sized = need_for_routes(result.case, planned)
+    routes = for_case(result.case).routes
+    return float_need, max((routes[r].int_bytes for r in sized), default=0)
+
+
 def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float) -> SglangCostRow | None:
     """The row of one lifecycle record of SGLang's backend (None when the run never reached KV sizing)."""
-    from pytest_kvprofile.sizing.case import for_case
-
     if result.budget is None:
         return None
     case, per_token = result.case, result.budget.kv_bytes_per_token
@@ -74,12 +86,13 @@ def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float
     floats = sum(a.nbytes for a in kept if a.role is Role.FLOAT_WORKSPACE)  # SGLang's get_buffer("flashinfer_...")
     ints = [a for a in kept if a.role is Role.INT_WORKSPACE]  # each wrapper's own
     int_bytes, int_count = sum(a.nbytes for a in ints), len(ints)
-    need = for_case(case)
-    waste = max(0, floats - need.float_bytes) + max(0, int_bytes - int_count * need.int_bytes)
+    float_need, int_need = planner_need(result, backend_name)
+    waste = max(0, floats - float_need) + max(0, int_bytes - int_count * int_need)
     gpu = case.gpu.memory_bytes
     return SglangCostRow(
-        case.id, gpu, backend, tokens_for(backend, per_token), floats, int_bytes, int_count, need.float_bytes,
-        need.int_bytes, waste, tokens_for(waste, per_token), default_fraction, int(gpu * (1 - default_fraction)))
+        case.id, gpu, backend, tokens_for(backend, per_token), floats, int_bytes, int_count, float_need,
+        int_need, waste, tokens_for(waste, per_token), default_fraction, int(gpu * (1 - default_fraction)),
+        backend_name)
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,7 @@ class PostCaptureRow:
     waste_kv_tokens: int = 0
     headroom_bytes: int = 0
     default_fraction: float = 0.0  # SGLang's default mem_fraction_static with post-capture sizing planned
+    backend: str = "sglang-flashinfer-post-capture"
 
     @property
     def default_headroom_bytes(self) -> int:
@@ -119,16 +133,17 @@ def post_capture_row(result: LifecycleResult, default_fraction: float) -> PostCa
     from pytest_kvprofile.lifecycle.phases import SERVING
 
     case, gpu = result.case, result.case.gpu.memory_bytes
+    backend = result.builder_names()[0]
     resolution = result.resolution
     if resolution is not None and resolution.engine_gate is not None:
-        return PostCaptureRow(case.id, gpu, static_reason=resolution.engine_gate)
-    late = sum(a.nbytes for a in made_after_closing(result, result.builder_names()[0], SERVING)[0])
+        return PostCaptureRow(case.id, gpu, static_reason=resolution.engine_gate, backend=backend)
+    late = sum(a.nbytes for a in made_after_closing(result, backend, SERVING)[0])
     waste = case_waste(result)
     budget = result.budget
     headroom = max(0, result.post_kv_peak_used - int(budget.total * budget.gmu)) if budget is not None else 0
     return PostCaptureRow(
         case.id, gpu, None, tuple(sorted(failing_checks(result))), late, waste.nbytes if waste else 0,
-        waste.kv_tokens if waste else 0, headroom, default_fraction)
+        waste.kv_tokens if waste else 0, headroom, default_fraction, backend)
 
 
 @contextlib.contextmanager
@@ -146,7 +161,7 @@ def _gpu_memory(case: Case) -> Iterator[None]:
         patches.undo()
 
 
-def default_mem_fraction(case: Case, *, post_capture: bool = False) -> float:
+def default_mem_fraction(case: Case, *, post_capture: bool = False, attention_backend: str = "flashinfer") -> float:
     """SGLang's own default ``mem_fraction_static`` for the case's rank (its heuristic, resolved by SGLang's
     pipeline from the case's ``ServerArgs`` without one, on the case's GPU memory); with ``post_capture``, as
     ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` resolves it (no activation or graph reserve where it applies)."""
@@ -159,7 +174,7 @@ def default_mem_fraction(case: Case, *, post_capture: bool = False) -> float:
         from sglang.srt import runtime_context
         from sglang.srt.server_args import ServerArgs
 
-        kwargs = server_args_kwargs(case, str(hf_config_dir(case)))
+        kwargs = server_args_kwargs(case, str(hf_config_dir(case)), attention_backend)
         kwargs["mem_fraction_static"] = None
         context = runtime_context.create_context(ServerArgs(**kwargs), role="scheduler")
         with runtime_context.use_context(context):
@@ -177,8 +192,9 @@ def sglang_table(rows: list[SglangCostRow], refused: dict[str, str]) -> list[str
     for r in rows:
         per_int = r.int_workspace_bytes / MiB / max(1, r.int_workspaces)
         need = f"need {r.float_need_bytes / MiB:.1f} + {r.int_workspaces} x {r.int_need_bytes / MiB:.2f} MiB"
+        label = r.case if r.backend == "sglang-flashinfer" else f"{r.case} ({r.backend})"
         out.append(
-            f"| {r.case} | {r.backend_bytes / MiB:.1f} MiB ({r.backend_kv_tokens} KV tokens) | "
+            f"| {label} | {r.backend_bytes / MiB:.1f} MiB ({r.backend_kv_tokens} KV tokens) | "
             f"{r.float_workspace_bytes / MiB:.0f} MiB / {r.int_workspaces} x {per_int:.0f} MiB | "
             f"{r.waste_bytes / MiB:.1f} MiB ({r.waste_kv_tokens} KV tokens; {need}) | "
             f"{r.must_leave_fraction:.3f} of {r.gpu_bytes / MiB / 1024:.1f} GiB | "
@@ -199,13 +215,14 @@ def post_capture_table(rows: list[PostCaptureRow]) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        label = r.case if r.backend == "sglang-flashinfer-post-capture" else f"{r.case} ({r.backend})"
         if r.static_reason is not None:
             why = r.static_reason.split(" statically: ", 1)[-1].split(";", 1)[0]
-            out.append(f"| {r.case} | sized statically: {why} | - | - | - | - | - |")
+            out.append(f"| {label} | sized statically: {why} | - | - | - | - | - |")
             continue
         verdict = "all pass" if not r.failed else "fails " + ", ".join(r.failed)
         out.append(
-            f"| {r.case} | {verdict} | {r.late_bytes / MiB:.2f} MiB | "
+            f"| {label} | {verdict} | {r.late_bytes / MiB:.2f} MiB | "
             f"{r.waste_bytes / MiB:.1f} MiB ({r.waste_kv_tokens} KV tokens) | {r.headroom_bytes / MiB:.1f} MiB | "
             f"{r.default_fraction:.3f} ({r.default_headroom_bytes / MiB:.0f} MiB) | "
             f"{'yes' if r.default_covers else 'no'} |")

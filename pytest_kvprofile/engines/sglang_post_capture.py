@@ -27,6 +27,7 @@ the case on the static path, whose cost ``sglang-flashinfer`` reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import traceback
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Iterator
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines.adapter import engine_backend
+from pytest_kvprofile.engines.adapter import EngineAdapter, engine_backend
 from pytest_kvprofile.engines.sglang_flashinfer import (
     SglangEngine,
     SglangFlashInferAdapter,
@@ -46,16 +47,20 @@ from pytest_kvprofile.engines.sglang_flashinfer import (
     make_sglang_engine,
 )
 from pytest_kvprofile.engines.sglang_standins import SGLANG_INSTALL_HINT, import_sglang_flashinfer, sglang_standins
+from pytest_kvprofile.engines.sglang_trtllm_mha import SglangTrtllmMhaAdapter
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.lease import Lease
     from pytest_kvprofile.contract.protocol import BuilderContext
     from pytest_kvprofile.matrix.cases import Case
 
-__all__ = ["POST_CAPTURE_ENV", "SGLANG_POST_CAPTURE_BACKENDS", "SglangPostCaptureAdapter", "post_capture_gate",
-           "post_capture_scope"]
+__all__ = ["POST_CAPTURE_ENV", "SGLANG_POST_CAPTURE_BACKENDS", "SglangPostCaptureAdapter",
+           "SglangTrtllmPostCaptureAdapter", "post_capture_gate", "post_capture_scope"]
 
 BACKEND_NAME = "sglang-flashinfer-post-capture"
+TRTLLM_BACKEND_NAME = "sglang-trtllm-mha-post-capture"
+# the static path's backend of each attention backend, which reports that path's cost
+STATIC_BACKENDS = {"flashinfer": "sglang-flashinfer", "trtllm_mha": "sglang-trtllm-mha"}
 POST_CAPTURE_ENV = "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"
 # FlashInfer's int workspace per wrapper, as SGLang's backend makes each wrapper (FlashInfer's default)
 _INT_WORKSPACE_BYTES = 8 << 20
@@ -75,27 +80,29 @@ def post_capture_scope() -> Iterator[None]:
             os.environ[POST_CAPTURE_ENV] = previous
 
 
-def post_capture_gate(case: Case) -> str | None:
+def post_capture_gate(case: Case, attention_backend: str = "flashinfer") -> str | None:
     """SGLang's own answer (``post_capture_kv_sizing_planned`` on the case's resolved ``ServerArgs``): None when it
     sizes KV after capture, else why the case stays on the static path."""
     with sglang_standins(case.gpu), post_capture_scope():
         from sglang.srt.arg_groups.overrides import post_capture_kv_sizing_planned
         from sglang.srt.runtime_context import use_context
 
-        engine = make_sglang_engine(case)
+        engine = make_sglang_engine(case, attention_backend=attention_backend)
         with use_context(engine.context):
             planned = post_capture_kv_sizing_planned(engine.server_args)
     if planned:
         return None
     why = (f"dcp_size {case.dcp} != 1" if case.dcp != 1 else
            "MLA" if case.model.attention == "mla" else "see its conditions in sglang/srt/arg_groups/overrides.py")
+    static = STATIC_BACKENDS[attention_backend]
     return (f"SGLang sizes {case.id} statically: post_capture_kv_sizing_planned() is False ({why}); the static "
-            "path's cost is sglang-flashinfer's")
+            f"path's cost is {static}'s")
 
 
 class SglangPostCaptureAdapter(SglangFlashInferAdapter):
     """SGLang's backend with SGLang's post-capture KV sizing: made and captured inside the window, replayed and
-    served after KV sizing."""
+    served after KV sizing. Placed before another SGLang adapter in a class's bases, it puts that adapter's backend
+    on the post-capture path (:class:`SglangTrtllmPostCaptureAdapter`)."""
 
     name = BACKEND_NAME
 
@@ -108,7 +115,7 @@ class SglangPostCaptureAdapter(SglangFlashInferAdapter):
 
     def make_engine_config(self) -> SglangEngine:
         with post_capture_scope():
-            return make_sglang_engine(self.case)
+            return super().make_engine_config()
 
     # -- the declaration (the engine's: its runner measures after the backend and its graphs) ---------------
     def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
@@ -158,7 +165,13 @@ class SglangPostCaptureAdapter(SglangFlashInferAdapter):
         if batch.ubatch != 0:
             return
         self.capturing = ctx.capturing and not self.sized_after_capture
-        super(SglangFlashInferAdapter, self).build(ctx, batch)
+        EngineAdapter.build(self, ctx, batch)
+
+
+class SglangTrtllmPostCaptureAdapter(SglangPostCaptureAdapter, SglangTrtllmMhaAdapter):
+    """SGLang's ``TRTLLMHAAttnBackend`` (its MHA default on Blackwell) on the post-capture path."""
+
+    name = TRTLLM_BACKEND_NAME
 
 
 @contextlib.contextmanager
@@ -167,23 +180,27 @@ def _post_capture_standins(inner: contextlib.AbstractContextManager[SglangValue]
         yield module
 
 
-def make_post_capture_builders(case: Case) -> list[SglangValue]:
-    check_expressible(case)
-    import_sglang_flashinfer()
-    return [SglangPostCaptureAdapter(case)]
+def _post_capture_backend(name: str, adapter: type[SglangPostCaptureAdapter], what: str) -> Backend:
+    attention = adapter.attention_backend
 
+    def make_builders(case: Case) -> list[SglangValue]:
+        check_expressible(case, attention)
+        import_sglang_flashinfer()
+        return [adapter(case)]
 
-def _gate(case: Case) -> str | None:
-    return post_capture_gate(case)
+    return engine_backend(
+        name, make_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT, origin="builtin",
+        refuses_layout=functools.partial(engine_refusal, attention_backend=attention), version=_version(),
+        policy=EnginePolicy(gate=functools.partial(post_capture_gate, attention_backend=attention),
+                            kv_sizing="post_capture"),
+        description=f"SGLang's own {what} on SGLang's post-capture KV sizing path (SGLANG_ENABLE_POST_CAPTURE_KV_"
+                    "SIZING=1: KV sized after the backend and its graphs), unmodified, on the simulated GPU")
 
 
 SGLANG_POST_CAPTURE_BACKENDS: tuple[Backend, ...] = (
-    engine_backend(BACKEND_NAME, make_post_capture_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT,
-                   origin="builtin", refuses_layout=engine_refusal, version=_version(),
-                   policy=EnginePolicy(gate=_gate, kv_sizing="post_capture"),
-                   description="SGLang's own FlashInferAttnBackend on SGLang's post-capture KV sizing path "
-                               "(SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1: KV sized after the backend and its graphs), "
-                               "unmodified, on the simulated GPU"),
+    _post_capture_backend(BACKEND_NAME, SglangPostCaptureAdapter, "FlashInferAttnBackend"),
+    _post_capture_backend(TRTLLM_BACKEND_NAME, SglangTrtllmPostCaptureAdapter,
+                          "TRTLLMHAAttnBackend (--attention-backend trtllm_mha)"),
 )
 
 

@@ -459,6 +459,7 @@ class LifecycleRun:
             sim.on_use = self._on_torch_use
             sim.on_int_holder = self._on_int_holder
             stop = observe_plans(self._on_plan)
+            self.result.plans_observed = True
             try:
                 yield
             finally:

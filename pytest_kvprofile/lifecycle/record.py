@@ -228,6 +228,7 @@ class LifecycleResult:
     refusals: list[Refusal] = field(default_factory=list)
     grants: list[ViewGrant] = field(default_factory=list)
     plans: list[PlanRecord] = field(default_factory=list)  # torch mode: every FlashInfer plan() and where it planned
+    plans_observed: bool = False  # torch mode on the simulated GPU: every FlashInfer plan() of the run is in ``plans``
     view_plans: list[ViewPlan] = field(default_factory=list)  # ctx mode: plan_into(view) in a build, by batch kind
     int_ubatches: dict[int, set[int]] = field(default_factory=dict)  # int workspace id -> micro-batches built into it
     shared_ints: list[SharedInt] = field(default_factory=list)  # torch mode: live wrappers on one int workspace

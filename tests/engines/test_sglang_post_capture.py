@@ -18,6 +18,7 @@ from pytest_kvprofile.engines.sglang_post_capture import (
     POST_CAPTURE_ENV,
     SGLANG_POST_CAPTURE_BACKENDS,
     SglangPostCaptureAdapter,
+    SglangTrtllmPostCaptureAdapter,
     post_capture_gate,
 )
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
@@ -143,3 +144,23 @@ def test_server_args_resolve_as_on_the_cases_gpu():
     with adapter.standins():
         assert os.environ.get(POST_CAPTURE_ENV) == "1"
     assert POST_CAPTURE_ENV not in os.environ
+
+
+@pytest.mark.usefixtures("sglang_flashinfer")
+def test_trtllm_mha_on_the_post_capture_path_passes_and_its_unplanned_flashinfer_workspace_is_all_waste():
+    """SGLang's Blackwell default carries FlashInfer's float workspace and never plans into it: the run observed
+    every plan (torch mode), so no FlashInfer route is its, and the whole workspace is waste."""
+    backend = next(b for b in SGLANG_POST_CAPTURE_BACKENDS if b.name == "sglang-trtllm-mha-post-capture")
+    case = CASES["qwen3-8b-tp1-dcp1-mtp0-b200-gmu0.90"]
+    assert backend.refuses_layout is not None and backend.refuses_layout(QWEN_L40S) is not None  # SGLang's own
+    result = run_lifecycle(backend, case)
+    try:
+        assert result.path == PROFILING and failing_checks(result) == {}
+        assert isinstance(result.builders[0], SglangTrtllmPostCaptureAdapter)
+        waste = case_waste(result)
+        assert waste is not None
+        builder, = waste.builders
+        assert builder.native == () and builder.trtllm == ("prefill", "decode")
+        assert builder.private_bytes == builder.waste_bytes == 512 * MiB
+    finally:
+        close_parts(result)
