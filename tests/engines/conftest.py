@@ -1,6 +1,6 @@
-"""tests/engines: vLLM is imported by the first test that needs it, once per process, not at collection (the import
-costs seconds on each xdist worker, and a worker whose share holds no vLLM test never pays it). Without an
-importable vLLM those tests skip with the install command."""
+"""tests/engines: vLLM and SGLang are each imported by the first test that needs it, once per process, not at collection
+(the import costs seconds on each xdist worker, and a worker whose share holds no such test never pays it). Without
+an importable engine those tests skip with its install command."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ from typing import Any, Callable
 
 import pytest
 
+from pytest_kvprofile.engines import sglang_standins as ss
 from pytest_kvprofile.engines import vllm_standins as vs
 from pytest_kvprofile.engines import vllm_workspace as vw
 
 
-def _import_or_skip(importer: Callable[[], Any], unavailable: type[Exception]) -> Any:
+def _import_or_skip(importer: Callable[[], Any], unavailable: type[Exception], engine: str = "vLLM",
+                    hint: str = vs.VLLM_INSTALL_HINT) -> Any:
     try:
         return importer()
     except unavailable as exc:
-        pytest.skip(f"vLLM is not importable ({exc.__cause__}); install it with {vs.VLLM_INSTALL_HINT}")
+        pytest.skip(f"{engine} is not importable ({exc.__cause__}); install it with {hint}")
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +31,9 @@ def vllm_flashinfer() -> Any:
 def vllm_workspace() -> Any:
     """vLLM's ``vllm.v1.worker.workspace`` module and what it needs."""
     return _import_or_skip(vw.import_vllm_workspace, vw.VllmWorkspaceUnavailable)
+
+
+@pytest.fixture(scope="session")
+def sglang_flashinfer() -> Any:
+    """SGLang's FlashInfer backend module, imported with its stand-ins."""
+    return _import_or_skip(ss.import_sglang_flashinfer, ss.SglangUnavailable, "SGLang", ss.SGLANG_INSTALL_HINT)

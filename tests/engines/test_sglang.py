@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 import torch
@@ -35,14 +34,6 @@ CASES = {c.id: c for c in load_matrix(packaged_matrix("ci")).cases}
 QWEN_L40S = CASES["qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"]
 LLAMA_FP8 = CASES["llama-3.1-8b-tp1-dcp1-mtp0-l40s-gmu0.90-kvfp8_e4m3"]
 
-
-@pytest.fixture(scope="module")
-def sglang_flashinfer() -> Any:
-    """SGLang's FlashInfer backend module, imported with its stand-ins; a skip naming the install without it."""
-    try:
-        return ss.import_sglang_flashinfer()
-    except ss.SglangUnavailable as exc:
-        pytest.skip(f"SGLang is not importable ({exc.__cause__}); install it with {ss.SGLANG_INSTALL_HINT}")
 
 
 # -- without SGLang --------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvprofile.engines import sglang_standins as ss
 from pytest_kvprofile.engines.sglang_memory import (
     SGLANG_ATTENTION_RESERVE,
     PostCaptureRow,
@@ -89,15 +88,7 @@ def test_a_post_capture_row_says_whether_sglangs_default_headroom_holds_the_serv
 
 # -- with SGLang -------------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def sglang() -> None:
-    try:
-        ss.import_sglang_flashinfer()
-    except ss.SglangUnavailable as exc:
-        pytest.skip(f"SGLang is not importable ({exc.__cause__}); install it with {ss.SGLANG_INSTALL_HINT}")
-
-
-def test_sglangs_default_fraction_is_its_heuristic_on_the_cases_gpu(sglang):
+def test_sglangs_default_fraction_is_its_heuristic_on_the_cases_gpu(sglang_flashinfer):
     from pytest_kvprofile.engines.sglang_memory import default_mem_fraction
 
     l40s = default_mem_fraction(QWEN_L40S)
@@ -106,9 +97,13 @@ def test_sglangs_default_fraction_is_its_heuristic_on_the_cases_gpu(sglang):
     assert 512 * MiB + 1.5 * 8192 * MiB <= reserve < 16 * GiB and l40s != 0.95  # 0.95: SGLang found no GPU memory
     b200 = default_mem_fraction(GLM_B200)
     assert (1 - b200) * GLM_B200.gpu.memory_bytes >= 10 * GiB - 0.001 * GLM_B200.gpu.memory_bytes  # its 10 GiB floor
+    # with post-capture sizing planned SGLang reserves no activation or graph share: 1536 MiB + TP slack only (the
+    # fraction is rounded to 3 places)
+    post = default_mem_fraction(QWEN_L40S, post_capture=True)
+    assert post > l40s and (1 - post) * QWEN_L40S.gpu.memory_bytes == pytest.approx((1536 + 128) * MiB, rel=0.02)
 
 
-def test_a_row_from_a_run_reads_the_backends_workspaces_by_role(sglang):
+def test_a_row_from_a_run_reads_the_backends_workspaces_by_role(sglang_flashinfer):
     from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
     from pytest_kvprofile.engines.sglang_flashinfer import BACKEND_NAME, SGLANG_BACKENDS
     from pytest_kvprofile.engines.sglang_memory import cost_row

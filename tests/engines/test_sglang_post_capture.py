@@ -34,13 +34,6 @@ QWEN_DCP2 = CASES["qwen3-8b-tp4-dcp2-mtp0-l40s-gmu0.90"]
 BACKEND = SGLANG_POST_CAPTURE_BACKENDS[0]
 
 
-@pytest.fixture(scope="module")
-def sglang_flashinfer() -> Any:
-    try:
-        return ss.import_sglang_flashinfer()
-    except ss.SglangUnavailable as exc:
-        pytest.skip(f"SGLang is not importable ({exc.__cause__}); install it with {ss.SGLANG_INSTALL_HINT}")
-
 
 def _budget(rule: str) -> Budget:
     return Budget(total=40 * GiB, gmu=0.9, weights=0, nontorch=0, persistent_workspace=0, persistent_reserved=0,

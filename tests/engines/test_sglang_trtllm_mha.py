@@ -6,14 +6,11 @@ Without SGLang the tests that need it skip with the install command (scripts/ins
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
-from pytest_kvprofile.engines import sglang_standins as ss
 from pytest_kvprofile.engines.sglang_trtllm_mha import (
     SGLANG_TRTLLM_MHA_BACKENDS,
     SglangTrtllmMhaAdapter,
@@ -31,13 +28,6 @@ QWEN_B200 = CASES["qwen3-8b-tp1-dcp1-mtp0-b200-gmu0.90"]
 QWEN_L40S = CASES["qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"]
 PAGE = 4
 
-
-@pytest.fixture(scope="module")
-def sglang_flashinfer() -> Any:
-    try:
-        return ss.import_sglang_flashinfer()
-    except ss.SglangUnavailable as exc:
-        pytest.skip(f"SGLang is not importable ({exc.__cause__}); install it with {ss.SGLANG_INSTALL_HINT}")
 
 
 def _pool() -> tuple[torch.Tensor, torch.Tensor]:
