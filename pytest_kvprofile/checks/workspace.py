@@ -163,7 +163,7 @@ def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     need, sized = need_for_routes(case, native)
     decl = result.declared.get(name)
     declared = _aligned(decl.float_bytes, result.arena_alignment) if decl is not None and decl.float_bytes else 0
-    ubatches = _planned_ubatches(result, name, views)
+    ubatches = _planned_ubatches(result, name, views, declared)
     arena = sum(max([declared, *(g.nbytes for g in views if g.ubatch == u)]) for u in range(ubatches))
     trtllm = tuple(r for r in routes(case) if r not in native)
     unused = () if trtllm else tuple(a for a in mine if a.role is Role.TRTLLM_WORKSPACE)
@@ -171,11 +171,11 @@ def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     return BuilderWaste(name, native, sized, trtllm, ubatches, need, arena, private, unused, declared, largest)
 
 
-def _planned_ubatches(result: LifecycleResult, name: str, views: list[ViewGrant]) -> int:
-    """How many micro-batches' need the builder's float workspace must cover: the envelope's, unless it asks for no
-    arena view and its own buffers were planned in fewer (SGLang's runner has one attention backend)."""
+def _planned_ubatches(result: LifecycleResult, name: str, views: list[ViewGrant], declared: int) -> int:
+    """How many micro-batches' need the builder's float workspace must cover: the envelope's, unless it declares no
+    arena, asks for no view, and its own buffers were planned in fewer (SGLang's runner has one attention backend)."""
     built = {p.ubatch for p in result.plans if p.builder == name and p.ubatch is not None}
-    return len(built) if built and not views else result.case.envelope.num_ubatches
+    return len(built) if built and not views and not declared else result.case.envelope.num_ubatches
 
 
 def case_waste(result: LifecycleResult) -> CaseWaste | None:

@@ -86,9 +86,10 @@ class Budget:
         def gib(n: int) -> str:
             return f"{n / GiB:.2f} GiB"
 
+        static = int(self.total * self.gmu)
         first = (f"total {gib(self.total)} x gmu {self.gmu:.2f} = {gib(self.limit)}" if self.rule == "profile" else
-                 f"total {gib(self.total)} x mem_fraction_static {self.gmu:.2f} = {gib(int(self.total * self.gmu))} "
-                 f"static, sized after capture; {gib(self.total - int(self.total * self.gmu))} serving headroom")
+                 f"total {gib(self.total)} x mem_fraction_static {self.gmu:.2f} = {gib(static)} static, sized after "
+                 f"capture; {gib(self.total - static)} serving headroom")
         return [
             first,
             f"weights {gib(self.weights)}, peak activation {gib(self.peak_activation)}, "
