@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -63,14 +62,10 @@ def cases(matrix: str, ubatches: list[int]) -> list:
 def read_cells(path: Path, cell_type) -> dict:
     """The cells of a ``--json`` file, by (backend, case); a later line for the same pair wins, and a last line cut
     short by a killed run is ignored."""
+    from pytest_kvprofile.report.journal import journal_rows
+
     cells: dict = {}
-    for line in path.read_text().splitlines():
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        raw.pop("fits_tokens", None)
-        raw.pop("seconds", None)
+    for raw in journal_rows(path, derived=("fits_tokens",)):
         cell = cell_type(**raw)
         cells[(cell.backend, cell.case)] = cell
     return cells
@@ -90,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_kvprofile.contract.backends import layout_refusal
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
     from pytest_kvprofile.report.capacity import CapacityCell, capacity_cell, capacity_table
+    from pytest_kvprofile.report.journal import append_row, open_for_append
 
     cells: dict = {}
     ids: list[str] = []
@@ -102,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         done = read_cells(Path(args.json), CapacityCell) if args.json and Path(args.json).exists() else {}
         if done:
             print(f"resuming: {len(done)} cells already in {args.json}", file=sys.stderr)
-            if not Path(args.json).read_text().endswith("\n"):  # a line cut short: the next cell starts afresh
-                with open(args.json, "a") as out:
-                    out.write("\n")
+            open_for_append(Path(args.json))
         chosen = backends()
         ubatches = [int(u) for u in args.ubatches.split(",") if u.strip()]
         gmus = [float(g) for g in args.gmu.split(",")] if args.gmu else None
@@ -127,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 ran += 1
                 if args.json:
-                    with open(args.json, "a") as out:
-                        out.write(json.dumps(dict(dataclasses.asdict(cell), fits_tokens=cell.fits_tokens,
-                                                  seconds=round(time.monotonic() - cell_started, 2))) + "\n")
+                    append_row(Path(args.json), dict(dataclasses.asdict(cell), fits_tokens=cell.fits_tokens),
+                               cell_started)
             if ran:
                 print(f"{case.id}: {time.monotonic() - case_started:.1f} s ({ran} cells), "
                       f"{time.monotonic() - started:.0f} s in all", file=sys.stderr, flush=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,16 +29,12 @@ def read_rows(path: Path) -> tuple[dict, dict, dict]:
     """The static rows, refusals and post-capture rows of a ``--json`` file, by case; a later line wins, a line cut
     short is ignored (a line without ``path`` is a static one: journals of the first release)."""
     from pytest_kvprofile.engines.sglang_memory import PostCaptureRow, SglangCostRow
+    from pytest_kvprofile.report.journal import journal_rows
 
     rows: dict = {}
     refused: dict = {}
     post: dict = {}
-    for line in path.read_text().splitlines():
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        raw.pop("seconds", None)
+    for raw in journal_rows(path):
         kind = raw.pop("path", "static")
         if "refused" in raw:
             refused[raw["case"]] = raw["refused"]
@@ -82,11 +77,11 @@ def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
     from pytest_kvprofile.engines.sglang_trtllm_mha import ATTENTION_BACKEND, SGLANG_TRTLLM_MHA_BACKENDS, trtllm_refusal
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
     from pytest_kvprofile.matrix.schema import load_matrix
+    from pytest_kvprofile.report.journal import append_row, open_for_append
 
     done = read_rows(journal) if journal and journal.exists() else ({}, {}, {})
-    if journal and journal.exists() and not journal.read_text().endswith("\n"):
-        with open(journal, "a") as out:  # a line cut short: the next row starts afresh
-            out.write("\n")
+    if journal:
+        open_for_append(journal)
     rows: dict = {}
     refused: dict = {}
     post: dict = {}
@@ -94,8 +89,7 @@ def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
 
     def record(entry: dict, since: float) -> None:
         if journal:
-            with open(journal, "a") as out:
-                out.write(json.dumps(dict(entry, seconds=round(time.monotonic() - since, 2))) + "\n")
+            append_row(journal, entry, since)
 
     for case in load_matrix(matrix).cases:
         if case.id in done[1]:
