@@ -15,7 +15,8 @@ provides only what is its own (docs/engines.md):
 - :meth:`EngineAdapter.engine_metadata`: a batch's runner inputs as the engine's metadata object;
 - :meth:`EngineAdapter.build_for_capture` and :meth:`EngineAdapter.build_serving`: the builder's two calls;
 - optionally :meth:`EngineAdapter.standins` (what a CPU-only machine lacks), :meth:`EngineAdapter.engine_scope`
-  (the engine's "current config" around its calls), the hooks ``after_make``/``after_build``/``ensure_inputs``.
+  (the engine's "current config" around its calls), the hooks ``after_make``/``after_build``/``ensure_inputs`` and
+  :meth:`EngineAdapter.key_metadata` (a builder key's own inputs).
 
 A builder class that declares profiling-time reservation is mapped by :class:`ReservingAdapter` with the names
 :func:`reservation_api` finds on it. Nothing here imports an engine, and the base class defines no optional hook of
@@ -356,6 +357,11 @@ class EngineAdapter:
         """Engines capture full graphs of uniform decode only, where they capture attention at all."""
         return batch.cuda_graph and batch.kind == "decode" and self.captures_attention()
 
+    def key_metadata(self, key: BuilderKey, batch: Batch, metadata: EngineObject) -> EngineObject:
+        """The metadata the builder of ``key`` is handed for ``batch``, asked just before its build: the batch's
+        (:meth:`engine_metadata`) unless a key's builder reads other inputs (SGLang's draft worker)."""
+        return metadata
+
     def after_make(self, made: list[EngineObject]) -> None:
         """The builders just made (inside :meth:`construction_scope`)."""
 
@@ -404,10 +410,11 @@ class EngineAdapter:
             metadata = self.engine_metadata(batch)
             for key, builder in self.builders_of(batch.ubatch):
                 try:
+                    own = self.key_metadata(key, batch, metadata)
                     if self.is_capture(batch):
-                        self.last_metadata = self.build_for_capture(builder, metadata)
+                        self.last_metadata = self.build_for_capture(builder, own)
                     else:
-                        self.last_metadata = self.build_serving(builder, metadata)
+                        self.last_metadata = self.build_serving(builder, own)
                 except Exception as exc:  # noqa: BLE001 - named with the case and batch; the driver records it
                     raise self.build_error(f"case {self.case.id}: {self.builder_label}.build() of {batch.label} "
                                            f"({self.describe_key(key)}) failed on the simulated "

@@ -37,6 +37,7 @@ quantized FP4 cache, and the prefill routes FlashInfer plans on modules the simu
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -60,11 +61,14 @@ if TYPE_CHECKING:
 # An SGLang, torch or numpy object: each is imported lazily (never at plugin import), and SGLang ships no types
 SglangValue = Any
 
-__all__ = ["SGLANG_BACKENDS", "SglangBuildError", "SglangEngine", "SglangFlashInferAdapter", "SglangRunner",
-           "UnexpressibleSglangCase", "backends", "check_expressible", "engine_refusal", "hf_config",
-           "make_sglang_builders", "make_sglang_engine", "server_args_kwargs"]
+__all__ = ["DRAFT", "SGLANG_BACKENDS", "TARGET", "SglangBuildError", "SglangEngine", "SglangFlashInferAdapter",
+           "SglangRunner", "UnexpressibleSglangCase", "backends", "capture_bs_decode", "check_expressible",
+           "engine_refusal", "hf_config", "make_sglang_builders", "make_sglang_engine", "mla_config",
+           "server_args_kwargs", "speculative_kwargs"]
 
 BACKEND_NAME = "sglang-flashinfer"
+_MLA_MODULE = "sglang.srt.layers.attention.flashinfer_mla_backend"
+TARGET, DRAFT = 0, 1  # the adapter's builder keys: the model runner's backend, the draft worker's (MTP)
 # The HF architecture and model type a matrix model's name implies (SGLang branches on the architecture: Qwen2/Qwen3
 # get a 512 MiB FlashInfer workspace); anything else is a plain Llama-like decoder.
 _ARCHITECTURES = (("qwen3", "Qwen3ForCausalLM", "qwen3"), ("qwen2", "Qwen2ForCausalLM", "qwen2"),
@@ -99,9 +103,32 @@ def model_dtype(case: Case) -> str:
 def hf_config(case: Case) -> dict[str, object]:
     """The ``config.json`` of a plain GQA decoder with the case's head layout, under the architecture its model name
     implies."""
+    model = case.model
+    if model.attention == "mla":
+        return mla_config(case)
     architecture, model_type = _architecture(case)
     # pad_token_id: an architecture's default may lie outside the stand-in vocabulary (GLM-4: 151329)
     return decoder_config(case, architecture, model_type, pad_token_id=None)
+
+
+# DeepSeek-V2/V3's decoupled RoPE width: the query/key head is ``qk_nope + rope`` wide, the cached latent
+# ``kv_lora_rank + rope`` (576 = 512 + 64)
+_MLA_ROPE_DIM = 64
+
+
+def mla_config(case: Case) -> dict[str, object]:
+    """An MLA layout as SGLang recognizes one (``DeepseekV2ForCausalLM``: ``ModelConfig`` reads the latent rank and the
+    RoPE/no-RoPE split): the query head of ``head_dim``, the value head of ``head_dim_vo``, the cached latent of
+    ``kv_cache_head_dim``, no query compression (DeepSeek-V2-Lite's), dense layers (the experts are not attention)."""
+    model = case.model
+    if model.kv_cache_head_dim is None or model.kv_cache_head_dim <= _MLA_ROPE_DIM < model.head_dim:
+        raise UnexpressibleSglangCase(
+            f"case {case.id}: an MLA layout needs a cached latent wider than the {_MLA_ROPE_DIM}-wide RoPE part "
+            f"(kv_cache_head_dim {model.kv_cache_head_dim}) and a query head wider than it (head_dim {model.head_dim})")
+    return decoder_config(
+        case, "DeepseekV2ForCausalLM", "deepseek_v2", pad_token_id=None, kv_lora_rank=model.kv_cache_head_dim -
+        _MLA_ROPE_DIM, qk_rope_head_dim=_MLA_ROPE_DIM, qk_nope_head_dim=model.head_dim - _MLA_ROPE_DIM,
+        v_head_dim=model.dim_vo, q_lora_rank=None, first_k_dense_replace=model.num_layers)
 
 
 def hf_config_dir(case: Case, root: Path | None = None) -> Path:
@@ -123,8 +150,28 @@ def server_args_kwargs(case: Case, model_path: str, attention_backend: str = "fl
         page_size=env.page_size, context_length=env.max_model_len, max_running_requests=env.max_num_seqs,
         chunked_prefill_size=env.max_num_batched_tokens, max_prefill_tokens=env.max_num_batched_tokens,
         tp_size=case.tp, dcp_size=case.dcp, mem_fraction_static=case.gmu,
-        cuda_graph_bs_decode=capture_sizes(case), disable_cuda_graph=not env.cuda_graph_sizes,
+        cuda_graph_bs_decode=capture_bs_decode(case), disable_cuda_graph=not env.cuda_graph_sizes,
+        **speculative_kwargs(case, model_path),
     )
+
+
+def capture_bs_decode(case: Case) -> list[int]:
+    """SGLang's decode capture sizes, in requests: the case's sizes (tokens) as they are without MTP; with MTP the
+    requests of each captured step (``Envelope.decode_captures``: a graph of ``bs`` requests runs ``bs x (1 + mtp)``
+    tokens, SGLang's ``captured_req_width``)."""
+    if not case.mtp:
+        return capture_sizes(case)
+    return sorted(c.num_reqs for c in case.envelope.decode_captures(case.mtp))
+
+
+def speculative_kwargs(case: Case, model_path: str) -> dict[str, SglangValue]:
+    """MTP with ``k`` speculative tokens as SGLang runs it: EAGLE, a chain (top-1) of ``k`` draft steps verifying
+    ``k + 1`` tokens per request, with a draft model of the target's attention layout (an MTP head or an EAGLE head
+    is one decoder layer of the target's head layout); none without MTP."""
+    if not case.mtp:
+        return {}
+    return dict(speculative_algorithm="EAGLE", speculative_draft_model_path=model_path,
+                speculative_num_steps=case.mtp, speculative_eagle_topk=1, speculative_num_draft_tokens=case.mtp + 1)
 
 
 def check_expressible(case: Case, attention_backend: str = "flashinfer") -> None:
@@ -132,23 +179,24 @@ def check_expressible(case: Case, attention_backend: str = "flashinfer") -> None
     simulated GPU) does not run, naming why; ``trtllm_mha`` plans no FlashInfer route, so the planner's limits (an
     unsized case, SM90's FA3) are not its."""
     model = case.model
-    if model.attention == "mla":
-        raise UnexpressibleSglangCase(f"case {case.id}: MLA layouts are served by SGLang's FlashInferMLAAttnBackend "
-                                      "(flashinfer_mla_backend.py), not FlashInferAttnBackend")
+    if model.attention == "mla" and attention_backend == "trtllm_mha":
+        raise UnexpressibleSglangCase(f"case {case.id}: SGLang rejects this layout: its attention registry makes no "
+                                      "trtllm_mha backend for an MLA model (\"trtllm_mha backend can only be used with "
+                                      "non-MLA models.\", attention_registry.py)")
     if case.unsized_reason is not None and attention_backend == "flashinfer":
         raise UnexpressibleSglangCase(f"case {case.id}: FlashInfer plans no FA2 route here, and the simulated GPU has "
                                       f"no host module for it ({case.unsized_reason}; run it on the GPU tier)")
-    if case.mtp:
+    if case.mtp > 1:
         raise UnexpressibleSglangCase(
-            f"case {case.id}: speculative decoding (MTP, {case.mtp} speculative token(s)) runs SGLang's target-verify "
-            "graphs (prefill wrappers per captured size, with a custom mask) and a draft worker's "
-            "FlashInferMultiStepDraftBackend, which this adapter does not drive yet")
+            f"case {case.id}: MTP with {case.mtp} speculative tokens runs SGLang's FlashInferMultiStepDraftBackend "
+            f"({case.mtp - 1} draft decode backends, fed by the Triton kernel generate_draft_decode_kv_indices, which "
+            "has no host version here); MTP 1 runs (target verify and draft extend)")
     if not model.kv.sglang:
         expressed = sorted(name for name, kv in KV_DTYPES.items() if kv.sglang)
         raise UnexpressibleSglangCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
                                       f"(SGLang's FP4 caches take a KV quantization method and a dequant workspace; "
                                       f"expressed: {', '.join(expressed)})")
-    if model.dim_vo != model.head_dim:
+    if model.dim_vo != model.head_dim and model.attention != "mla":
         raise UnexpressibleSglangCase(f"case {case.id}: head_dim_vo {model.dim_vo} != head_dim {model.head_dim}; "
                                       "SGLang's FlashInfer backend plans one head size")
     if model.heads_q % case.tp:
@@ -215,6 +263,11 @@ def _prefill_route_refusal(case: Case, model_config: SglangValue) -> str | None:
     from sglang.srt.model_executor.cuda_graph_config import Phase, check_cuda_graph_backend
     from sglang.srt.runtime_context import get_platform
 
+    if get_platform().is_sm100 and case.model.attention == "mla":
+        return (f"case {case.id}: on {case.gpu.name} (SM100) SGLang's FlashInferMLAAttnBackend plans on FlashInfer's "
+                "MLA wrapper with backend 'auto', whose SM100 policy picks CuTe-DSL or trtllm-gen "
+                "(flashinfer/mla/_batch_mla/_auto_policy.py, ordered_sm100_backends), which the simulated GPU has no "
+                "host module for; run it on the GPU tier")
     head_dims = (model_config.head_dim, model_config.v_head_dim)
     if (get_platform().is_sm100 and head_dims in _SM100_CUTLASS_HEAD_DIMS
             and not check_cuda_graph_backend(Phase.PREFILL, GraphBackend.TC_PIECEWISE)):
@@ -348,7 +401,9 @@ class SglangRunner:
         self.page_size = env.page_size
         self.sliding_window_size = None
         self.is_draft_worker = False
-        self.spec_algorithm = SpeculativeAlgorithm.from_string(None)
+        self.use_mla_backend = case.model.attention == "mla"
+        self.spec_algorithm = SpeculativeAlgorithm.from_string(engine.server_args.speculative_algorithm)
+        self.draft_attention_backend = None  # --speculative-draft-attention-backend: the target's
         self.prefill_attention_backend_str = engine.attention_backend
         self.decode_attention_backend_str = engine.attention_backend
         self.max_running_requests = env.max_num_seqs
@@ -361,57 +416,117 @@ class SglangRunner:
             req_to_token=self.req_to_token_pool.req_to_token,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, token_to_kv_pool=self.token_to_kv_pool,
             page_size=env.page_size, device="cuda")
-        tokens = max(env.max_num_batched_tokens, max(engine.capture_bs, default=1))
+        q = 1 + case.mtp  # SGLang's captured_req_width
+        max_bs = max(engine.capture_bs, default=1)
+        tokens = max(env.max_num_batched_tokens, max_bs * q)
         reqs = env.max_num_seqs
+        # the verify graphs' custom mask (base_runner.py: (max_bs x seq_len_fill_value + max_num_token) x width)
+        self.verify_mask = (torch.ones((max_bs + max_bs * q) * q, dtype=torch.bool, device="cuda") if case.mtp
+                            else None)
         self.req_pool_indices = torch.zeros(reqs, dtype=torch.int64, device="cuda")
         self.seq_lens = torch.ones(reqs, dtype=torch.int64, device="cuda")
         self.out_cache_loc = torch.zeros(tokens, dtype=torch.int64, device="cuda")
         self.positions = torch.zeros(tokens, dtype=torch.int64, device="cuda")
         self.prefix_lens = torch.zeros(reqs, dtype=torch.int32, device="cuda")
         self.extend_lens = torch.zeros(reqs, dtype=torch.int32, device="cuda")
+        self.num_correct_drafts = torch.zeros(reqs, dtype=torch.int32, device="cuda")
+        self.num_accept_tokens = torch.zeros(reqs, dtype=torch.int32, device="cuda")
 
-    def forward_batch(self, batch: Batch, capture_bs: list[int], *, graph: bool, capture: bool) -> SglangValue:
+    def draft_runner(self) -> SglangRunner:
+        """The draft worker's model runner as its backends read it: SGLang's draft runner shares the target's
+        request pool and token allocator (the index translator over them, as the harness owns both KV caches) and
+        is a draft worker."""
+        draft = copy.copy(self)
+        draft.is_draft_worker = True
+        return draft
+
+    def forward_batch(self, batch: Batch, capture_bs: list[int], *, graph: bool, capture: bool,
+                      draft: bool = False) -> SglangValue:
         """The batch as SGLang's ``ForwardBatch`` on the runner's buffers, with its ``KVLocPlan``: request ``i`` on
         request-pool row ``i + 1`` (row 0 is SGLang's padding row), every request at the envelope's full context
         (``engines/batches.py``). A captured decode size is SGLang's dummy capture batch: rows 0, lengths of
-        the backend's fill value."""
+        the backend's fill value.
+
+        With MTP a decode step is SGLang's speculative step: on the target worker ``TARGET_VERIFY`` of the
+        ``1 + mtp`` tokens of every request (an ``EagleVerifyInput`` with its tree mask; the lengths are the committed
+        prefix), on the draft worker (``draft``) ``DRAFT_EXTEND_V2`` of the same window (an ``EagleDraftExtendInput``;
+        the lengths include the window). A prefill or mixed step is an extend on either worker."""
         import torch
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
         case = self.case
+        q = 1 + case.mtp
         if graph:
-            batch = pad_to_capture(batch, capture_bs, case.mtp)
+            batch = pad_to_capture(batch, [bs * q for bs in capture_bs], case.mtp)
         rb = runner_batch(case, batch, case.envelope.max_num_seqs)
         bs, tokens = rb.num_reqs, rb.num_tokens
+        speculative = bool(case.mtp) and batch.kind == "decode"
+        verify = speculative and not draft
         if capture:
             self.req_pool_indices[:bs].zero_()
             self.seq_lens[:bs].fill_(1)
             seq_lens_cpu = torch.ones(bs, dtype=torch.int64)
         else:
-            seq_lens_cpu = torch.tensor(rb.seq_lens, dtype=torch.int64)
+            # a verify step's lengths are the committed prefix: the window is appended by SGLang's verify input
+            seq_lens_cpu = torch.tensor(rb.seq_lens, dtype=torch.int64) - (q if verify else 0)
             self.req_pool_indices[:bs].copy_(torch.arange(1, bs + 1, dtype=torch.int64))
             self.seq_lens[:bs].copy_(seq_lens_cpu)
         mode = {"decode": ForwardMode.DECODE, "prefill": ForwardMode.EXTEND, "mixed": ForwardMode.MIXED}[batch.kind]
+        if speculative:
+            mode = ForwardMode.DRAFT_EXTEND_V2 if draft else ForwardMode.TARGET_VERIFY
         values: dict[str, SglangValue] = dict(
             forward_mode=mode, batch_size=bs, input_ids=self.positions[:tokens], req_pool_indices=
             self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs], seq_lens_cpu=seq_lens_cpu,
             out_cache_loc=self.out_cache_loc[:tokens], seq_lens_sum=int(seq_lens_cpu.sum()),
             positions=self.positions[:tokens], orig_seq_lens=self.seq_lens[:bs], spec_algorithm=self.spec_algorithm,
             can_run_decode_cuda_graph=graph, global_forward_mode=mode)
-        if mode != ForwardMode.DECODE:
+        if mode != ForwardMode.DECODE and not verify:
             extend = torch.tensor(rb.query_lens, dtype=torch.int32)
-            prefix = seq_lens_cpu.to(torch.int32) - extend
+            prefix = (seq_lens_cpu.to(torch.int32) - extend).clamp(min=0)
             self.prefix_lens[:bs].copy_(prefix)
             self.extend_lens[:bs].copy_(extend)
             values.update(extend_num_tokens=tokens, extend_seq_lens=self.extend_lens[:bs],
                           extend_prefix_lens=self.prefix_lens[:bs], extend_prefix_lens_cpu=prefix.tolist(),
                           extend_seq_lens_cpu=extend.tolist())
+        if verify:
+            values["spec_info"] = self._verify_input(seq_lens_cpu, capture)
+        elif speculative:
+            values["spec_info"] = self._draft_extend_input(bs)
         forward_batch = ForwardBatch(**values)
         if capture:
             self.kv_index_translator.bind_runner_slots(forward_batch)
         else:
             self.kv_index_translator.own_plan(forward_batch).bind(forward_batch, self.kv_index_translator)
         return forward_batch
+
+    def _verify_input(self, seq_lens_cpu: SglangValue, capture: bool) -> SglangValue:
+        """SGLang's ``EagleVerifyInput`` of a verify step: a capture reads the graph runner's mask buffer (its
+        ``get_spec_info``); a served step carries the tree mask its draft built (every prefix token, then the
+        window's own ``(1 + mtp)^2``)."""
+        import torch
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+        q = 1 + self.case.mtp
+        bs = len(seq_lens_cpu)
+        mask = (self.verify_mask if capture else
+                torch.ones(int(seq_lens_cpu.sum()) * q + q * q * bs, dtype=torch.bool, device="cuda"))
+        return EagleVerifyInput(
+            draft_token=None, custom_mask=mask, positions=None, retrieve_index=None, retrieve_next_token=None,
+            retrieve_next_sibling=None, retrieve_cum_len=None, spec_steps=self.case.mtp, topk=1, draft_token_num=q,
+            capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
+
+    def _draft_extend_input(self, bs: int) -> SglangValue:
+        """SGLang's ``EagleDraftExtendInput`` of a draft-extend step over the whole window (every draft token
+        accepted: the longest extend)."""
+        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+
+        q = 1 + self.case.mtp
+        self.num_correct_drafts[:bs].fill_(q - 1)
+        self.num_accept_tokens[:bs].fill_(q)
+        return EagleDraftExtendInput(num_correct_drafts=self.num_correct_drafts[:bs],
+                                     num_accept_tokens=self.num_accept_tokens[:bs], num_tokens_per_req=q,
+                                     num_tokens_for_logprob_per_req=1)
 
 
 # -- the adapter --------------------------------------------------------------------------------------------------
@@ -432,7 +547,7 @@ class SglangFlashInferAdapter(EngineAdapter):
         super().__init__(case, builder_cls)
         self.runner: SglangRunner | None = None
         self.capturing = False
-        self.captured: list[int] = []  # decode batch sizes captured, in order
+        self.captured: list[tuple[str, int]] = []  # (SGLang's forward mode, batch size) captured, in order
         if device_active():
             self.ensure_inputs()
 
@@ -460,21 +575,51 @@ class SglangFlashInferAdapter(EngineAdapter):
                 self.runner = SglangRunner(self.case, self.config())
 
     def builder_keys(self, ubatch: int) -> list[SglangValue]:
-        """SGLang's runner has one attention backend: it is micro-batch 0's."""
-        return [0] if ubatch == 0 else []
+        """SGLang's runner has one attention backend: it is micro-batch 0's. With MTP the draft worker's runner has
+        its own (key :data:`DRAFT`), its draft-extend backend (MTP 1 makes no multi-step draft decode backend)."""
+        if ubatch != 0:
+            return []
+        return [TARGET, DRAFT] if self.case.mtp else [TARGET]
+
+    def ubatch_of(self, key: SglangValue) -> int:
+        return 0
+
+    def describe_key(self, key: SglangValue) -> str:
+        return "the draft worker's draft-extend backend" if key == DRAFT else "the model runner's backend"
 
     def make_engine_builder(self, key: SglangValue) -> SglangValue:
-        """``FlashInferAttnBackend(model_runner)``, then the decode CUDA-graph runner's ``init_cuda_graph_state``."""
+        """``FlashInferAttnBackend(model_runner)``, then the decode CUDA-graph runner's ``init_cuda_graph_state``;
+        the draft worker's ``FlashInferAttnBackend(draft_runner, skip_prefill=False)``, then its draft-extend graph
+        runner's (both graph runners size for ``max_bs x (1 + mtp)`` tokens)."""
         self.ensure_inputs()
         runner = self.runner
         assert runner is not None
-        cls = self.builder_cls or import_sglang_flashinfer().FlashInferAttnBackend
-        backend = cls(runner)
+        cls = self.builder_cls or self.sglang_backend_class()
+        backend = cls(runner.draft_runner(), skip_prefill=False) if key == DRAFT else cls(runner)
         sizes = self.config().capture_bs
         if sizes:
             max_bs = max(sizes)
             backend.init_cuda_graph_state(max_bs, max_bs * (1 + self.case.mtp))
         return backend
+
+    def sglang_backend_class(self) -> type:
+        """The class SGLang's attention registry makes for ``--attention-backend flashinfer``
+        (``create_flashinfer_backend``): ``FlashInferMLAAttnBackend`` where the runner uses MLA, else
+        ``FlashInferAttnBackend``."""
+        import importlib
+
+        if self.case.model.attention == "mla":
+            mla: type = importlib.import_module(_MLA_MODULE).FlashInferMLAAttnBackend
+            return mla
+        mha: type = import_sglang_flashinfer().FlashInferAttnBackend
+        return mha
+
+    def key_metadata(self, key: SglangValue, batch: Batch, metadata: SglangValue) -> SglangValue:
+        """The draft worker's step of the batch, made after the target's was built (the runner's buffers are
+        shared, as SGLang's draft worker runs after the target's forward)."""
+        if key != DRAFT:
+            return metadata
+        return self._forward_batch(batch, draft=True)
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
         """Micro-batch 0's steps on SGLang's one backend; the harness's micro-batch 1 repeats them and is not run
@@ -485,16 +630,20 @@ class SglangFlashInferAdapter(EngineAdapter):
         super().build(ctx, batch)
 
     def engine_metadata(self, batch: Batch) -> SglangValue:
+        return self._forward_batch(batch)
+
+    def _forward_batch(self, batch: Batch, draft: bool = False) -> SglangValue:
         assert self.runner is not None
         graph = batch.cuda_graph and batch.kind == "decode"
-        return self.runner.forward_batch(batch, self.config().capture_bs, graph=graph, capture=graph and self.capturing)
+        return self.runner.forward_batch(batch, self.config().capture_bs, graph=graph, capture=graph and self.capturing,
+                                         draft=draft)
 
     def build_for_capture(self, builder: SglangValue, metadata: SglangValue) -> SglangValue:
         """A captured decode size: SGLang's capture call (new decode wrappers for the size) while capturing, its
         replay call after."""
         if self.capturing:
             builder.init_forward_metadata_out_graph(metadata, in_capture=True)
-            self.captured.append(metadata.batch_size)
+            self.captured.append((metadata.forward_mode.name, metadata.batch_size))
         else:
             builder.init_forward_metadata_out_graph(metadata)
         return builder.forward_metadata
@@ -504,21 +653,31 @@ class SglangFlashInferAdapter(EngineAdapter):
         return builder.forward_metadata
 
     def wrappers(self) -> Iterator[tuple[str, SglangValue]]:
-        """Every FlashInfer wrapper SGLang's backend holds: (role, wrapper)."""
+        """Every FlashInfer wrapper SGLang's backend holds: (role, wrapper). ``FlashInferAttnBackend`` keeps lists
+        (one wrapper per sliding-window/cross-attention split), ``FlashInferMLAAttnBackend`` one wrapper each."""
         for backend in self.builders.values():
             yield "ragged prefill", backend.prefill_wrapper_ragged
-            for role, attr in (("paged prefill", "prefill_wrappers_paged"), ("verify", "prefill_wrappers_verify"),
-                               ("decode", "decode_wrappers")):
-                for w in getattr(backend, attr, []):
-                    yield role, w
-            for bs, ws in sorted(backend.decode_cuda_graph_metadata.items()):
-                for w in ws:
-                    yield f"cuda-graph decode bs={bs}", w
+            for role, attrs in (("paged prefill", ("prefill_wrappers_paged", "prefill_wrapper_paged")),
+                                ("verify", ("prefill_wrappers_verify", "prefill_wrapper_verify")),
+                                ("decode", ("decode_wrappers", "decode_wrapper"))):
+                for attr in attrs:
+                    yield from ((role, w) for w in _listed(getattr(backend, attr, None)))
+            for role, attr in (("decode", "decode_cuda_graph_metadata"), ("verify", "prefill_cuda_graph_metadata"),
+                               ("draft extend", "draft_extend_cuda_graph_metadata")):
+                for bs, ws in sorted(getattr(backend, attr, {}).items()):
+                    yield from ((f"cuda-graph {role} bs={bs}", w) for w in _listed(ws))
 
     def close(self) -> None:
         super().close()
         self.runner = None
         self.engine_config = None
+
+
+def _listed(wrappers: SglangValue) -> list[SglangValue]:
+    """A backend attribute holding no wrapper, one, or a list of them, as a list."""
+    if wrappers is None:
+        return []
+    return list(wrappers) if isinstance(wrappers, (list, tuple)) else [wrappers]
 
 
 @contextlib.contextmanager

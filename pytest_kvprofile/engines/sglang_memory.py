@@ -41,10 +41,12 @@ class SglangCostRow:
     float_workspace_bytes: int  # SGLang's shared float workspace
     int_workspace_bytes: int  # the wrappers' int workspaces, all of them
     int_workspaces: int
-    float_need_bytes: int  # FlashInfer's exact float need for the case's routes (sizing.for_case)
-    int_need_bytes: int  # and per wrapper
-    waste_bytes: int  # workspace beyond the exact need: the float workspace's and every int workspace's excess
-    waste_kv_tokens: int
+    # FlashInfer's exact float need for the routes planned (sizing.for_case) and the int need per wrapper; None
+    # where the backend plans a route the suite does not size (FlashInfer's MLA planner), and then no waste either
+    float_need_bytes: int | None
+    int_need_bytes: int | None
+    waste_bytes: int | None  # workspace beyond the exact need: the float workspace's and every int workspace's excess
+    waste_kv_tokens: int | None
     default_fraction: float  # SGLang's default mem_fraction_static on this GPU for this case
     default_reserve_bytes: int  # (1 - default_fraction) x GPU memory: what the default leaves after the KV pool
     backend: str = "sglang-flashinfer"  # the suite's backend the row is of (sglang-trtllm-mha: SGLang's SM100 default)
@@ -63,17 +65,21 @@ class SglangCostRow:
         return self.backend_bytes <= self.default_reserve_bytes
 
 
-def planner_need(result: LifecycleResult, backend_name: str) -> tuple[int, int]:
+def planner_need(result: LifecycleResult, backend_name: str) -> tuple[int, int] | None:
     """FlashInfer's exact float need and int need per wrapper for the routes the backend was seen planning (the
-    waste check's ``need_for_routes``); nothing planned (trtllm-gen plans no FlashInfer route) needs nothing."""
-    from pytest_kvprofile.sizing.case import for_case, need_for_routes
+    waste check's ``need_for_routes``); nothing planned (trtllm-gen plans no FlashInfer route) needs nothing. None
+    when it planned a route the suite does not size (``sizing.case.routes``: MLA's planner), rather than a need
+    that leaves that route out."""
+    from pytest_kvprofile.sizing.case import for_case, need_for_routes, routes
 
     planned = {p.route for p in result.plans if p.builder == backend_name}
     if not planned:
         return 0, 0
+    if not planned <= set(routes(result.case)):
+        return None
     float_need, sized = need_for_routes(result.case, planned)
-    routes = for_case(result.case).routes
-    return float_need, max((routes[r].int_bytes for r in sized), default=0)
+    by_route = for_case(result.case).routes
+    return float_need, max((by_route[r].int_bytes for r in sized), default=0)
 
 
 def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float) -> SglangCostRow | None:
@@ -86,13 +92,15 @@ def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float
     floats = sum(a.nbytes for a in kept if a.role is Role.FLOAT_WORKSPACE)  # SGLang's get_buffer("flashinfer_...")
     ints = [a for a in kept if a.role is Role.INT_WORKSPACE]  # each wrapper's own
     int_bytes, int_count = sum(a.nbytes for a in ints), len(ints)
-    float_need, int_need = planner_need(result, backend_name)
-    waste = max(0, floats - float_need) + max(0, int_bytes - int_count * int_need)
+    need = planner_need(result, backend_name)
+    float_need, int_need = need if need is not None else (None, None)
+    waste = (None if need is None else
+             max(0, floats - need[0]) + max(0, int_bytes - int_count * need[1]))
     gpu = case.gpu.memory_bytes
     return SglangCostRow(
         case.id, gpu, backend, tokens_for(backend, per_token), floats, int_bytes, int_count, float_need,
-        int_need, waste, tokens_for(waste, per_token), default_fraction, int(gpu * (1 - default_fraction)),
-        backend_name)
+        int_need, waste, None if waste is None else tokens_for(waste, per_token), default_fraction,
+        int(gpu * (1 - default_fraction)), backend_name)
 
 
 @dataclass(frozen=True)
@@ -191,12 +199,15 @@ def sglang_table(rows: list[SglangCostRow], refused: dict[str, str]) -> list[str
     ]
     for r in rows:
         per_int = r.int_workspace_bytes / MiB / max(1, r.int_workspaces)
-        need = f"need {r.float_need_bytes / MiB:.1f} + {r.int_workspaces} x {r.int_need_bytes / MiB:.2f} MiB"
+        if r.waste_bytes is None or r.float_need_bytes is None or r.int_need_bytes is None:
+            waste = "not sized (FlashInfer's MLA planner: the suite sizes prefill and decode routes)"
+        else:
+            need = f"need {r.float_need_bytes / MiB:.1f} + {r.int_workspaces} x {r.int_need_bytes / MiB:.2f} MiB"
+            waste = f"{r.waste_bytes / MiB:.1f} MiB ({r.waste_kv_tokens} KV tokens; {need})"
         label = r.case if r.backend == "sglang-flashinfer" else f"{r.case} ({r.backend})"
         out.append(
             f"| {label} | {r.backend_bytes / MiB:.1f} MiB ({r.backend_kv_tokens} KV tokens) | "
-            f"{r.float_workspace_bytes / MiB:.0f} MiB / {r.int_workspaces} x {per_int:.0f} MiB | "
-            f"{r.waste_bytes / MiB:.1f} MiB ({r.waste_kv_tokens} KV tokens; {need}) | "
+            f"{r.float_workspace_bytes / MiB:.0f} MiB / {r.int_workspaces} x {per_int:.0f} MiB | {waste} | "
             f"{r.must_leave_fraction:.3f} of {r.gpu_bytes / MiB / 1024:.1f} GiB | "
             f"{r.default_fraction:.3f} ({r.default_reserve_bytes / MiB:.0f} MiB) | "
             f"{'yes' if r.attention_share_covers else 'no'} | {'yes' if r.reserve_covers else 'no'} |")

@@ -38,6 +38,7 @@ from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.adapter import EngineAdapter, engine_backend
 from pytest_kvprofile.engines.sglang_flashinfer import (
+    DRAFT,
     SglangEngine,
     SglangFlashInferAdapter,
     SglangValue,
@@ -132,12 +133,12 @@ class SglangPostCaptureAdapter(SglangFlashInferAdapter):
         the backend (the lease holds it too, until the closing measurement). All or nothing: a failure drops the
         backend it made (SGLang's start-up would end there; its process-wide float workspace stays cached)."""
         try:
-            self.make_engine_builders(ctx.num_ubatches)
             self.capturing = True
-            with self.engine_scope():
-                for bs in sorted(self.config().capture_bs, reverse=True):  # SGLang captures the largest first
-                    metadata = self.runner_batch(bs)
-                    self.build_for_capture(self.builders[0], metadata)
+            with self.construction_scope():
+                for key in self.builder_keys(0):  # the target worker made and captured, then the draft worker
+                    self.builders[key] = self.make_engine_builder(key)
+                    for bs in sorted(self.config().capture_bs, reverse=True):  # SGLang captures the largest first
+                        self.build_for_capture(self.builders[key], self.runner_batch(bs, draft=key == DRAFT))
         except BaseException as exc:
             self.builders.clear()
             self.captured.clear()
@@ -153,11 +154,11 @@ class SglangPostCaptureAdapter(SglangFlashInferAdapter):
         self.sized_after_capture = True
         return ctx.lease(list(self.builders.values()))
 
-    def runner_batch(self, bs: int) -> SglangValue:
+    def runner_batch(self, bs: int, draft: bool = False) -> SglangValue:
         assert self.runner is not None
         tokens = bs * (1 + self.case.mtp)
         batch = Batch("decode", bs, tokens, cuda_graph=True)
-        return self.runner.forward_batch(batch, self.config().capture_bs, graph=True, capture=True)
+        return self.runner.forward_batch(batch, self.config().capture_bs, graph=True, capture=True, draft=draft)
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
         """After the sizing point SGLang captures nothing again: the harness's capture replays the sizes the window

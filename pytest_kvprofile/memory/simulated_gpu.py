@@ -136,7 +136,7 @@ class _Patches:
                 setattr(obj, name, value)
 
 
-_LOADERS = ("get_batch_prefill_module", "get_batch_decode_module", "get_batch_mla_module")
+_LOADERS = ("get_batch_prefill_module", "get_batch_decode_module", "get_batch_mla_module", "get_quantization_module")
 
 
 def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
@@ -146,6 +146,7 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
     import flashinfer.prefill
 
     from pytest_kvprofile.attention import host_plan
+    from pytest_kvprofile.attention.host_packbits import host_quantization_module
 
     originals: dict[str, Callable[..., object]] = {
         "get_batch_prefill_module": flashinfer.prefill.get_batch_prefill_module,
@@ -159,6 +160,10 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
     if mla_loader is not None:
         originals["get_batch_mla_module"] = mla_loader
         replacements["get_batch_mla_module"] = host_plan.mla_loader(device)
+    packbits_loader = _flashinfer_packbits_loader()
+    if packbits_loader is not None:
+        originals["get_quantization_module"] = packbits_loader
+        replacements["get_quantization_module"] = host_quantization_module
     for _name, module in loaded_modules("flashinfer"):
         namespace = vars(module)
         for loader in _LOADERS:
@@ -169,8 +174,8 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
         raise SimulatedDeviceUnsupported(
             f"FlashInfer JIT module {getattr(spec, 'name', spec)!r} has no host implementation on the simulated "
             f"{device.name}: only the batch prefill (FA2, paged and ragged) and batch decode (CUDA-core and "
-            "tensor-core) modules, and the batch MLA module's plan() (FA2/FA3), are served "
-            "(pytest_kvprofile.attention.host_plan)")
+            "tensor-core) modules, the batch MLA module's plan() (FA2/FA3) and the quantization module's bit "
+            "packing are served (pytest_kvprofile.attention.host_plan, host_packbits)")
 
     patches.set(flashinfer.jit.core.JitSpec, "build_and_load", build_and_load)
     _patch_wrapper_roles(patches)
@@ -246,6 +251,16 @@ def note_int_holder(alloc: Allocation, wrapper: object, attr: str) -> None:
     callback = getattr(sim, "on_int_holder", None)
     if callback is not None:
         callback(alloc, wrapper, attr)
+
+
+def _flashinfer_packbits_loader() -> Callable[..., object] | None:
+    """FlashInfer's quantization module loader (``flashinfer.quantization.packbits.get_quantization_module``), if
+    this install has one."""
+    try:  # by its module name: the package's ``packbits`` attribute is the function of that name
+        packbits = importlib.import_module("flashinfer.quantization.packbits")
+    except ImportError:
+        return None
+    return getattr(packbits, "get_quantization_module", None)
 
 
 def _flashinfer_mla_loader() -> Callable[..., object] | None:

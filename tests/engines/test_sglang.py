@@ -6,6 +6,7 @@ Without SGLang the tests that need it skip with the install command (scripts/ins
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,9 +19,13 @@ from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
 from pytest_kvprofile.contract.backends import BackendError, check_requirements
 from pytest_kvprofile.engines import sglang_standins as ss
 from pytest_kvprofile.engines.sglang_flashinfer import (
+    DRAFT,
     SGLANG_BACKENDS,
+    TARGET,
     HostKvIndices,
     SglangFlashInferAdapter,
+    UnexpressibleSglangCase,
+    check_expressible,
     engine_refusal,
     hf_config,
 )
@@ -33,6 +38,8 @@ from pytest_kvprofile.units import MiB
 CASES = {c.id: c for c in load_matrix(packaged_matrix("ci")).cases}
 QWEN_L40S = CASES["qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"]
 LLAMA_FP8 = CASES["llama-3.1-8b-tp1-dcp1-mtp0-l40s-gmu0.90-kvfp8_e4m3"]
+QWEN_MTP = CASES["qwen3-8b-tp1-dcp1-mtp1-l40s-gmu0.90"]
+MLA_L40S = CASES["deepseek-v2-lite-mla-tp1-dcp1-mtp0-l40s-gmu0.90-kvbf16"]
 
 
 
@@ -108,7 +115,7 @@ def test_sglangs_backend_runs_a_ci_case_and_everything_it_makes_is_after_kv_sizi
         assert failing_checks(result) == {}
         assert isinstance(adapter, SglangFlashInferAdapter)
         assert set(adapter.built) == {"prefill", "mixed", "decode"}
-        assert adapter.captured == sorted(adapter.config().capture_bs, reverse=True)
+        assert adapter.captured == [("DECODE", bs) for bs in sorted(adapter.config().capture_bs, reverse=True)]
         owned = [a for a in result.allocations if a.owner == adapter.name and a.kind == "device"]
         # the runner's pools before KV sizing (SGLang makes them with the KV cache); the backend's after
         assert {a.phase for a in owned if "flashinfer" in (a.stack or "")} <= set(POST_KV_PHASES)
@@ -127,12 +134,84 @@ def test_sglangs_backend_runs_a_ci_case_and_everything_it_makes_is_after_kv_sizi
 
 
 @pytest.mark.usefixtures("sglang_flashinfer")
-@pytest.mark.parametrize(("case_id", "why"), [
-    ("deepseek-v2-lite-mla-tp1-dcp1-mtp0-l40s-gmu0.90-kvbf16", "FlashInferMLAAttnBackend"),
-    ("qwen3-8b-tp1-dcp1-mtp1-l40s-gmu0.90", "speculative decoding"),
-    ("llama-3.1-8b-tp1-dcp1-mtp0-l40s-gmu0.90-kvnvfp4", "FP4"),
-], ids=["mla", "mtp", "nvfp4"])
-def test_a_refused_layout_names_why(case_id, why):
-    reason = engine_refusal(CASES[case_id])
+@pytest.mark.parametrize(("case_id", "attention", "why"), [
+    ("deepseek-v2-lite-mla-tp1-dcp1-mtp0-b200-gmu0.90-kvbf16", "flashinfer", "CuTe-DSL or trtllm-gen"),
+    ("deepseek-v2-lite-mla-tp1-dcp1-mtp0-l40s-gmu0.90-kvbf16", "trtllm_mha", "can only be used with non-MLA models"),
+    ("llama-3.1-8b-tp1-dcp1-mtp0-l40s-gmu0.90-kvnvfp4", "flashinfer", "FP4"),
+], ids=["mla-sm100", "mla-trtllm-mha", "nvfp4"])
+def test_a_refused_layout_names_why(case_id, attention, why):
+    reason = engine_refusal(CASES[case_id], attention)
     assert reason is not None and case_id in reason and why in reason
-    assert engine_refusal(QWEN_L40S) is None
+    assert engine_refusal(QWEN_L40S) is None and engine_refusal(QWEN_MTP) is None and engine_refusal(MLA_L40S) is None
+
+
+@pytest.mark.usefixtures("sglang_flashinfer")
+def test_an_mla_layout_runs_sglangs_mla_backend_as_its_registry_picks_it():
+    """SGLang's attention registry makes ``FlashInferMLAAttnBackend`` for an MLA model (``use_mla_backend``): its own
+    384 MiB workspace, FlashInfer's MLA wrapper per captured decode size, planned by FlashInfer's MLA planner."""
+    result = run_lifecycle(SGLANG_BACKENDS[0], MLA_L40S)
+    adapter = result.builders[0]
+    try:
+        assert not result.errors, result.errors
+        assert failing_checks(result) == {}
+        model = adapter.config().model_config
+        assert (model.kv_lora_rank, model.qk_rope_head_dim, model.v_head_dim) == (512, 64, 128)
+        backend = adapter.builders[0]
+        assert type(backend).__name__ == "FlashInferMLAAttnBackend"
+        assert {p.route for p in result.plans} == {"mla"}
+        roles = [role for role, _ in adapter.wrappers()]
+        assert sum(r.startswith("cuda-graph decode") for r in roles) == len(adapter.config().capture_bs)
+        cost = post_kv_cost(result)
+        assert cost is not None
+        top = cost.sources[0]
+        assert top.source.startswith("sglang/srt/layers/attention/flashinfer_mla_backend.py:")
+        assert top.nbytes == 384 * MiB
+    finally:
+        close_parts(result)
+
+
+def test_mtp_beyond_one_token_is_refused_naming_the_draft_decode_backend():
+    case = dataclasses.replace(QWEN_MTP, mtp=2)
+    with pytest.raises(UnexpressibleSglangCase, match="FlashInferMultiStepDraftBackend.*generate_draft_decode_kv"):
+        check_expressible(case)
+    check_expressible(QWEN_MTP)
+
+
+@pytest.mark.usefixtures("sglang_flashinfer")
+def test_mtp_runs_sglangs_verify_graphs_and_a_draft_workers_backend():
+    """MTP 1 as SGLang's EAGLE chain: the model runner's backend captures TARGET_VERIFY graphs (prefill wrappers with
+    the verify mask, no decode graphs), the draft worker's own backend captures DRAFT_EXTEND_V2 graphs; both share
+    SGLang's one float workspace, each has its own graph state."""
+    result = run_lifecycle(SGLANG_BACKENDS[0], QWEN_MTP)
+    adapter = result.builders[0]
+    try:
+        assert not result.errors, result.errors
+        assert failing_checks(result) == {}
+        assert isinstance(adapter, SglangFlashInferAdapter)
+        sizes = sorted(adapter.config().capture_bs, reverse=True)
+        assert sizes == [c.num_reqs for c in QWEN_MTP.envelope.decode_captures(1)]  # requests of 2 tokens each
+        assert [c for c in adapter.captured if c[0] == "TARGET_VERIFY"] == [("TARGET_VERIFY", bs) for bs in sizes]
+        assert [c for c in adapter.captured if c[0] == "DRAFT_EXTEND_V2"] == [("DRAFT_EXTEND_V2", bs) for bs in sizes]
+        assert len(adapter.captured) == 2 * len(sizes)
+        roles = [role for role, _ in adapter.wrappers()]
+        assert not any(r.startswith("cuda-graph decode") for r in roles)
+        assert sum(r.startswith("cuda-graph verify") for r in roles) == len(sizes)
+        assert sum(r.startswith("cuda-graph draft extend") for r in roles) == len(sizes)
+        plans = [p for p in result.plans if p.cuda_graph]
+        assert plans and all(p.route.startswith("prefill") for p in plans)  # verify and draft extend plan prefill
+        cost = post_kv_cost(result)
+        assert cost is not None
+        workspace = [s for s in cost.sources if s.nbytes == 512 * MiB]
+        assert len(workspace) == 1 and workspace[0].count == 1  # the draft backend shares it
+        graph_state = [s for s in cost.sources if "init_cuda_graph_state" in s.source and s.nbytes >= 64 * MiB]
+        assert sum(s.count for s in graph_state) == 2  # the KV indices of each worker's graphs
+    finally:
+        close_parts(result)
+    assert adapter.builders == {} and adapter.runner is None
+
+
+def test_the_draft_worker_is_one_more_builder_of_micro_batch_zero():
+    adapter = SglangFlashInferAdapter(QWEN_MTP)
+    assert adapter.builder_keys(0) == [TARGET, DRAFT] and adapter.builder_keys(1) == []
+    assert adapter.ubatch_of(DRAFT) == 0 and "draft" in adapter.describe_key(DRAFT)
+    assert SglangFlashInferAdapter(QWEN_L40S).builder_keys(0) == [TARGET]

@@ -49,6 +49,13 @@ def test_the_table_has_a_line_per_row_and_names_each_refusal_once():
     assert lines[-1] == "- m-tp1: MLA layouts are served by another backend"
 
 
+def test_a_row_whose_route_the_suite_does_not_size_reports_no_waste():
+    unsized = dataclasses.replace(_row(512 * MiB), float_need_bytes=None, int_need_bytes=None, waste_bytes=None,
+                                  waste_kv_tokens=None)
+    line = sglang_table([unsized], {})[2]
+    assert "not sized (FlashInfer's MLA planner" in line and "need" not in line.split("|")[4]
+
+
 def test_the_script_resumes_from_its_journal_and_renders_without_running(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -123,3 +130,19 @@ def test_a_row_from_a_run_reads_the_backends_workspaces_by_role(sglang_flashinfe
     assert row.float_need_bytes == for_case(QWEN_L40S).float_bytes < row.float_workspace_bytes
     assert row.waste_bytes == (512 * MiB - row.float_need_bytes) + row.int_workspaces * (8 * MiB - row.int_need_bytes)
     assert row.backend_bytes > row.float_workspace_bytes + row.int_workspace_bytes and not row.attention_share_covers
+
+
+def test_an_mla_run_reads_sglangs_mla_workspace_and_sizes_no_waste(sglang_flashinfer):
+    from pytest_kvprofile.engines.sglang_flashinfer import BACKEND_NAME, SGLANG_BACKENDS
+    from pytest_kvprofile.engines.sglang_memory import cost_row, planner_need
+    from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
+
+    case = CASES["deepseek-v2-lite-mla-tp1-dcp1-mtp0-l40s-gmu0.90-kvbf16"]
+    result = run_lifecycle(SGLANG_BACKENDS[0], case)
+    try:
+        row = cost_row(result, BACKEND_NAME, 0.685)
+        assert planner_need(result, BACKEND_NAME) is None  # it planned FlashInfer's MLA route, which is not sized
+    finally:
+        close_parts(result)
+    assert row is not None and row.float_workspace_bytes == 384 * MiB  # get_buffer("flashinfer_mla_workspace")
+    assert row.waste_bytes is None and row.float_need_bytes is None

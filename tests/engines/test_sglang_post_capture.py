@@ -31,6 +31,7 @@ from pytest_kvprofile.units import GiB, MiB
 CASES = {c.id: c for c in load_matrix(packaged_matrix("ci")).cases}
 QWEN_L40S = CASES["qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"]
 QWEN_DCP2 = CASES["qwen3-8b-tp4-dcp2-mtp0-l40s-gmu0.90"]
+QWEN_MTP = CASES["qwen3-8b-tp1-dcp1-mtp1-l40s-gmu0.90"]
 BACKEND = SGLANG_POST_CAPTURE_BACKENDS[0]
 
 
@@ -62,7 +63,8 @@ def test_sglangs_backend_passes_with_everything_made_before_the_sizing_point():
         assert result.path == PROFILING and result.budget is not None and result.budget.rule == "post_capture"
         assert failing_checks(result) == {}
         assert isinstance(adapter, SglangPostCaptureAdapter)
-        assert adapter.captured == sorted(adapter.config().capture_bs, reverse=True)  # captured once, in the window
+        # captured once, in the window
+        assert adapter.captured == [("DECODE", bs) for bs in sorted(adapter.config().capture_bs, reverse=True)]
         flashinfer = [a for a in result.allocations if a.owner == adapter.name and a.kind == "device"
                       and "flashinfer" in (a.stack or "")]
         persistent = [a for a in flashinfer if a.freed_phase is None or a.freed_phase == "teardown"]
@@ -100,6 +102,40 @@ def test_a_buffer_made_on_the_first_request_after_the_sizing_point_is_refused(sg
         assert messages, failed
         assert "64.00 MiB" in messages[0] and "init_forward_metadata" in messages[0]
         assert "step memory from the serving headroom" in messages[0]  # the per-step tensors are named apart
+    finally:
+        close_parts(result)
+
+
+@pytest.mark.usefixtures("sglang_flashinfer")
+def test_with_mtp_the_draft_worker_is_made_and_captured_before_the_sizing_point(sglang_flashinfer):
+    """SGLang sizes after the draft worker's capture too (scheduler.py: ``post_capture_resize_kv_pool(
+    draft_runners=...)``): its own backend passes; one that makes its draft-extend scratch on the first served draft
+    extend is refused, naming the call."""
+    result = run_lifecycle(BACKEND, QWEN_MTP)
+    adapter = result.builders[0]
+    try:
+        assert not result.errors, result.errors
+        assert result.path == PROFILING and failing_checks(result) == {}
+        sizes = sorted(adapter.config().capture_bs, reverse=True)
+        # the target worker made and captured, then the draft worker (SGLang's start-up order)
+        assert adapter.captured == [("TARGET_VERIFY", bs) for bs in sizes] + [("DRAFT_EXTEND_V2", bs) for bs in sizes]
+    finally:
+        close_parts(result)
+
+    class LazyDraftScratch(sglang_flashinfer.FlashInferAttnBackend):  # type: ignore[misc, name-defined]
+        def init_forward_metadata(self, forward_batch: Any) -> None:
+            import torch
+
+            if forward_batch.forward_mode.is_draft_extend_v2() and getattr(self, "scratch", None) is None:
+                self.scratch = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+            super().init_forward_metadata(forward_batch)
+
+    lazy = dataclasses.replace(BACKEND, name="sglang-lazy-draft-scratch", make_builders=lambda case: [
+        SglangPostCaptureAdapter(case, builder_cls=LazyDraftScratch)])
+    result = run_lifecycle(lazy, QWEN_MTP)
+    try:
+        messages = failing_checks(result).get("persistent_memory_visible_at_closing", [])
+        assert messages and "32.00 MiB" in messages[0] and "init_forward_metadata" in messages[0], messages
     finally:
         close_parts(result)
 

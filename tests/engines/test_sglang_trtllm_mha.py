@@ -26,6 +26,7 @@ from pytest_kvprofile.units import MiB
 CASES = {c.id: c for c in load_matrix(packaged_matrix("ci")).cases}
 QWEN_B200 = CASES["qwen3-8b-tp1-dcp1-mtp0-b200-gmu0.90"]
 QWEN_L40S = CASES["qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"]
+QWEN_B200_MTP = CASES["qwen3-8b-tp1-dcp1-mtp1-b200-gmu0.90"]
 PAGE = 4
 
 
@@ -80,6 +81,27 @@ def test_sglangs_trtllm_backend_runs_a_b200_case_with_both_workspaces_after_kv_s
         flashinfer = [n for src, n in by_line.items() if src.startswith(attention + "flashinfer_backend")]
         own = [n for src, n in by_line.items() if src.startswith(attention + "trtllm_mha_backend")]
         assert 512 * MiB in flashinfer and 512 * MiB in own  # the unused FlashInfer arena, and trtllm-gen's own
+    finally:
+        close_parts(result)
+
+
+@pytest.mark.usefixtures("sglang_flashinfer")
+def test_with_mtp_both_workers_run_trtllm_mha_through_the_host_graph_metadata():
+    """MTP 1 on B200: the model runner's and the draft worker's ``TRTLLMHAAttnBackend``, their verify and
+    draft-extend graphs through ``update_trtllm_mha_graph_metadata`` (host version: the verify window as
+    ``seqlen_offset``, the draft-extend queries strided); SGLang's workspaces are each made once per process."""
+    result = run_lifecycle(SGLANG_TRTLLM_MHA_BACKENDS[0], QWEN_B200_MTP)
+    adapter = result.builders[0]
+    try:
+        assert not result.errors, result.errors
+        assert failing_checks(result) == {}
+        assert [type(b).__name__ for b in adapter.builders.values()] == ["TRTLLMHAAttnBackend"] * 2
+        modes = {mode for mode, _ in adapter.captured}
+        assert modes == {"TARGET_VERIFY", "DRAFT_EXTEND_V2"}
+        cost = post_kv_cost(result)
+        assert cost is not None
+        big = [s for s in cost.sources if s.nbytes == 512 * MiB]
+        assert len(big) == 2 and all(s.count == 1 for s in big)  # FlashInfer's and trtllm-gen's, shared
     finally:
         close_parts(result)
 
