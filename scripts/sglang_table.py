@@ -71,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
-    from pytest_kvprofile.engines.sglang_flashinfer import SGLANG_BACKENDS, engine_refusal
+    from pytest_kvprofile.contract.backends import layout_refusal
+    from pytest_kvprofile.engines.sglang_flashinfer import SGLANG_BACKENDS
     from pytest_kvprofile.engines.sglang_memory import cost_row, default_mem_fraction, post_capture_row
     from pytest_kvprofile.engines.sglang_post_capture import SGLANG_POST_CAPTURE_BACKENDS
-    from pytest_kvprofile.engines.sglang_trtllm_mha import ATTENTION_BACKEND, SGLANG_TRTLLM_MHA_BACKENDS, trtllm_refusal
+    from pytest_kvprofile.engines.sglang_trtllm_mha import ATTENTION_BACKEND, SGLANG_TRTLLM_MHA_BACKENDS
+    from pytest_kvprofile.engines.sglang_trtllm_mla import ATTENTION_BACKEND as MLA_ATTENTION_BACKEND
+    from pytest_kvprofile.engines.sglang_trtllm_mla import SGLANG_TRTLLM_MLA_BACKENDS
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
     from pytest_kvprofile.matrix.schema import load_matrix
     from pytest_kvprofile.report.journal import append_row, open_for_append
@@ -96,12 +99,17 @@ def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
             refused[case.id] = done[1][case.id]
             continue
         case_started = time.monotonic()
-        # SGLang's FlashInfer backend, or where the simulated GPU cannot plan its routes (SM100's CUTLASS prefill),
-        # SGLang's MHA default there, trtllm_mha, when SGLang accepts it
+        # SGLang's FlashInfer backend, or where the simulated GPU cannot plan its routes (SM100's CUTLASS prefill,
+        # its MLA policy), SGLang's default there, trtllm_mha (MHA) or trtllm_mla (MLA), when SGLang accepts it (the
+        # plugin's own refusal: the engine's, else the suite's unsized layouts, on every backend)
         backend, attention = SGLANG_BACKENDS[0], "flashinfer"
-        reason = case.skip_reason or engine_refusal(case)
-        if reason is not None and case.skip_reason is None and trtllm_refusal(case) is None:
-            backend, attention, reason = SGLANG_TRTLLM_MHA_BACKENDS[0], ATTENTION_BACKEND, None
+        reason = case.skip_reason or layout_refusal(backend, case)
+        if reason is not None and case.skip_reason is None:
+            fallback = next(((b, a) for b, a in ((SGLANG_TRTLLM_MHA_BACKENDS[0], ATTENTION_BACKEND),
+                                                 (SGLANG_TRTLLM_MLA_BACKENDS[0], MLA_ATTENTION_BACKEND))
+                             if layout_refusal(b, case) is None), None)
+            if fallback is not None:
+                (backend, attention), reason = fallback, None
         if reason is not None:
             refused[case.id] = reason
             record({"case": case.id, "refused": reason}, case_started)

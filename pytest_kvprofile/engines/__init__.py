@@ -49,12 +49,14 @@ def pytest_kvprofile_register(registry: BackendRegistrar) -> None:
     from pytest_kvprofile.engines.sglang_flashinfer import SGLANG_BACKENDS
     from pytest_kvprofile.engines.sglang_post_capture import SGLANG_POST_CAPTURE_BACKENDS
     from pytest_kvprofile.engines.sglang_trtllm_mha import SGLANG_TRTLLM_MHA_BACKENDS
+    from pytest_kvprofile.engines.sglang_trtllm_mla import SGLANG_TRTLLM_MLA_BACKENDS
     from pytest_kvprofile.engines.vllm_flashinfer import VLLM_BACKENDS
 
     registry.add_backends(*VLLM_BACKENDS)
     registry.add_backends(*SGLANG_BACKENDS)
     registry.add_backends(*SGLANG_POST_CAPTURE_BACKENDS)
     registry.add_backends(*SGLANG_TRTLLM_MHA_BACKENDS)
+    registry.add_backends(*SGLANG_TRTLLM_MLA_BACKENDS)
     registry.add_workspace_manager(ManagerKind(
         "vllm", _vllm_for_run, _vllm_plain, _vllm_unavailable,
         gpu_refusal="runs vLLM's manager on the CPU tier's simulated device; the GPU tier uses the harness's manager"))

@@ -76,6 +76,12 @@ _ARCHITECTURES = (("qwen3", "Qwen3ForCausalLM", "qwen3"), ("qwen2", "Qwen2ForCau
 _DEFAULT_ARCHITECTURE = ("LlamaForCausalLM", "llama")
 
 
+# SGLang's attention registry (attention_registry.py) refuses these (--attention-backend, is the model MLA) pairs
+# when it makes the backend, after ServerArgs accepted them
+_REGISTRY_REFUSALS = {("trtllm_mha", True): "trtllm_mha backend can only be used with non-MLA models.",
+                      ("trtllm_mla", False): "trtllm_mla backend can only be used with MLA models."}
+
+
 class UnexpressibleSglangCase(ValueError):
     """A case SGLang's FlashInfer backend, or this adapter on the simulated GPU, does not run; the message names it
     and why."""
@@ -179,10 +185,10 @@ def check_expressible(case: Case, attention_backend: str = "flashinfer") -> None
     simulated GPU) does not run, naming why; ``trtllm_mha`` plans no FlashInfer route, so the planner's limits (an
     unsized case, SM90's FA3) are not its."""
     model = case.model
-    if model.attention == "mla" and attention_backend == "trtllm_mha":
+    registry = _REGISTRY_REFUSALS.get((attention_backend, model.attention == "mla"))
+    if registry is not None:
         raise UnexpressibleSglangCase(f"case {case.id}: SGLang rejects this layout: its attention registry makes no "
-                                      "trtllm_mha backend for an MLA model (\"trtllm_mha backend can only be used with "
-                                      "non-MLA models.\", attention_registry.py)")
+                                      f"{attention_backend} backend for it (\"{registry}\", attention_registry.py)")
     if case.unsized_reason is not None and attention_backend == "flashinfer":
         raise UnexpressibleSglangCase(f"case {case.id}: FlashInfer plans no FA2 route here, and the simulated GPU has "
                                       f"no host module for it ({case.unsized_reason}; run it on the GPU tier)")
@@ -222,6 +228,7 @@ class SglangEngine:
     dtype: SglangValue  # the model's torch dtype
     capture_bs: list[int]  # SGLang's decode capture batch sizes (its own filtering of the case's)
     attention_backend: str = "flashinfer"  # SGLang's --attention-backend
+    page_size: int = 0  # as SGLang's model runner reads it (get_schedule().page_size: after SGLang's overrides)
 
 
 def make_sglang_engine(case: Case, hf_dir: Path | None = None, attention_backend: str = "flashinfer") -> SglangEngine:
@@ -245,10 +252,12 @@ def make_sglang_engine(case: Case, hf_dir: Path | None = None, attention_backend
             is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None)
         kv_str = resolved if resolved is not None else runtime_context.get_model().kv_cache_dtype
         capture_bs = _capture_bs(case, runtime_context)
+        page_size = int(runtime_context.get_schedule().page_size)
         refusal = _prefill_route_refusal(case, model_config) if attention_backend == "flashinfer" else None
     if refusal is not None:
         raise UnexpressibleSglangCase(refusal)
-    return SglangEngine(server_args, context, model_config, kv_dtype, kv_str, dtype, capture_bs, attention_backend)
+    return SglangEngine(server_args, context, model_config, kv_dtype, kv_str, dtype, capture_bs, attention_backend,
+                        page_size)
 
 
 # FlashInferAttnBackend.__init__: on SM100 the ragged prefill wrapper is made with FlashInfer's CUTLASS FMHA for these
@@ -267,7 +276,8 @@ def _prefill_route_refusal(case: Case, model_config: SglangValue) -> str | None:
         return (f"case {case.id}: on {case.gpu.name} (SM100) SGLang's FlashInferMLAAttnBackend plans on FlashInfer's "
                 "MLA wrapper with backend 'auto', whose SM100 policy picks CuTe-DSL or trtllm-gen "
                 "(flashinfer/mla/_batch_mla/_auto_policy.py, ordered_sm100_backends), which the simulated GPU has no "
-                "host module for; run it on the GPU tier")
+                "host module for; run it on the GPU tier (SGLang's MLA default there, trtllm_mla, runs: "
+                "sglang-trtllm-mla)")
     head_dims = (model_config.head_dim, model_config.v_head_dim)
     if (get_platform().is_sm100 and head_dims in _SM100_CUTLASS_HEAD_DIMS
             and not check_cuda_graph_backend(Phase.PREFILL, GraphBackend.TC_PIECEWISE)):
@@ -370,7 +380,10 @@ class _AllocatorStandin:
 
 class _ModelStandin:
     """The runner's model as SGLang's attention backends read it: its modules (``TRTLLMHAAttnBackend`` looks for
-    encoder-only attention layers; a plain decoder has none)."""
+    encoder-only attention layers; a plain decoder has none) and layers (an FP4 cache's method reads calibrated KV
+    scales from them: none, so SGLang's neutral scales)."""
+
+    layers: tuple[SglangValue, ...] = ()
 
     def modules(self) -> Iterator[SglangValue]:
         return iter(())
@@ -398,7 +411,7 @@ class SglangRunner:
         self.dtype = engine.dtype
         self.kv_cache_dtype = engine.kv_cache_dtype
         self.kv_cache_dtype_str = engine.kv_cache_dtype_str
-        self.page_size = env.page_size
+        self.page_size = engine.page_size  # SGLang's resolved one (trtllm_mla raises 16 to 64)
         self.sliding_window_size = None
         self.is_draft_worker = False
         self.use_mla_backend = case.model.attention == "mla"
@@ -410,12 +423,13 @@ class SglangRunner:
         self.model = _ModelStandin()
         self.req_to_token_pool = ReqToTokenPool(size=env.max_num_seqs, max_context_len=engine.model_config.context_len,
                                                 device="cuda", enable_memory_saver=False)
-        self.token_to_kv_pool = _KvPoolStandin(UnquantizedKVCacheMethod(), engine.kv_cache_dtype, 0)
-        self.token_to_kv_pool_allocator = _AllocatorStandin(self.token_to_kv_pool, env.page_size)
+        self.token_to_kv_pool = _KvPoolStandin(self._kv_quant_method(engine) or UnquantizedKVCacheMethod(),
+                                               engine.kv_cache_dtype, 0)
+        self.token_to_kv_pool_allocator = _AllocatorStandin(self.token_to_kv_pool, self.page_size)
         self.kv_index_translator = KVIndexTranslator(
             req_to_token=self.req_to_token_pool.req_to_token,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, token_to_kv_pool=self.token_to_kv_pool,
-            page_size=env.page_size, device="cuda")
+            page_size=self.page_size, device="cuda")
         q = 1 + case.mtp  # SGLang's captured_req_width
         max_bs = max(engine.capture_bs, default=1)
         tokens = max(env.max_num_batched_tokens, max_bs * q)
@@ -431,6 +445,25 @@ class SglangRunner:
         self.extend_lens = torch.zeros(reqs, dtype=torch.int32, device="cuda")
         self.num_correct_drafts = torch.zeros(reqs, dtype=torch.int32, device="cuda")
         self.num_accept_tokens = torch.zeros(reqs, dtype=torch.int32, device="cuda")
+
+    def _kv_quant_method(self, engine: SglangEngine) -> SglangValue:
+        """SGLang's KV quantization method of an FP4 cache, made as its KV-cache configurator makes it
+        (``_build_fp4_quant_method``: the recipe from ``--kv-cache-dtype``, one global scale per layer, the attention
+        accesses of the resolved backends, the model's scales: none here, SGLang's neutral 1.0); None for any
+        other cache (SGLang's ``UnquantizedKVCacheMethod``)."""
+        from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
+            get_kv_cache_quant_method,
+            resolve_kv_cache_quant,
+        )
+
+        name = resolve_kv_cache_quant(engine.kv_cache_dtype_str)
+        if name is None:
+            return None
+        method = get_kv_cache_quant_method(name, num_layers=self.case.model.num_layers, device="cuda",
+                                           page_size=self.page_size)
+        method.configure_attention_backends_from_server_args(engine.server_args)
+        method.load_scales_from_model(self)
+        return method
 
     def draft_runner(self) -> SglangRunner:
         """The draft worker's model runner as its backends read it: SGLang's draft runner shares the target's

@@ -68,15 +68,16 @@ class SglangCostRow:
 def planner_need(result: LifecycleResult, backend_name: str) -> tuple[int, int] | None:
     """FlashInfer's exact float need and int need per wrapper for the routes the backend was seen planning (the
     waste check's ``need_for_routes``); nothing planned (trtllm-gen plans no FlashInfer route) needs nothing. None
-    when it planned a route the suite does not size (``sizing.case.routes``: MLA's planner), rather than a need
-    that leaves that route out."""
+    for an MLA layout (FlashInfer's MLA planner, which its wrappers plan on, also where trtllm-gen falls back to
+    them, is not sized by the suite: ``sizing.case.routes``) or a planned route the suite does not size, rather than
+    a need that leaves that route out."""
     from pytest_kvprofile.sizing.case import for_case, need_for_routes, routes
 
     planned = {p.route for p in result.plans if p.builder == backend_name}
+    if result.case.model.attention == "mla" or not planned <= set(routes(result.case)):
+        return None
     if not planned:
         return 0, 0
-    if not planned <= set(routes(result.case)):
-        return None
     float_need, sized = need_for_routes(result.case, planned)
     by_route = for_case(result.case).routes
     return float_need, max((by_route[r].int_bytes for r in sized), default=0)

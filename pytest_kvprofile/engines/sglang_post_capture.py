@@ -49,6 +49,7 @@ from pytest_kvprofile.engines.sglang_flashinfer import (
 )
 from pytest_kvprofile.engines.sglang_standins import SGLANG_INSTALL_HINT, import_sglang_flashinfer, sglang_standins
 from pytest_kvprofile.engines.sglang_trtllm_mha import SglangTrtllmMhaAdapter
+from pytest_kvprofile.engines.sglang_trtllm_mla import SglangTrtllmMlaAdapter
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.lease import Lease
@@ -56,12 +57,15 @@ if TYPE_CHECKING:
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["POST_CAPTURE_ENV", "SGLANG_POST_CAPTURE_BACKENDS", "SglangPostCaptureAdapter",
-           "SglangTrtllmPostCaptureAdapter", "post_capture_gate", "post_capture_scope"]
+           "SglangTrtllmMlaPostCaptureAdapter", "SglangTrtllmPostCaptureAdapter", "post_capture_gate",
+           "post_capture_scope"]
 
 BACKEND_NAME = "sglang-flashinfer-post-capture"
 TRTLLM_BACKEND_NAME = "sglang-trtllm-mha-post-capture"
+TRTLLM_MLA_BACKEND_NAME = "sglang-trtllm-mla-post-capture"
 # the static path's backend of each attention backend, which reports that path's cost
-STATIC_BACKENDS = {"flashinfer": "sglang-flashinfer", "trtllm_mha": "sglang-trtllm-mha"}
+STATIC_BACKENDS = {"flashinfer": "sglang-flashinfer", "trtllm_mha": "sglang-trtllm-mha",
+                   "trtllm_mla": "sglang-trtllm-mla"}
 POST_CAPTURE_ENV = "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"
 # FlashInfer's int workspace per wrapper, as SGLang's backend makes each wrapper (FlashInfer's default)
 _INT_WORKSPACE_BYTES = 8 << 20
@@ -175,6 +179,13 @@ class SglangTrtllmPostCaptureAdapter(SglangPostCaptureAdapter, SglangTrtllmMhaAd
     name = TRTLLM_BACKEND_NAME
 
 
+class SglangTrtllmMlaPostCaptureAdapter(SglangPostCaptureAdapter, SglangTrtllmMlaAdapter):
+    """SGLang's ``TRTLLMMLABackend`` (its MLA default on Blackwell) under the post-capture opt-in: SGLang sizes MLA
+    statically (``post_capture_kv_sizing_planned``), so the gate keeps every such case on the static path."""
+
+    name = TRTLLM_MLA_BACKEND_NAME
+
+
 @contextlib.contextmanager
 def _post_capture_standins(inner: contextlib.AbstractContextManager[SglangValue]) -> Iterator[SglangValue]:
     with inner as module, post_capture_scope():
@@ -202,6 +213,8 @@ SGLANG_POST_CAPTURE_BACKENDS: tuple[Backend, ...] = (
     _post_capture_backend(BACKEND_NAME, SglangPostCaptureAdapter, "FlashInferAttnBackend"),
     _post_capture_backend(TRTLLM_BACKEND_NAME, SglangTrtllmPostCaptureAdapter,
                           "TRTLLMHAAttnBackend (--attention-backend trtllm_mha)"),
+    _post_capture_backend(TRTLLM_MLA_BACKEND_NAME, SglangTrtllmMlaPostCaptureAdapter,
+                          "TRTLLMMLABackend (--attention-backend trtllm_mla)"),
 )
 
 

@@ -125,12 +125,12 @@ class SglangTrtllmMhaAdapter(SglangFlashInferAdapter):
     def standins(self) -> SglangValue:
         return _trtllm_standins(self.case)
 
-    def make_engine_builder(self, key: SglangValue) -> SglangValue:
+    def sglang_backend_class(self) -> type:
+        """What SGLang's attention registry makes for ``--attention-backend trtllm_mha``."""
         import importlib
 
-        if self.builder_cls is None:
-            self.builder_cls = importlib.import_module(_MODULE).TRTLLMHAAttnBackend
-        return super().make_engine_builder(key)
+        cls: type = importlib.import_module(_MODULE).TRTLLMHAAttnBackend
+        return cls
 
     def wrappers(self) -> Iterator[tuple[str, SglangValue]]:
         """FlashInfer's eager wrappers its parent's constructor made (never planned: trtllm-gen plans nothing)."""

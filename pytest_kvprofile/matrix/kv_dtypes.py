@@ -81,7 +81,7 @@ KV_DTYPES: dict[str, KvDtype] = {d.name: d for d in (
     # NVFP4: E2M1 values, one E4M3 scale per 16 of a row. vLLM 0.33 plans it on FA2 as packed uint8 (FlashInfer's
     # DTypeKV) on SM8x/9x/12x, on trtllm-gen only on SM10x (its FlashInferBackend.supports_kv_cache_dtype)
     KvDtype("nvfp4", 4, "nvfp4", "uint8", 1, scale_block=16, scale_bytes=1, min_cc_major=8, quantized=True,
-            trtllm_only_cc_majors=(10, 11), fa2_max_head_dim=256),
+            trtllm_only_cc_majors=(10, 11), fa2_max_head_dim=256, sglang="nvfp4"),
 )}
 
 

@@ -110,6 +110,8 @@ LAZY_HEAVY: dict[str, str] = {
                                                     "gate when a case is run, never at plugin import",
     "pytest_kvprofile.engines.sglang_trtllm_mha": "SGLang's trtllm_mha backend module is patched and its class made "
                                                   "when a case is run, never at plugin import",
+    "pytest_kvprofile.engines.sglang_trtllm_mla": "SGLang's trtllm_mla backend module is patched and its class made "
+                                                  "when a case is run, never at plugin import",
     "pytest_kvprofile.engines.sglang_standins": "the CPU stand-ins patch SGLang and torch only for an SGLang backend's "
                                                 "run",
     "pytest_kvprofile.gpu.cuda_device": "the GPU tier only: the CPU tier and plugin import never load CUDA",

@@ -11,6 +11,7 @@ import torch
 
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
+from pytest_kvprofile.contract.backends import layout_refusal
 from pytest_kvprofile.engines.sglang_trtllm_mha import (
     SGLANG_TRTLLM_MHA_BACKENDS,
     SglangTrtllmMhaAdapter,
@@ -102,6 +103,25 @@ def test_with_mtp_both_workers_run_trtllm_mha_through_the_host_graph_metadata():
         assert cost is not None
         big = [s for s in cost.sources if s.nbytes == 512 * MiB]
         assert len(big) == 2 and all(s.count == 1 for s in big)  # FlashInfer's and trtllm-gen's, shared
+    finally:
+        close_parts(result)
+
+
+@pytest.mark.usefixtures("sglang_flashinfer")
+def test_an_fp4_cache_reads_sglangs_own_kv_quantization_method():
+    """An NVFP4 cache: the KV pool answers SGLang's ``NVFP4KVCacheMethod``, made as its KV-cache configurator makes
+    it. The plugin refuses the B200 case as unsized (every backend: trtllm-gen only), so it is driven here directly."""
+    case = CASES["llama-3.1-8b-tp1-dcp1-mtp0-b200-gmu0.90-kvnvfp4"]
+    reason = layout_refusal(SGLANG_TRTLLM_MHA_BACKENDS[0], case)
+    assert reason is not None and "unsized by the suite" in reason and trtllm_refusal(case) is None
+    result = run_lifecycle(SGLANG_TRTLLM_MHA_BACKENDS[0], case)
+    adapter = result.builders[0]
+    try:
+        assert not result.errors, result.errors
+        assert failing_checks(result) == {}
+        method = adapter.builders[0].kv_cache_quant_method
+        assert type(method).__name__ == "NVFP4KVCacheMethod" and method.k_scales_float == [1.0] * 32
+        assert adapter.runner.token_to_kv_pool.get_kv_cache_quant_method() is method
     finally:
         close_parts(result)
 
