@@ -99,17 +99,19 @@ def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
             refused[case.id] = done[1][case.id]
             continue
         case_started = time.monotonic()
-        # SGLang's FlashInfer backend, or where the simulated GPU cannot plan its routes (SM100's CUTLASS prefill,
-        # its MLA policy), SGLang's default there, trtllm_mha (MHA) or trtllm_mla (MLA), when SGLang accepts it (the
-        # plugin's own refusal: the engine's, else the suite's unsized layouts, on every backend)
-        backend, attention = SGLANG_BACKENDS[0], "flashinfer"
-        reason = case.skip_reason or layout_refusal(backend, case)
-        if reason is not None and case.skip_reason is None:
-            fallback = next(((b, a) for b, a in ((SGLANG_TRTLLM_MHA_BACKENDS[0], ATTENTION_BACKEND),
-                                                 (SGLANG_TRTLLM_MLA_BACKENDS[0], MLA_ATTENTION_BACKEND))
-                             if layout_refusal(b, case) is None), None)
-            if fallback is not None:
-                (backend, attention), reason = fallback, None
+        # SGLang's default attention backend for the case: on Blackwell (SM10x) trtllm_mha for MHA, trtllm_mla for
+        # MLA, elsewhere its FlashInfer backend; the first of them SGLang accepts (the plugin's own refusal: the
+        # engine's, else the suite's unsized layouts, on every backend), the FlashInfer backend's reason otherwise
+        flashinfer = (SGLANG_BACKENDS[0], "flashinfer")
+        trtllm = [(SGLANG_TRTLLM_MHA_BACKENDS[0], ATTENTION_BACKEND),
+                  (SGLANG_TRTLLM_MLA_BACKENDS[0], MLA_ATTENTION_BACKEND)]
+        order = [*trtllm, flashinfer] if case.gpu.compute_capability[0] == 10 else [flashinfer, *trtllm]
+        reason = case.skip_reason or layout_refusal(flashinfer[0], case)
+        backend, attention = flashinfer
+        if case.skip_reason is None:
+            chosen = next(((b, a) for b, a in order if layout_refusal(b, case) is None), None)
+            if chosen is not None:
+                (backend, attention), reason = chosen, None
         if reason is not None:
             refused[case.id] = reason
             record({"case": case.id, "refused": reason}, case_started)

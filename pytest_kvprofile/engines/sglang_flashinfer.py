@@ -29,9 +29,16 @@ How SGLang's model runner integrates the backend, as the adapter drives it (docs
   captured decode size (SGLang 0.5.23's capture entry point; older releases called it
   ``init_forward_metadata_capture_cuda_graph``) and ``init_forward_metadata_out_graph(batch)`` for a replay.
 
-What the simulated GPU or the adapter cannot do is refused by name (:func:`engine_refusal`): MLA (SGLang serves it
-with ``FlashInferMLAAttnBackend``), speculative decoding (MTP: SGLang's target-verify and draft backends), a
-quantized FP4 cache, and the prefill routes FlashInfer plans on modules the simulated GPU has no host planner for.
+MTP ``k`` is SGLang's EAGLE chain (:func:`speculative_kwargs`): the model runner's backend captures ``TARGET_VERIFY``
+graphs, and the draft worker's own backend (builder key :data:`DRAFT`, on :meth:`SglangRunner.draft_runner`) runs a
+draft-extend step after every target step and captures ``DRAFT_EXTEND_V2`` graphs. An MLA layout becomes a
+``DeepseekV2ForCausalLM`` config (:func:`mla_config`) and runs the class SGLang's registry makes for it
+(``FlashInferMLAAttnBackend``). An FP4 cache answers SGLang's own KV quantization method.
+
+What SGLang refuses, SGLang's own validation says (:func:`engine_refusal`); what the simulated GPU or the adapter
+cannot do is refused by name: MTP beyond 1 token (the multi-step draft backend's Triton kernel), and the routes
+FlashInfer plans on modules the simulated GPU has no host planner for (SM100's CUTLASS prefill and MLA policy, SM90's
+FA3).
 """
 
 from __future__ import annotations
@@ -260,16 +267,10 @@ def make_sglang_engine(case: Case, hf_dir: Path | None = None, attention_backend
                         page_size)
 
 
-# FlashInferAttnBackend.__init__: on SM100 the ragged prefill wrapper is made with FlashInfer's CUTLASS FMHA for these
-# (head_dim, v_head_dim), unless prefill runs under piecewise CUDA graphs (FA2 otherwise)
-_SM100_CUTLASS_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
-
-
 def _prefill_route_refusal(case: Case, model_config: SglangValue) -> str | None:
-    """Where SGLang's backend makes its ragged prefill wrapper on a FlashInfer module the simulated GPU has no host
-    planner for, what it makes and why, from SGLang's own answers in the case's context; None otherwise."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend as GraphBackend
-    from sglang.srt.model_executor.cuda_graph_config import Phase, check_cuda_graph_backend
+    """Where SGLang's backend plans on a FlashInfer module the simulated GPU has no host planner for, what and why,
+    from SGLang's own answers in the case's context; None otherwise. (On SM100 its ragged prefill wrapper is made
+    with FlashInfer's CUTLASS FMHA, whose plan the simulated GPU serves: ``attention/host_cutlass.py``.)"""
     from sglang.srt.runtime_context import get_platform
 
     if get_platform().is_sm100 and case.model.attention == "mla":
@@ -278,14 +279,6 @@ def _prefill_route_refusal(case: Case, model_config: SglangValue) -> str | None:
                 "(flashinfer/mla/_batch_mla/_auto_policy.py, ordered_sm100_backends), which the simulated GPU has no "
                 "host module for; run it on the GPU tier (SGLang's MLA default there, trtllm_mla, runs: "
                 "sglang-trtllm-mla)")
-    head_dims = (model_config.head_dim, model_config.v_head_dim)
-    if (get_platform().is_sm100 and head_dims in _SM100_CUTLASS_HEAD_DIMS
-            and not check_cuda_graph_backend(Phase.PREFILL, GraphBackend.TC_PIECEWISE)):
-        return (f"case {case.id}: on {case.gpu.name} (SM100) SGLang's FlashInferAttnBackend makes its ragged prefill "
-                f"wrapper with FlashInfer's CUTLASS sm100 FMHA (head dims {head_dims}, no piecewise prefill graphs; "
-                "flashinfer_backend.py, fmha_backend = \"cutlass\"), which the simulated GPU has no host module for "
-                "(FlashInfer: \"No supported CUDA architectures found for major versions [10, 11]\"); run it on the "
-                "GPU tier")
     return None
 
 

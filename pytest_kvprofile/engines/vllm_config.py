@@ -69,7 +69,8 @@ def check_expressible(case: Case) -> None:
         raise UnexpressibleCase(
             f"case {case.id}: with DCP={case.dcp} on {case.gpu.name} (compute capability "
             f"{case.gpu.compute_capability[0]}.{case.gpu.compute_capability[1]}) vLLM's FlashInfer prefill plans "
-            "FlashInfer's CUTLASS sm100 FMHA, which the simulated GPU has no host module for (run it on the GPU tier)")
+            "FlashInfer's CUTLASS sm100 FMHA, which this adapter does not drive (the simulated GPU plans it, "
+            "attention/host_cutlass.py, but vLLM's DCP prefill on it is not validated here; run it on the GPU tier)")
 
 
 def _fp8_query_refusal(case: Case) -> str | None:

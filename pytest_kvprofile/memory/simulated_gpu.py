@@ -136,7 +136,8 @@ class _Patches:
                 setattr(obj, name, value)
 
 
-_LOADERS = ("get_batch_prefill_module", "get_batch_decode_module", "get_batch_mla_module", "get_quantization_module")
+_LOADERS = ("get_batch_prefill_module", "get_batch_decode_module", "get_batch_mla_module", "get_quantization_module",
+            "get_fmha_module")
 
 
 def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
@@ -146,6 +147,7 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
     import flashinfer.prefill
 
     from pytest_kvprofile.attention import host_plan
+    from pytest_kvprofile.attention.host_cutlass import fmha_cutlass_loader
     from pytest_kvprofile.attention.host_packbits import host_quantization_module
 
     originals: dict[str, Callable[..., object]] = {
@@ -160,6 +162,10 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
     if mla_loader is not None:
         originals["get_batch_mla_module"] = mla_loader
         replacements["get_batch_mla_module"] = host_plan.mla_loader(device)
+    fmha_loader = getattr(flashinfer.prefill, "get_fmha_module", None)  # CUTLASS sm100 FMHA (FlashInfer >= 0.2)
+    if fmha_loader is not None:
+        originals["get_fmha_module"] = fmha_loader
+        replacements["get_fmha_module"] = fmha_cutlass_loader(device)
     packbits_loader = _flashinfer_packbits_loader()
     if packbits_loader is not None:
         originals["get_quantization_module"] = packbits_loader
@@ -174,8 +180,9 @@ def _patch_flashinfer(patches: _Patches, device: SimDevice) -> None:
         raise SimulatedDeviceUnsupported(
             f"FlashInfer JIT module {getattr(spec, 'name', spec)!r} has no host implementation on the simulated "
             f"{device.name}: only the batch prefill (FA2, paged and ragged) and batch decode (CUDA-core and "
-            "tensor-core) modules, the batch MLA module's plan() (FA2/FA3) and the quantization module's bit "
-            "packing are served (pytest_kvprofile.attention.host_plan, host_packbits)")
+            "tensor-core) modules, the plan() of the batch MLA module (FA2/FA3) and of the CUTLASS sm100 FMHA module, "
+            "and the quantization module's bit packing are served (pytest_kvprofile.attention.host_plan, "
+            "host_cutlass, host_packbits)")
 
     patches.set(flashinfer.jit.core.JitSpec, "build_and_load", build_and_load)
     _patch_wrapper_roles(patches)

@@ -124,6 +124,7 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.memory.simulated_gpu": "torch.version and FlashInfer are patched on entering simulated_gpu only",
     "pytest_kvprofile.memory.torch_mode": "torch mode is torch; loaded only by what enters it",
     "pytest_kvprofile.attention.host_plan": "host modules run on simulated tensors; the sizing model needs neither",
+    "pytest_kvprofile.attention.host_cutlass": "numpy schedules the simulated plan, inside simulated_gpu only",
     "pytest_kvprofile.attention.host_packbits": "numpy packs the simulated tensors' bits, inside simulated_gpu only",
     "pytest_kvprofile.sizing.plot": "the sizing figure only (matplotlib is optional)",
 }

@@ -149,6 +149,23 @@ def test_a_refused_layout_names_why(case_id, attention, why):
 
 
 @pytest.mark.usefixtures("sglang_flashinfer")
+def test_on_b200_the_ragged_prefill_plans_on_flashinfers_cutlass_fmha():
+    """On SM100 SGLang makes its ragged prefill wrapper with FlashInfer's CUTLASS FMHA: its plan (the simulated
+    GPU's host version of the plan kernel) carves no float workspace and allocates its own work lists."""
+    result = run_lifecycle(SGLANG_BACKENDS[0], CASES["qwen3-8b-tp1-dcp1-mtp0-b200-gmu0.90"])
+    adapter = result.builders[0]
+    try:
+        assert not result.errors, result.errors
+        assert failing_checks(result) == {}
+        assert adapter.builders[0].prefill_wrapper_ragged._backend == "cutlass"
+        cost = post_kv_cost(result)
+        assert cost is not None and any("fmha_varlen_plan" in s.source for s in cost.sources)
+        assert {p.route for p in result.plans} == {"prefill", "decode"}  # FA2 paged prefill and decode
+    finally:
+        close_parts(result)
+
+
+@pytest.mark.usefixtures("sglang_flashinfer")
 def test_an_mla_layout_runs_sglangs_mla_backend_as_its_registry_picks_it():
     """SGLang's attention registry makes ``FlashInferMLAAttnBackend`` for an MLA model (``use_mla_backend``): its own
     384 MiB workspace, FlashInfer's MLA wrapper per captured decode size, planned by FlashInfer's MLA planner."""
