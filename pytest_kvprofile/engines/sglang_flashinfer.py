@@ -46,10 +46,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch
 from pytest_kvprofile.engines.adapter import EngineAdapter, EngineBuildError, Patches, device_active, engine_backend
 from pytest_kvprofile.engines.batches import capture_sizes, pad_to_capture, runner_batch
@@ -70,7 +71,7 @@ SglangValue = Any
 
 __all__ = ["DRAFT", "SGLANG_BACKENDS", "TARGET", "SglangBuildError", "SglangEngine", "SglangFlashInferAdapter",
            "SglangRunner", "UnexpressibleSglangCase", "backends", "capture_bs_decode", "check_expressible",
-           "engine_refusal", "hf_config", "make_sglang_builders", "make_sglang_engine", "mla_config",
+           "engine_refusal", "hf_config", "make_sglang_engine", "mla_config", "sglang_backend",
            "server_args_kwargs", "speculative_kwargs"]
 
 BACKEND_NAME = "sglang-flashinfer"
@@ -567,6 +568,8 @@ class SglangFlashInferAdapter(EngineAdapter):
     builder_label = "SGLang's FlashInferAttnBackend"
     build_error = SglangBuildError
     attention_backend = "flashinfer"  # SGLang's --attention-backend
+    backend_module = ""  # the module of the class SGLang's registry makes for it ("": sglang_backend_class decides)
+    backend_class = ""
 
     def __init__(self, case: Case, builder_cls: type | None = None) -> None:
         check_expressible(case, self.attention_backend)
@@ -579,7 +582,11 @@ class SglangFlashInferAdapter(EngineAdapter):
 
     # -- SGLang's objects ----------------------------------------------------------------------------
     def standins(self) -> SglangValue:
-        return _standins_with_host_kernels(self.case)
+        return _standins_with_host_kernels(self.case, self.host_kernels())
+
+    def host_kernels(self) -> contextlib.AbstractContextManager[None]:
+        """The host versions of the backend module's own kernels, for the block (a trtllm backend's)."""
+        return contextlib.nullcontext()
 
     def make_engine_config(self) -> SglangEngine:
         return make_sglang_engine(self.case, attention_backend=self.attention_backend)
@@ -629,11 +636,15 @@ class SglangFlashInferAdapter(EngineAdapter):
         return backend
 
     def sglang_backend_class(self) -> type:
-        """The class SGLang's attention registry makes for ``--attention-backend flashinfer``
-        (``create_flashinfer_backend``): ``FlashInferMLAAttnBackend`` where the runner uses MLA, else
+        """The class SGLang's attention registry makes for the adapter's attention backend: ``backend_class`` of
+        ``backend_module`` where the adapter names one; for ``--attention-backend flashinfer``
+        (``create_flashinfer_backend``) ``FlashInferMLAAttnBackend`` where the runner uses MLA, else
         ``FlashInferAttnBackend``."""
         import importlib
 
+        if self.backend_module:
+            named: type = getattr(importlib.import_module(self.backend_module), self.backend_class)
+            return named
         if self.case.model.attention == "mla":
             mla: type = importlib.import_module(_MLA_MODULE).FlashInferMLAAttnBackend
             return mla
@@ -707,19 +718,13 @@ def _listed(wrappers: SglangValue) -> list[SglangValue]:
 
 
 @contextlib.contextmanager
-def _standins_with_host_kernels(case: Case) -> Iterator[SglangValue]:
-    with sglang_standins(case.gpu) as module, host_kv_indices():
+def _standins_with_host_kernels(
+        case: Case, kernels: contextlib.AbstractContextManager[None] | None = None) -> Iterator[SglangValue]:
+    with sglang_standins(case.gpu) as module, host_kv_indices(), kernels or contextlib.nullcontext():
         yield module
 
 
 # -- the backend --------------------------------------------------------------------------------------------------
-
-def make_sglang_builders(case: Case) -> list[SglangValue]:
-    """The adapter for ``case`` (SGLang's FlashInfer backend imported with its stand-ins)."""
-    check_expressible(case)
-    import_sglang_flashinfer()
-    return [SglangFlashInferAdapter(case)]
-
 
 def engine_refusal(case: Case, attention_backend: str = "flashinfer") -> str | None:
     """Why SGLang (its own ``ServerArgs`` resolution and ``ModelConfig``, on the stand-in platform) or this adapter
@@ -749,11 +754,26 @@ def _version() -> str:
         return sglang
 
 
+def sglang_backend(name: str, adapter: type[SglangFlashInferAdapter], description: str,
+                   policy: EnginePolicy | None = None) -> Backend:
+    """The ``Backend`` that runs ``adapter`` (one per case, SGLang imported with its stand-ins by ``make_builders``
+    only): SGLang's own refusal of the adapter's attention backend at collection (:func:`engine_refusal`)."""
+    attention = adapter.attention_backend
+
+    def make_builders(case: Case) -> list[SglangValue]:
+        check_expressible(case, attention)
+        import_sglang_flashinfer()
+        return [adapter(case)]
+
+    return engine_backend(name, make_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT, origin="builtin",
+                          refuses_layout=functools.partial(engine_refusal, attention_backend=attention),
+                          version=_version(), policy=policy, description=description)
+
+
 SGLANG_BACKENDS: tuple[Backend, ...] = (
-    engine_backend(BACKEND_NAME, make_sglang_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT,
-                   origin="builtin", refuses_layout=engine_refusal, version=_version(),
-                   description="SGLang's own FlashInferAttnBackend (static KV sizing: everything it makes is after the "
-                               "KV pool), unmodified, on the simulated GPU"),
+    sglang_backend(BACKEND_NAME, SglangFlashInferAdapter,
+                   "SGLang's own FlashInferAttnBackend (static KV sizing: everything it makes is after the KV pool), "
+                   "unmodified, on the simulated GPU"),
 )
 
 

@@ -36,18 +36,16 @@ from typing import TYPE_CHECKING, Iterator
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines.adapter import EngineAdapter, engine_backend
+from pytest_kvprofile.engines.adapter import EngineAdapter
 from pytest_kvprofile.engines.sglang_flashinfer import (
     DRAFT,
     SglangEngine,
     SglangFlashInferAdapter,
     SglangValue,
-    _version,
-    check_expressible,
-    engine_refusal,
     make_sglang_engine,
+    sglang_backend,
 )
-from pytest_kvprofile.engines.sglang_standins import SGLANG_INSTALL_HINT, import_sglang_flashinfer, sglang_standins
+from pytest_kvprofile.engines.sglang_standins import sglang_standins
 from pytest_kvprofile.engines.sglang_trtllm_mha import SglangTrtllmMhaAdapter
 from pytest_kvprofile.engines.sglang_trtllm_mla import SglangTrtllmMlaAdapter
 
@@ -194,19 +192,10 @@ def _post_capture_standins(inner: contextlib.AbstractContextManager[SglangValue]
 
 def _post_capture_backend(name: str, adapter: type[SglangPostCaptureAdapter], what: str) -> Backend:
     attention = adapter.attention_backend
-
-    def make_builders(case: Case) -> list[SglangValue]:
-        check_expressible(case, attention)
-        import_sglang_flashinfer()
-        return [adapter(case)]
-
-    return engine_backend(
-        name, make_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT, origin="builtin",
-        refuses_layout=functools.partial(engine_refusal, attention_backend=attention), version=_version(),
-        policy=EnginePolicy(gate=functools.partial(post_capture_gate, attention_backend=attention),
-                            kv_sizing="post_capture"),
-        description=f"SGLang's own {what} on SGLang's post-capture KV sizing path (SGLANG_ENABLE_POST_CAPTURE_KV_"
-                    "SIZING=1: KV sized after the backend and its graphs), unmodified, on the simulated GPU")
+    return sglang_backend(
+        name, adapter, f"SGLang's own {what} on SGLang's post-capture KV sizing path (SGLANG_ENABLE_POST_CAPTURE_KV_"
+        "SIZING=1: KV sized after the backend and its graphs), unmodified, on the simulated GPU",
+        EnginePolicy(gate=functools.partial(post_capture_gate, attention_backend=attention), kv_sizing="post_capture"))
 
 
 SGLANG_POST_CAPTURE_BACKENDS: tuple[Backend, ...] = (

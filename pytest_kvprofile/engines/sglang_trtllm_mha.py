@@ -21,16 +21,13 @@ import contextlib
 from typing import TYPE_CHECKING, Iterator
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.engines.adapter import Patches, engine_backend
+from pytest_kvprofile.engines.adapter import Patches
 from pytest_kvprofile.engines.sglang_flashinfer import (
     SglangFlashInferAdapter,
     SglangValue,
-    _standins_with_host_kernels,
-    _version,
-    check_expressible,
     engine_refusal,
+    sglang_backend,
 )
-from pytest_kvprofile.engines.sglang_standins import SGLANG_INSTALL_HINT, import_sglang_flashinfer
 
 if TYPE_CHECKING:
     from pytest_kvprofile.matrix.cases import Case
@@ -121,16 +118,11 @@ class SglangTrtllmMhaAdapter(SglangFlashInferAdapter):
     name = BACKEND_NAME
     builder_label = "SGLang's TRTLLMHAAttnBackend"
     attention_backend = ATTENTION_BACKEND
+    backend_module = _MODULE
+    backend_class = "TRTLLMHAAttnBackend"
 
-    def standins(self) -> SglangValue:
-        return _trtllm_standins(self.case)
-
-    def sglang_backend_class(self) -> type:
-        """What SGLang's attention registry makes for ``--attention-backend trtllm_mha``."""
-        import importlib
-
-        cls: type = importlib.import_module(_MODULE).TRTLLMHAAttnBackend
-        return cls
+    def host_kernels(self) -> contextlib.AbstractContextManager[None]:
+        return host_trtllm_kernels()
 
     def wrappers(self) -> Iterator[tuple[str, SglangValue]]:
         """FlashInfer's eager wrappers its parent's constructor made (never planned: trtllm-gen plans nothing)."""
@@ -142,18 +134,6 @@ class SglangTrtllmMhaAdapter(SglangFlashInferAdapter):
                     yield role, w
 
 
-@contextlib.contextmanager
-def _trtllm_standins(case: Case) -> Iterator[SglangValue]:
-    with _standins_with_host_kernels(case) as module, host_trtllm_kernels():
-        yield module
-
-
-def make_trtllm_builders(case: Case) -> list[SglangValue]:
-    check_expressible(case, ATTENTION_BACKEND)
-    import_sglang_flashinfer()
-    return [SglangTrtllmMhaAdapter(case)]
-
-
 def trtllm_refusal(case: Case) -> str | None:
     """Why SGLang (its validation of ``--attention-backend trtllm_mha`` on the case's GPU) or the adapter refuses
     ``case``."""
@@ -161,10 +141,9 @@ def trtllm_refusal(case: Case) -> str | None:
 
 
 SGLANG_TRTLLM_MHA_BACKENDS: tuple[Backend, ...] = (
-    engine_backend(BACKEND_NAME, make_trtllm_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT,
-                   origin="builtin", refuses_layout=trtllm_refusal, version=_version(),
-                   description="SGLang's own TRTLLMHAAttnBackend (--attention-backend trtllm_mha, SGLang's MHA default "
-                               "on Blackwell; static KV sizing), unmodified, on the simulated GPU"),
+    sglang_backend(BACKEND_NAME, SglangTrtllmMhaAdapter,
+                   "SGLang's own TRTLLMHAAttnBackend (--attention-backend trtllm_mha, SGLang's MHA default on "
+                   "Blackwell; static KV sizing), unmodified, on the simulated GPU"),
 )
 
 

@@ -20,16 +20,13 @@ import contextlib
 from typing import TYPE_CHECKING, Iterator
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.engines.adapter import Patches, engine_backend
+from pytest_kvprofile.engines.adapter import Patches
 from pytest_kvprofile.engines.sglang_flashinfer import (
     SglangFlashInferAdapter,
     SglangValue,
-    _standins_with_host_kernels,
-    _version,
-    check_expressible,
     engine_refusal,
+    sglang_backend,
 )
-from pytest_kvprofile.engines.sglang_standins import SGLANG_INSTALL_HINT, import_sglang_flashinfer
 
 if TYPE_CHECKING:
     from pytest_kvprofile.matrix.cases import Case
@@ -93,28 +90,11 @@ class SglangTrtllmMlaAdapter(SglangFlashInferAdapter):
     name = BACKEND_NAME
     builder_label = "SGLang's TRTLLMMLABackend"
     attention_backend = ATTENTION_BACKEND
+    backend_module = _MODULE
+    backend_class = "TRTLLMMLABackend"
 
-    def standins(self) -> SglangValue:
-        return _trtllm_mla_standins(self.case)
-
-    def sglang_backend_class(self) -> type:
-        """What SGLang's attention registry makes for ``--attention-backend trtllm_mla`` on an MLA runner."""
-        import importlib
-
-        cls: type = importlib.import_module(_MODULE).TRTLLMMLABackend
-        return cls
-
-
-@contextlib.contextmanager
-def _trtllm_mla_standins(case: Case) -> Iterator[SglangValue]:
-    with _standins_with_host_kernels(case) as module, host_trtllm_mla_kernels():
-        yield module
-
-
-def make_trtllm_mla_builders(case: Case) -> list[SglangValue]:
-    check_expressible(case, ATTENTION_BACKEND)
-    import_sglang_flashinfer()
-    return [SglangTrtllmMlaAdapter(case)]
+    def host_kernels(self) -> contextlib.AbstractContextManager[None]:
+        return host_trtllm_mla_kernels()
 
 
 def trtllm_mla_refusal(case: Case) -> str | None:
@@ -124,10 +104,9 @@ def trtllm_mla_refusal(case: Case) -> str | None:
 
 
 SGLANG_TRTLLM_MLA_BACKENDS: tuple[Backend, ...] = (
-    engine_backend(BACKEND_NAME, make_trtllm_mla_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT,
-                   origin="builtin", refuses_layout=trtllm_mla_refusal, version=_version(),
-                   description="SGLang's own TRTLLMMLABackend (--attention-backend trtllm_mla, SGLang's MLA default "
-                               "on Blackwell; static KV sizing), unmodified, on the simulated GPU"),
+    sglang_backend(BACKEND_NAME, SglangTrtllmMlaAdapter,
+                   "SGLang's own TRTLLMMLABackend (--attention-backend trtllm_mla, SGLang's MLA default on "
+                   "Blackwell; static KV sizing), unmodified, on the simulated GPU"),
 )
 
 
