@@ -261,14 +261,14 @@ def make_sglang_engine(case: Case, hf_dir: Path | None = None, attention_backend
         kv_str = resolved if resolved is not None else runtime_context.get_model().kv_cache_dtype
         capture_bs = _capture_bs(case, runtime_context)
         page_size = int(runtime_context.get_schedule().page_size)
-        refusal = _prefill_route_refusal(case, model_config) if attention_backend == "flashinfer" else None
+        refusal = _route_refusal(case) if attention_backend == "flashinfer" else None
     if refusal is not None:
         raise UnexpressibleSglangCase(refusal)
     return SglangEngine(server_args, context, model_config, kv_dtype, kv_str, dtype, capture_bs, attention_backend,
                         page_size)
 
 
-def _prefill_route_refusal(case: Case, model_config: SglangValue) -> str | None:
+def _route_refusal(case: Case) -> str | None:
     """Where SGLang's backend plans on a FlashInfer module the simulated GPU has no host planner for, what and why,
     from SGLang's own answers in the case's context; None otherwise. (On SM100 its ragged prefill wrapper is made
     with FlashInfer's CUTLASS FMHA, whose plan the simulated GPU serves: ``attention/host_cutlass.py``.)"""
