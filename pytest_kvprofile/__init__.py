@@ -9,7 +9,7 @@ heavy modules (torch, flashinfer, the sizing oracle's compiled library) load laz
 from __future__ import annotations
 
 from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, failing_checks
-from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy
+from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy, KvSizingMode, Provenance
 from pytest_kvprofile.contract.lease import Lease, LeaseReleasedError
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -60,12 +60,14 @@ __all__ = [
     "EnginePolicy",
     "Envelope",
     "GpuSpec",
+    "KvSizingMode",
     "Lease",
     "LeaseReleasedError",
     "LifecycleResult",
     "MatrixError",
     "ModelSpec",
     "ProfilingSupport",
+    "Provenance",
     "Role",
     "SimDevice",
     "SupportResolution",

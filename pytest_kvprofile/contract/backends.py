@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 REQUIRED_BUILDER_ATTRS = ("name",)
 
-KvSizingRule = Literal["profile", "post_capture"]
+KvSizingRule = Literal["profile", "post_capture", "post_warmup"]
 """How an engine's memory budget reads ``gmu``, which the closing measurement sizes KV from.
 
 Both size KV as ``total x gmu - non_kv - graph estimate``. ``profile`` (vLLM's ``gpu_memory_utilization``):
@@ -27,7 +27,43 @@ Both size KV as ``total x gmu - non_kv - graph estimate``. ``profile`` (vLLM's `
 ``mem_fraction_static`` under ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING``, measured after the decode and breakable
 prefill graphs are captured, which the window's peak stands for): ``total x gmu`` is the static share and the rest
 of the device, ``total x (1 - gmu)``, the headroom serving steps take their own tensors from, so nothing after KV
-sizing may exceed the device."""
+sizing may exceed the device. ``post_warmup`` (vLLM 0.34's extensible KV cache): the cache is measured after kernel
+warmup and CUDA-graph capture, which the window then holds; the profiled activation peak stays free as headroom, there
+is no separate CUDA-graph estimate, and ``total x gmu`` caps the engine as under ``profile``."""
+
+
+@dataclass(frozen=True)
+class KvSizingMode:
+    """Where and how an engine sizes the KV cache on one case, and why there (the verdict names it per case).
+
+    ``name``: what a reviewer reads (``profile window``, ``extensible (after warmup and capture)``, ...);
+    ``rule``: the budget arithmetic the lifecycle applies; ``reason``: the engine's own reason for this mode on this
+    case (for example why vLLM turned its extensible KV cache off), empty when it is the engine's default.
+    """
+
+    name: str
+    rule: KvSizingRule = "profile"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a verdict names about the engine a backend was judged on.
+
+    ``engine``: the engine's distribution name (``vllm``, ``sglang``), empty for the harness's own reference
+    engine; ``engine_version``: its installed version; ``runner``: how that engine integrates the builders (vLLM's
+    ``V1`` or ``V2`` model runner, SGLang's ``ModelRunner``); ``flashinfer``: the FlashInfer version the engine's
+    builders ran (empty: the installed one); ``notes``: anything else the reviewer must know to read the verdict.
+    """
+
+    engine: str = ""
+    engine_version: str = ""
+    runner: str = ""
+    flashinfer: str = ""
+    notes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
 
 
 class BackendError(ValueError):
@@ -48,9 +84,10 @@ class EnginePolicy:
     ``manager_factory`` what makes it for a run (``(run, device, num_ubatches) -> manager``; None: the engine's
     own), set with the name by ``registry.with_workspace_manager`` so the engine imports no adapter.
     ``kv_sizing``: how the engine's budget reads gmu (``KvSizingRule``: vLLM's cap, or SGLang's post-capture
-    static share with the rest of the device as serving headroom). ``gate(case)``: the engine's own reason to keep
-    a case on the legacy path even when every builder opts in (vLLM's runner: speculative decoding, elastic EP), or
-    None; None (the default) gates nothing.
+    static share with the rest of the device as serving headroom); ``kv_sizing_for(case)``, where the engine decides
+    per case (vLLM 0.34's extensible KV cache, on by default and off under a few settings), the mode and why.
+    ``gate(case)``: the engine's own reason to keep a case on the legacy path even when every builder opts in
+    (vLLM's runner: speculative decoding, elastic EP), or None; None (the default) gates nothing.
     """
 
     warmup_in_window: bool | None = None
@@ -61,6 +98,19 @@ class EnginePolicy:
     manager_factory: Callable[..., ArenaManager] | None = None
     gate: Callable[[Case], str | None] | None = None
     kv_sizing: KvSizingRule = "profile"
+    kv_sizing_for: Callable[[Case], KvSizingMode] | None = None
+
+
+def kv_sizing_mode(policy: EnginePolicy, case: Case) -> KvSizingMode:
+    """Where the engine sizes the KV cache on ``case``: ``EnginePolicy.kv_sizing_for`` when the engine decides per
+    case (vLLM 0.34's extensible KV cache), else the policy's one rule."""
+    if policy.kv_sizing_for is not None:
+        return policy.kv_sizing_for(case)
+    return KvSizingMode(_RULE_NAMES[policy.kv_sizing], policy.kv_sizing)
+
+
+_RULE_NAMES: dict[str, str] = {"profile": "profile window", "post_capture": "post-capture",
+                               "post_warmup": "after warmup and capture"}
 
 
 def engine_gate(policy: EnginePolicy, case: Case) -> str | None:
@@ -99,6 +149,7 @@ class Backend:
     refuses_layout: Callable[[Case], str | None] | None = None
     requires: tuple[str, ...] = ()
     install_hint: str = ""
+    provenance: Callable[[], Provenance] | None = None  # None: the harness's own reference engine
 
     @property
     def xfails(self) -> dict[str, str]:

@@ -854,7 +854,7 @@ class LifecycleRun:
         else:
             estimate = self.result.graph_pool_high_water
         per_token = kv_bytes_per_token(case.model, case.tp, case.dcp)
-        rule = self.policy.kv_sizing
+        rule = self.result.kv_sizing.rule
         available = available_kv_bytes(dev.total_memory, case.gmu, window.non_kv, estimate)
         persistent = window.consumed
         self.result.budget = Budget(

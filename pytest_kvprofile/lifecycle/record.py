@@ -7,10 +7,11 @@ channels.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from pytest_kvprofile.contract.backends import EnginePolicy
+from pytest_kvprofile.contract.backends import EnginePolicy, KvSizingMode, kv_sizing_mode
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import SupportResolution, builder_name
@@ -248,6 +249,11 @@ class LifecycleResult:
             if rec.name == name:
                 return rec
         return None
+
+    @functools.cached_property
+    def kv_sizing(self) -> KvSizingMode:
+        """Where the engine sizes the KV cache on this case (``EnginePolicy.kv_sizing_for``), and why there."""
+        return kv_sizing_mode(self.policy, self.case)
 
     @property
     def post_kv_overrun(self) -> int:
