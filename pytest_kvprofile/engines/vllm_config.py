@@ -235,7 +235,11 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> VllmConfig:
 
         kwargs["speculative_config"] = SpeculativeConfig(method="ngram", num_speculative_tokens=case.mtp,
                                                          prompt_lookup_max=2, prompt_lookup_min=1)
-    cache = CacheConfig(block_size=env.page_size, cache_dtype=cache_dtype(case))
+    from pytest_kvprofile.engines.vllm_release import extensible_kv_cache_request
+
+    # Any: a CacheConfig field the installed vLLM may not have (0.34's enable_extensible_kv_cache), passed by name
+    request: dict[str, Any] = dict(extensible_kv_cache_request(case))
+    cache = CacheConfig(block_size=env.page_size, cache_dtype=cache_dtype(case), **request)
     try:
         return VllmConfig(model_config=model_config, parallel_config=parallel, scheduler_config=scheduler,
                           compilation_config=compilation, cache_config=cache, **kwargs)

@@ -28,9 +28,10 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
-from pytest_kvprofile.contract.backends import Backend, EnginePolicy
+from pytest_kvprofile.contract.backends import Backend, EnginePolicy, KvSizingMode, Provenance
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines import _vllm_for_run
 from pytest_kvprofile.engines.adapter import (
     CONTRACT_DECLARATION,
@@ -44,7 +45,7 @@ from pytest_kvprofile.engines.adapter import (
     find_revision,
     map_support,
 )
-from pytest_kvprofile.engines.batches import pad_to_capture, pages_per_request, runner_batch
+from pytest_kvprofile.engines.batches import capture_batches, pad_to_capture, pages_per_request, runner_batch
 from pytest_kvprofile.engines.vllm_config import (
     UnexpressibleCase,
     check_expressible,
@@ -55,6 +56,7 @@ from pytest_kvprofile.engines.vllm_config import (
     resolve_kv_cache_layout,
     standin_layers,
 )
+from pytest_kvprofile.engines.vllm_release import EXTENSIBLE, has_v1_runner, kv_sizing_mode, provenance
 from pytest_kvprofile.engines.vllm_standins import (
     _BACKEND_MODULE,
     VLLM_INSTALL_HINT,
@@ -69,11 +71,13 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.contract.lease import Lease
+    from pytest_kvprofile.contract.protocol import Builder, BuilderContext
     from pytest_kvprofile.engines.adapter import BuilderKey, EngineObject
     from pytest_kvprofile.matrix.cases import Case
 
-__all__ = ["DECLARATION_NAMES", "REVISIONS", "VLLM_BACKENDS", "VLLM_POLICY", "ReservationApi", "ReservingVllmBuilder",
+__all__ = ["DECLARATION_NAMES", "REVISIONS", "VLLM_BACKENDS", "VLLM_POLICY", "ExtensibleVllmAdapter", "ReservationApi",
+           "ReservingVllmBuilder",
            "VllmAdapter", "VllmBuildError", "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal",
            "make_vllm_builders", "map_support", "reservation_api", "speculative_gate"]
 
@@ -113,9 +117,19 @@ def speculative_gate(case: Case) -> str | None:
     return None
 
 
-VLLM_POLICY = EnginePolicy(workspace_manager="vllm", manager_factory=_vllm_for_run, gate=speculative_gate)
+def vllm_kv_sizing(case: Case) -> KvSizingMode:
+    """Where the installed vLLM sizes the KV cache on ``case`` (``engines/vllm_release.py``); a layout vLLM rejects
+    is never run, so its mode is the profile window's."""
+    try:
+        return kv_sizing_mode(case)
+    except UnexpressibleCase as exc:
+        return KvSizingMode("profile window", "profile", str(exc))
+
+
+VLLM_POLICY = EnginePolicy(workspace_manager="vllm", manager_factory=_vllm_for_run, gate=speculative_gate,
+                           kv_sizing_for=vllm_kv_sizing)
 """How vLLM's runner integrates its builders: vLLM's own WorkspaceManager as the arena (the pull request's builder
-reserves nothing without it), and its runner's gate."""
+reserves nothing without it), its runner's gate, and the sizing point of the installed release on each case."""
 
 
 class VllmBuildError(EngineBuildError):
@@ -256,6 +270,85 @@ class VllmFlashInferV2Builder(VllmFlashInferBuilder):
                 b.set_workspace_buffer(workspace)
 
 
+class ExtensibleVllmAdapter(VllmFlashInferV2Builder):
+    """vLLM 0.34's default (the extensible KV cache): the V2 runner makes its builders with a KV cache that has no
+    size yet, runs kernel warmup (``warmup_kernels``: a prefill step, then decode steps, of every request the
+    warmup may take), the sizing warmup (``run_kv_cache_sizing_warmup``: one mixed step of the whole token budget)
+    and CUDA-graph capture, and only then measures the KV cache (``measure_kv_cache_blocks``), keeping the profiled
+    activation peak free. So the harness's profiling window holds all of it and its closing measurement is vLLM's:
+    memory made there is seen by the sizing; memory made on a serving step is not, and nothing reserves it.
+
+    The declaration is the engine's (its runner puts the builders, their warmup and their graphs before the
+    sizing point), as for SGLang's post-capture path: REQUIRED. After the sizing point vLLM makes and captures
+    nothing again: the harness's rebind and capture find the builders and graphs made, its serving steps are
+    vLLM's ``build()``."""
+
+    def __init__(self, case: Case, builder_cls: type | None = None) -> None:
+        super().__init__(case, builder_cls)
+        self.measured = False  # the window made, warmed and captured the builders
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.REQUIRED
+
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
+        """vLLM's builders own their float workspace (measured where it is planned into); each wrapper has
+        FlashInfer's default int workspace."""
+        return WorkspaceDeclaration(float_bytes=0, int_bytes=FLASHINFER_INT_WORKSPACE_BYTES)
+
+    def warmup_batches(self) -> list[Batch]:
+        """vLLM 0.34's steps before its sizing point, in its order: ``warmup_kernels``' prefill step (each request one
+        token longer than a decode query, so it is not taken for a decode) and its decode step, the sizing warmup's
+        mixed step of the whole token budget (one decode request verifying its drafts beside the prefill), then every
+        captured decode step, largest first."""
+        env, q = self.case.envelope, 1 + self.case.mtp
+        reqs = max(1, min(env.max_num_seqs, env.max_num_batched_tokens // (q + 1)))
+        prefill_reqs = -(-(env.max_num_batched_tokens - q) // max(1, env.max_model_len - 1))
+        mixed = (Batch("mixed", prefill_reqs + 1, env.max_num_batched_tokens) if env.max_num_seqs >= 2 else
+                 Batch("prefill", prefill_reqs, env.max_num_batched_tokens))
+        captured = capture_batches(self.case) if self.captures_attention() else []
+        return [Batch("prefill", reqs, reqs * (q + 1)), Batch("decode", reqs, reqs * q), mixed, *captured]
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
+        """The runner's builders, their warmup steps and their graphs, in vLLM's order, before the sizing point; the
+        runner keeps the builders (the lease holds them too, until the closing measurement). All or nothing: a
+        failure drops the builders it made (vLLM's start-up would end there)."""
+        try:
+            self.make_engine_builders(ctx.num_ubatches)
+            for batch in self.warmup_batches():
+                for ub in range(ctx.num_ubatches):
+                    self._build_in_window(ctx, dataclasses.replace(batch, ubatch=ub))
+        except BaseException:
+            self.builders.clear()
+            self.last_metadata = None
+            raise
+        self.measured = True
+        return ctx.lease(list(self.builders.values()))
+
+    def _build_in_window(self, ctx: BuilderContext, batch: Batch) -> None:
+        self.ensure_inputs()
+        with self.engine_scope():
+            metadata = self.engine_metadata(batch)
+            for key, builder in self.builders_of(batch.ubatch):
+                try:
+                    if self.is_capture(batch):
+                        self.last_metadata = self.build_for_capture(builder, metadata)
+                    else:
+                        self.last_metadata = self.build_serving(builder, metadata)
+                except Exception as exc:  # noqa: BLE001 - named with the case and batch; the driver records it
+                    raise self.build_error(f"case {self.case.id}: {self.builder_label}.build() of {batch.label} "
+                                           f"({self.describe_key(key)}) failed before vLLM's KV sizing on the "
+                                           f"simulated {self.case.gpu.name}: {type(exc).__name__}: {exc}") from exc
+        self.built[batch.kind] = self.built.get(batch.kind, 0) + 1
+        self.after_build(batch)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        """After the sizing point vLLM captures nothing again: the harness's capture replays the graphs the window
+        captured."""
+        if ctx.capturing and self.measured:
+            return
+        super().build(ctx, batch)
+
+
 class ReservingVllmBuilder(ReservingAdapter, VllmFlashInferBuilder):
     """A vLLM builder class that declares profiling-time reservation, mapped onto the harness protocol: the
     declaration is vLLM's classmethod on the case's config and KV spec; ``reserve_persistent_workspace`` makes
@@ -366,14 +459,20 @@ def _int64() -> torch.dtype:
 
 
 def make_vllm_builders(case: Case, v2: bool = False, builder_cls: type | None = None) -> list[Builder]:
-    """The adapter for ``case``: a reserving one when vLLM's builder class declares reservation, otherwise the
-    V1 (or V2) integration that declares nothing. Imports vLLM (with the stand-in platform current)."""
+    """The adapter for ``case``, as the installed vLLM runs it. Where vLLM sizes the KV cache after warmup and capture
+    (0.34's extensible KV cache), the V2 runner with that sizing point, whatever the builder class declares (no
+    released vLLM runs the pull request's reservation there); else a reserving one when the builder class declares
+    reservation; else the V1 or V2 integration that declares nothing (V2 where the installed vLLM has no V1 runner).
+    Imports vLLM (with the stand-in platform current)."""
     check_expressible(case)
     cls = builder_cls or import_vllm_flashinfer().FlashInferMetadataBuilder
+    if vllm_kv_sizing(case).name == EXTENSIBLE:
+        return [ExtensibleVllmAdapter(case, builder_cls)]
     api = reservation_api(cls, case)
     if api is not None:
         return [ReservingVllmBuilder(case, cls, api)]
-    return [(VllmFlashInferV2Builder if v2 else VllmFlashInferBuilder)(case, builder_cls)]
+    v1 = not v2 and has_v1_runner()
+    return [(VllmFlashInferBuilder if v1 else VllmFlashInferV2Builder)(case, builder_cls)]
 
 
 def _make_v1(case: Case) -> list[Builder]:
@@ -384,13 +483,12 @@ def _make_v2(case: Case) -> list[Builder]:
     return make_vllm_builders(case, v2=True)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def _v1_provenance() -> Provenance:
+    return provenance(v2=False)
 
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return ""
+
+def _v2_provenance() -> Provenance:
+    return provenance(v2=True)
 
 
 def engine_refusal(case: Case) -> str | None:
@@ -407,11 +505,13 @@ def engine_refusal(case: Case) -> str | None:
 
 VLLM_BACKENDS: tuple[Backend, ...] = (
     engine_backend("vllm-flashinfer", _make_v1, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
-                   refuses_layout=engine_refusal, policy=VLLM_POLICY,
-                   description="vLLM's own FlashInferMetadataBuilder (V1 runner: per-builder lazy float workspace), "
-                               "unmodified, on the simulated GPU"),
+                   refuses_layout=engine_refusal, policy=VLLM_POLICY, provenance=_v1_provenance,
+                   description="vLLM's own FlashInferMetadataBuilder (V1 runner: per-builder lazy float workspace; "
+                               "the V2 runner where the installed vLLM has no V1, from 0.34), unmodified, on the "
+                               "simulated GPU, sized where the installed vLLM sizes KV"),
     engine_backend("vllm-flashinfer-v2", _make_v2, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
-                   refuses_layout=engine_refusal, policy=VLLM_POLICY,
+                   refuses_layout=engine_refusal, policy=VLLM_POLICY, provenance=_v2_provenance,
                    description="vLLM's own FlashInferMetadataBuilder (V2 runner: one eager float workspace shared "
-                               "with set_workspace_buffer), unmodified, on the simulated GPU"),
+                               "with set_workspace_buffer), unmodified, on the simulated GPU, sized where the "
+                               "installed vLLM sizes KV"),
 )

@@ -16,6 +16,11 @@ from pytest_kvprofile.matrix.gpus import GpuSpec
 from pytest_kvprofile.matrix.models import ModelSpec, RankHeads, rank_heads
 from pytest_kvprofile.units import GiB
 
+KV_SIZING_REQUESTS = ("engine", "profile")
+"""What a matrix asks of the engine's KV sizing (``envelope.kv_sizing``): ``engine``, the engine's default sizing
+point; ``profile``, the profiling window (an engine that sizes later by default is asked to turn that off). The
+engine's adapter resolves the request per case (``EnginePolicy.kv_sizing_for``)."""
+
 YamlValue: TypeAlias = Any  # a value read from a matrix file's YAML: checked where it is read, then used as that type
 
 
@@ -41,6 +46,7 @@ class Envelope:
     cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     num_ubatches: int = 1
     nontorch_mib: int = 512
+    kv_sizing: str = "engine"  # KV_SIZING_REQUESTS
 
     def decode_captures(self, mtp: int) -> tuple[DecodeCapture, ...]:
         """The decode steps CUDA graphs are captured for, largest first.

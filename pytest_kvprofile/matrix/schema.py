@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import yaml
 
-from pytest_kvprofile.matrix.cases import Case, Envelope, Matrix, Resource, case_id
+from pytest_kvprofile.matrix.cases import KV_SIZING_REQUESTS, Case, Envelope, Matrix, Resource, case_id
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu, slugify
 from pytest_kvprofile.matrix.kv_dtypes import KV_DTYPES
 from pytest_kvprofile.matrix.models import ModelSpec, impossible_layout
@@ -72,6 +72,7 @@ _ENVELOPE_KEYS: dict[str, type | tuple[type, ...]] = {
     "cuda_graph_sizes": list,
     "num_ubatches": (int, list),  # a list is an axis: cases expand over it, their ids gain "-ub<N>"
     "nontorch_mib": int,
+    "kv_sizing": str,  # KV_SIZING_REQUESTS: the engine's default sizing point, or its profiling window asked for
 }
 _EXCLUDE_KEYS = {"model", "gpu", "tp", "dcp", "mtp", "gmu", "kv_dtype"}
 _RESOURCE_KEYS = {"kind", "when", "params"}
@@ -211,6 +212,11 @@ def parse_envelope(path: str, raw: object) -> Envelope:
             values[key] = tuple(sorted(sizes))
         elif key == "num_ubatches" and isinstance(value, list):  # the axis (ubatch_axis); its first value here
             values[key] = _int_list(path, "envelope.num_ubatches", value, 1)[0]
+        elif key == "kv_sizing":
+            if value not in KV_SIZING_REQUESTS:
+                raise MatrixError(path, "envelope.kv_sizing",
+                                  f"is {value!r}; expected one of {', '.join(KV_SIZING_REQUESTS)}")
+            values[key] = value
         else:
             _positive(path, f"envelope.{key}", value)
             values[key] = value

@@ -87,9 +87,13 @@ class Budget:
             return f"{n / GiB:.2f} GiB"
 
         static = int(self.total * self.gmu)
-        first = (f"total {gib(self.total)} x gmu {self.gmu:.2f} = {gib(self.limit)}" if self.rule == "profile" else
-                 f"total {gib(self.total)} x mem_fraction_static {self.gmu:.2f} = {gib(static)} static, sized after "
-                 f"capture; {gib(self.total - static)} serving headroom")
+        if self.rule == "post_capture":
+            first = (f"total {gib(self.total)} x mem_fraction_static {self.gmu:.2f} = {gib(static)} static, sized "
+                     f"after capture; {gib(self.total - static)} serving headroom")
+        else:
+            first = f"total {gib(self.total)} x gmu {self.gmu:.2f} = {gib(self.limit)}"
+            if self.rule == "post_warmup":
+                first += ", sized after warmup and CUDA-graph capture (the profiled activation peak kept free)"
         return [
             first,
             f"weights {gib(self.weights)}, peak activation {gib(self.peak_activation)}, "

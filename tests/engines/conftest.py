@@ -37,3 +37,12 @@ def vllm_workspace() -> Any:
 def sglang_flashinfer() -> Any:
     """SGLang's FlashInfer backend module, imported with its stand-ins."""
     return _import_or_skip(ss.import_sglang_flashinfer, ss.SglangUnavailable, "SGLang", ss.SGLANG_INSTALL_HINT)
+
+
+@pytest.fixture
+def v1_runner(vllm_flashinfer: Any) -> None:
+    """The installed vLLM ships the V1 model runner (0.33 and older); 0.34 removed it, and its V2 runner's tests run."""
+    from pytest_kvprofile.engines.vllm_release import has_v1_runner, vllm_version
+
+    if not has_v1_runner():
+        pytest.skip(f"vLLM {vllm_version()} has no V1 model runner (removed in 0.34); the V2 runner's tests cover it")

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("vllm_flashinfer")
 CASE = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.id == "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.98")
 
 
-def test_the_table_and_the_verdict_carry_the_same_legacy_numbers():
+def test_the_table_and_the_verdict_carry_the_same_legacy_numbers(v1_runner):
     backend = builtin_backends()["vllm-flashinfer"]
     result = run_lifecycle(backend, CASE)
     try:
