@@ -112,12 +112,13 @@ class Registry:
 
 def builtin_plugins() -> tuple[ModuleType, ...]:
     """The package's own plugins, each implementing ``pytest_kvprofile_register`` for its part, in the order they
-    register (the checks, the built-in backends and the harness's manager, the engine adapters and their manager)."""
+    register (the checks, the built-in backends and the harness's manager, then each engine's package: its adapters
+    and its manager)."""
     import pytest_kvprofile.builtin as builtin
     import pytest_kvprofile.checks.catalog as catalog
-    import pytest_kvprofile.engines as engines
+    from pytest_kvprofile.engines import engine_plugins
 
-    return (catalog, builtin, engines)
+    return (catalog, builtin, *engine_plugins())
 
 
 def builtin_registry() -> Registry:

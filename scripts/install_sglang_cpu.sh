@@ -13,7 +13,7 @@
 # changes is printed.
 #
 # Compiled GPU modules are never installed. SGLang's import needs stand-ins for triton (every `import sglang...`
-# reaches sglang/srt/utils/common.py `import triton`) and torchvision: pytest_kvprofile/engines/sglang_standins.py,
+# reaches sglang/srt/utils/common.py `import triton`) and torchvision: pytest_kvprofile/engines/sglang/standins.py,
 # whose importer the final check runs.
 set -euo pipefail
 VENV=${1:?usage: scripts/install_sglang_cpu.sh VENV [VERSION]}
@@ -104,7 +104,7 @@ echo "$changed" | while IFS= read -r line; do
     old=$(echo "$before" | grep -i "^${line%%==*}==" || true)
     echo "  ${line}${old:+   (was ${old#*==})}"
 done
-"$PY" -c 'from pytest_kvprofile.engines.sglang_standins import import_sglang_flashinfer
+"$PY" -c 'from pytest_kvprofile.engines.sglang.standins import import_sglang_flashinfer
 import importlib.metadata as m, flashinfer, torch
 module = import_sglang_flashinfer()
 print("sglang", m.version("sglang"), "imports on torch", torch.__version__, "with flashinfer", flashinfer.__version__,

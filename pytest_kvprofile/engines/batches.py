@@ -5,7 +5,7 @@ plans inside the profiling window (one of every shape the engine runs).
 Why a module of its own: every engine adapter turns the lifecycle's :class:`~pytest_kvprofile.contract.protocol.Batch`
 into its runner's inputs, and the layout is the engine's scheduler arithmetic, not the engine's code. An adapter
 copies the host arrays of :class:`RunnerBatch` into its own buffers and wraps them in its own metadata class (vLLM's
-``CommonAttentionMetadata``, ``engines/vllm_flashinfer.py``); nothing here imports an engine, numpy or torch.
+``CommonAttentionMetadata``, ``engines/vllm/flashinfer.py``); nothing here imports an engine, numpy or torch.
 
 The layout: every request sits at the envelope's full context (the most split-KV work a plan can see); a decode
 request carries ``1 + mtp`` query tokens; a mixed batch puts its decodes first, as runners reorder them; request

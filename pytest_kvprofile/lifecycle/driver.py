@@ -115,7 +115,7 @@ class _Abort(Exception):
 
 class _RecordingMixin:
     """Records every view a manager hands out and every growth it refuses, for the harness's manager and vLLM's
-    (``engines/vllm_workspace.py``, whose hooks ``_refused``, ``_caller``, ``_method`` and ``_building_ubatch``
+    (``engines/vllm/workspace.py``, whose hooks ``_refused``, ``_caller``, ``_method`` and ``_building_ubatch``
     this answers from the run).
 
     A refusal is recorded before it is raised, so a builder that catches WorkspaceLockedError and
@@ -164,7 +164,7 @@ class RecordingWorkspaceManager(_RecordingMixin, WorkspaceManager):
 
 def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -> ArenaManager:
     """The run's shared arena: the harness's manager, or the one ``EnginePolicy.manager_factory`` makes (vLLM's own,
-    ``engines/vllm_workspace.py``), which has the same interface without sharing its class."""
+    ``engines/vllm/workspace.py``), which has the same interface without sharing its class."""
     factory = run.policy.manager_factory
     if factory is not None:
         return factory(run, device, num_ubatches)

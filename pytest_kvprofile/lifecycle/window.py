@@ -3,7 +3,7 @@
 An observer sees the device before the engine instance exists (before the weights), when the window opens (the
 baseline snapshot) and when it closes (before the closing measurement), and returns the non-KV bytes it measured;
 the run records them per observer name (``LifecycleResult.observed_non_kv``). vLLM's ``memory_profiling`` is one
-(``engines/vllm_memory.py``).
+(``engines/vllm/memory.py``).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def kvprofile_workspace_manager(request: pytest.FixtureRequest, kvprofile_case: 
 
     Which one: the run's ``--kvprofile-workspace-manager`` (else ``harness``), or per test by indirect
     parametrization, ``@pytest.mark.parametrize("kvprofile_workspace_manager", ["vllm"], indirect=True)``:
-    ``"vllm"`` is vLLM's own manager behind the same interface (``engines/vllm_workspace.py``; the test is skipped
+    ``"vllm"`` is vLLM's own manager behind the same interface (``engines/vllm/workspace.py``; the test is skipped
     with the install command when vLLM is not installed).
     """
     state = _state(request.config)

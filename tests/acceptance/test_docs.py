@@ -33,7 +33,8 @@ def test_architecture_names_every_module():
         rel = path.relative_to(package)
         if rel.name == "__init__.py" and rel.parent.name not in ("plugin",):
             continue
-        if f"`{rel.name}`" not in doc and f"{rel.as_posix()}" not in doc:
+        inner = "/".join(rel.parts[1:])  # within its package's section: `vllm/flashinfer.py` under engines/
+        if f"`{rel.name}`" not in doc and rel.as_posix() not in doc and not (inner and f"`{inner}`" in doc):
             missing.append(rel.as_posix())
     assert not missing, f"docs/architecture.md does not mention {missing}"
 

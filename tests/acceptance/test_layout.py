@@ -94,26 +94,26 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.builtin.process_state": "its builders keep torch tensors per process, made when built",
     "pytest_kvprofile.builtin.stubs": "torch-mode stubs allocate with torch when built, not when listed",
     "pytest_kvprofile.contract.workspace": "an arena is a torch tensor only on a device in torch mode",
-    "pytest_kvprofile.engines.vllm_config": "vLLM is imported by make_builders only, never at plugin import",
-    "pytest_kvprofile.engines.vllm_release": "the installed vLLM's config fields, asked by a worker's run only",
-    "pytest_kvprofile.engines.vllm_flashinfer": "vLLM is imported by make_builders only, never at plugin import",
-    "pytest_kvprofile.engines.vllm_pull_request": "vLLM's builder class is subclassed when a backend first makes "
+    "pytest_kvprofile.engines.vllm.config": "vLLM is imported by make_builders only, never at plugin import",
+    "pytest_kvprofile.engines.vllm.release": "the installed vLLM's config fields, asked by a worker's run only",
+    "pytest_kvprofile.engines.vllm.flashinfer": "vLLM is imported by make_builders only, never at plugin import",
+    "pytest_kvprofile.engines.vllm.pull_request": "vLLM's builder class is subclassed when a backend first makes "
                                                   "builders; torch inside its methods",
-    "pytest_kvprofile.engines.vllm_memory": "vLLM's memory_profiling runs around the window of a vLLM backend only",
-    "pytest_kvprofile.engines.vllm_standins": "the CPU stand-ins patch vLLM and torch only for a vLLM backend's run",
-    "pytest_kvprofile.engines.vllm_gdn": "vLLM's GDN builder is imported by the hybrid backend's make_builders only",
-    "pytest_kvprofile.engines.vllm_workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",
-    "pytest_kvprofile.engines.sglang_flashinfer": "SGLang is imported by make_builders and refuses_layout only, never "
+    "pytest_kvprofile.engines.vllm.memory": "vLLM's memory_profiling runs around the window of a vLLM backend only",
+    "pytest_kvprofile.engines.vllm.standins": "the CPU stand-ins patch vLLM and torch only for a vLLM backend's run",
+    "pytest_kvprofile.engines.vllm.gdn": "vLLM's GDN builder is imported by the hybrid backend's make_builders only",
+    "pytest_kvprofile.engines.vllm.workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",
+    "pytest_kvprofile.engines.sglang.flashinfer": "SGLang is imported by make_builders and refuses_layout only, never "
                                                   "at plugin import",
-    "pytest_kvprofile.engines.sglang_memory": "SGLang's default mem_fraction_static, resolved by SGLang when a row "
+    "pytest_kvprofile.engines.sglang.memory": "SGLang's default mem_fraction_static, resolved by SGLang when a row "
                                               "is made (scripts/sglang_table.py), never at plugin import",
-    "pytest_kvprofile.engines.sglang_post_capture": "SGLang's post_capture_kv_sizing_planned answers the engine's "
+    "pytest_kvprofile.engines.sglang.post_capture": "SGLang's post_capture_kv_sizing_planned answers the engine's "
                                                     "gate when a case is run, never at plugin import",
-    "pytest_kvprofile.engines.sglang_trtllm_mha": "SGLang's trtllm_mha backend module is patched and its class made "
+    "pytest_kvprofile.engines.sglang.trtllm_mha": "SGLang's trtllm_mha backend module is patched and its class made "
                                                   "when a case is run, never at plugin import",
-    "pytest_kvprofile.engines.sglang_trtllm_mla": "SGLang's trtllm_mla backend module is patched and its class made "
+    "pytest_kvprofile.engines.sglang.trtllm_mla": "SGLang's trtllm_mla backend module is patched and its class made "
                                                   "when a case is run, never at plugin import",
-    "pytest_kvprofile.engines.sglang_standins": "the CPU stand-ins patch SGLang and torch only for an SGLang backend's "
+    "pytest_kvprofile.engines.sglang.standins": "the CPU stand-ins patch SGLang and torch only for an SGLang backend's "
                                                 "run",
     "pytest_kvprofile.gpu.cuda_device": "the GPU tier only: the CPU tier and plugin import never load CUDA",
     "pytest_kvprofile.gpu.nvml": "counts GPUs through NVML only when asked (--kvprofile-gpu, pinning)",
@@ -241,7 +241,7 @@ def test_heavy_imports_are_lazy_and_listed_with_a_reason():
 
 def test_string_imports_are_counted():
     """``importlib.import_module`` with a literal or a module-level constant is an import like any other."""
-    found = {(t, top) for t, _, top in _all_imports(PACKAGE / "engines" / "vllm_workspace.py")}
+    found = {(t, top) for t, _, top in _all_imports(PACKAGE / "engines" / "vllm" / "workspace.py")}
     assert ("vllm.v1.worker.workspace", False) in found
     tree = ast.parse("import importlib\nM = 'torch.cuda'\ndef f():\n    importlib.import_module(M)\n"
                      "__import__('flashinfer')\n")

@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 import pytest
 
-from pytest_kvprofile.engines import sglang_standins as ss
-from pytest_kvprofile.engines import vllm_standins as vs
-from pytest_kvprofile.engines import vllm_workspace as vw
+from pytest_kvprofile.engines.sglang import standins as ss
+from pytest_kvprofile.engines.vllm import standins as vs
+from pytest_kvprofile.engines.vllm import workspace as vw
 
 
 def _import_or_skip(importer: Callable[[], Any], unavailable: type[Exception], engine: str = "vLLM",
@@ -42,7 +42,7 @@ def sglang_flashinfer() -> Any:
 @pytest.fixture
 def v1_runner(vllm_flashinfer: Any) -> None:
     """The installed vLLM ships the V1 model runner (0.33 and older); 0.34 removed it, and its V2 runner's tests run."""
-    from pytest_kvprofile.engines.vllm_release import has_v1_runner, vllm_version
+    from pytest_kvprofile.engines.vllm.release import has_v1_runner, vllm_version
 
     if not has_v1_runner():
         pytest.skip(f"vLLM {vllm_version()} has no V1 model runner (removed in 0.34); the V2 runner's tests cover it")

@@ -15,7 +15,7 @@ from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
 from pytest_kvprofile.contract.backends import layout_refusal
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines.vllm_gdn import gdn_groups, mamba_spec
+from pytest_kvprofile.engines.vllm.gdn import gdn_groups, mamba_spec
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrix, load_matrix_text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, TORCH_STUB_BACKENDS
-from pytest_kvprofile.engines.vllm_memory import NAME, VllmMemoryProfiling, non_kv_difference
+from pytest_kvprofile.engines.vllm.memory import NAME, VllmMemoryProfiling, non_kv_difference
 from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 

@@ -12,7 +12,7 @@ import pytest
 from pytest_kvprofile import Backend, run_lifecycle
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.engines.adapter import UnusableContract
-from pytest_kvprofile.engines.vllm_flashinfer import (
+from pytest_kvprofile.engines.vllm.flashinfer import (
     CURRENT,
     EARLIER,
     VLLM_POLICY,
@@ -21,7 +21,7 @@ from pytest_kvprofile.engines.vllm_flashinfer import (
     make_vllm_builders,
     reservation_api,
 )
-from pytest_kvprofile.engines.vllm_pull_request import backends, pull_request_builder
+from pytest_kvprofile.engines.vllm.pull_request import backends, pull_request_builder
 from pytest_kvprofile.lifecycle.driver import close_parts
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
@@ -131,8 +131,8 @@ def test_a_required_declaration_without_a_reservation_is_a_usage_error(vllm_flas
 def test_the_usage_error_stops_the_run_before_collection(pytester, vllm_flashinfer):
     pytester.makepyfile(half_taught="""
         from pytest_kvprofile import Backend
-        from pytest_kvprofile.engines.vllm_flashinfer import make_vllm_builders
-        from pytest_kvprofile.engines.vllm_standins import import_vllm_flashinfer
+        from pytest_kvprofile.engines.vllm.flashinfer import make_vllm_builders
+        from pytest_kvprofile.engines.vllm.standins import import_vllm_flashinfer
 
         def backends():
             base = import_vllm_flashinfer().FlashInferMetadataBuilder
@@ -167,7 +167,7 @@ def test_the_verdict_names_the_revision_driven_and_the_gated_cases(pytester, vll
     verdict = pytester.path / "verdict.json"
     result = pytester.runpytest_inprocess(
         "--kvprofile", "--kvprofile-matrix", str(matrix), "--kvprofile-backend",
-        "pytest_kvprofile.engines.vllm_pull_request:backends", "-k", "vllm-pr-planned", "--kvprofile-verdict",
+        "pytest_kvprofile.engines.vllm.pull_request:backends", "-k", "vllm-pr-planned", "--kvprofile-verdict",
         str(verdict), "-p", "no:cacheprovider", "-q")
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = {b["name"]: b for b in json.loads(verdict.read_text())["backends"]}["vllm-pr-planned"]

@@ -17,8 +17,8 @@ import torch
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
 from pytest_kvprofile.contract.backends import BackendError, check_requirements
-from pytest_kvprofile.engines import sglang_standins as ss
-from pytest_kvprofile.engines.sglang_flashinfer import (
+from pytest_kvprofile.engines.sglang import standins as ss
+from pytest_kvprofile.engines.sglang.flashinfer import (
     DRAFT,
     SGLANG_BACKENDS,
     TARGET,

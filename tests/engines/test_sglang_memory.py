@@ -1,4 +1,4 @@
-"""``engines/sglang_memory.py`` and ``scripts/sglang_table.py``: SGLang's static-path cost rows, its own default
+"""``engines/sglang/memory.py`` and ``scripts/sglang_table.py``: SGLang's static-path cost rows, its own default
 ``mem_fraction_static``, the table of docs/sglang-results.md and the script's resumable journal.
 
 The rows and the table need no SGLang; the default fraction and a row from a real run skip without it, naming the
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_kvprofile.engines.sglang_memory import (
+from pytest_kvprofile.engines.sglang.memory import (
     SGLANG_ATTENTION_RESERVE,
     PostCaptureRow,
     SglangCostRow,
@@ -96,7 +96,7 @@ def test_a_post_capture_row_says_whether_sglangs_default_headroom_holds_the_serv
 # -- with SGLang -------------------------------------------------------------------------------------------------------
 
 def test_sglangs_default_fraction_is_its_heuristic_on_the_cases_gpu(sglang_flashinfer):
-    from pytest_kvprofile.engines.sglang_memory import default_mem_fraction
+    from pytest_kvprofile.engines.sglang.memory import default_mem_fraction
 
     l40s = default_mem_fraction(QWEN_L40S)
     reserve = (1 - l40s) * QWEN_L40S.gpu.memory_bytes
@@ -112,8 +112,8 @@ def test_sglangs_default_fraction_is_its_heuristic_on_the_cases_gpu(sglang_flash
 
 def test_a_row_from_a_run_reads_the_backends_workspaces_by_role(sglang_flashinfer):
     from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
-    from pytest_kvprofile.engines.sglang_flashinfer import BACKEND_NAME, SGLANG_BACKENDS
-    from pytest_kvprofile.engines.sglang_memory import cost_row
+    from pytest_kvprofile.engines.sglang.flashinfer import BACKEND_NAME, SGLANG_BACKENDS
+    from pytest_kvprofile.engines.sglang.memory import cost_row
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
     from pytest_kvprofile.sizing.case import for_case
 
@@ -133,8 +133,8 @@ def test_a_row_from_a_run_reads_the_backends_workspaces_by_role(sglang_flashinfe
 
 
 def test_an_mla_run_reads_sglangs_mla_workspace_and_sizes_no_waste(sglang_flashinfer):
-    from pytest_kvprofile.engines.sglang_flashinfer import BACKEND_NAME, SGLANG_BACKENDS
-    from pytest_kvprofile.engines.sglang_memory import cost_row, planner_need
+    from pytest_kvprofile.engines.sglang.flashinfer import BACKEND_NAME, SGLANG_BACKENDS
+    from pytest_kvprofile.engines.sglang.memory import cost_row, planner_need
     from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 
     case = CASES["deepseek-v2-lite-mla-tp1-dcp1-mtp0-l40s-gmu0.90-kvbf16"]

@@ -1,4 +1,4 @@
-"""SGLang's post-capture KV sizing path (``engines/sglang_post_capture.py``): its budget rule, its verdict on a correct
+"""SGLang's post-capture KV sizing path (``engines/sglang/post_capture.py``): its budget rule, its verdict on a correct
 backend (SGLang's own), and the contract's checks refusing a backend that makes persistent memory after SGLang's
 sizing point (the kind of OOM sglang#38596 reports).
 
@@ -13,8 +13,8 @@ import pytest
 
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.workspace import case_waste
-from pytest_kvprofile.engines import sglang_standins as ss
-from pytest_kvprofile.engines.sglang_post_capture import (
+from pytest_kvprofile.engines.sglang import standins as ss
+from pytest_kvprofile.engines.sglang.post_capture import (
     POST_CAPTURE_ENV,
     SGLANG_POST_CAPTURE_BACKENDS,
     SglangPostCaptureAdapter,
@@ -161,7 +161,7 @@ def test_server_args_resolve_as_on_the_cases_gpu():
 
     from sglang.srt.runtime_context import use_context
 
-    from pytest_kvprofile.engines.sglang_flashinfer import make_sglang_engine
+    from pytest_kvprofile.engines.sglang.flashinfer import make_sglang_engine
 
     adapter = SglangPostCaptureAdapter(QWEN_L40S)
     with ss.sglang_standins(QWEN_L40S.gpu):

@@ -1,4 +1,4 @@
-"""``engines/sglang_trtllm_mha.py``: SGLang's ``TRTLLMHAAttnBackend`` (its MHA default on Blackwell) on the simulated
+"""``engines/sglang/trtllm_mha.py``: SGLang's ``TRTLLMHAAttnBackend`` (its MHA default on Blackwell) on the simulated
 GPU: the host versions of its two Triton kernels, a B200 case run to the end with its cost by source line (the
 unused FlashInfer workspace beside its own), and SGLang's own refusal where trtllm_mha does not run.
 
@@ -12,7 +12,7 @@ import torch
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
 from pytest_kvprofile.contract.backends import layout_refusal
-from pytest_kvprofile.engines.sglang_trtllm_mha import (
+from pytest_kvprofile.engines.sglang.trtllm_mha import (
     SGLANG_TRTLLM_MHA_BACKENDS,
     SglangTrtllmMhaAdapter,
     host_graph_metadata,

@@ -10,8 +10,8 @@ import torch
 
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.post_kv_cost import post_kv_cost
-from pytest_kvprofile.engines.sglang_post_capture import post_capture_gate
-from pytest_kvprofile.engines.sglang_trtllm_mla import (
+from pytest_kvprofile.engines.sglang.post_capture import post_capture_gate
+from pytest_kvprofile.engines.sglang.trtllm_mla import (
     SGLANG_TRTLLM_MLA_BACKENDS,
     HostFlashMlaKvIndices,
     SglangTrtllmMlaAdapter,

@@ -15,9 +15,9 @@ import torch
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines import vllm_config as vc
-from pytest_kvprofile.engines import vllm_standins as vs
-from pytest_kvprofile.engines.vllm_flashinfer import (
+from pytest_kvprofile.engines.vllm import config as vc
+from pytest_kvprofile.engines.vllm import standins as vs
+from pytest_kvprofile.engines.vllm.flashinfer import (
     VLLM_BACKENDS,
     ReservingVllmBuilder,
     VllmFlashInferBuilder,

@@ -1,4 +1,4 @@
-"""vLLM judged as the installed release runs it (engines/vllm_release.py): the runner it ships, where it sizes the KV
+"""vLLM judged as the installed release runs it (engines/vllm/release.py): the runner it ships, where it sizes the KV
 cache on each case, and what the verdict names. CI runs this file in two venvs, vLLM 0.33.0 and 0.34.0 (.ci/run):
 each branch below is the one its release takes, and the other venv runs the other."""
 
@@ -13,7 +13,7 @@ import torch
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.contract.backends import Backend, kv_sizing_mode
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines.vllm_flashinfer import (
+from pytest_kvprofile.engines.vllm.flashinfer import (
     VLLM_BACKENDS,
     VLLM_POLICY,
     ExtensibleVllmAdapter,
@@ -22,8 +22,8 @@ from pytest_kvprofile.engines.vllm_flashinfer import (
     VllmFlashInferV2Builder,
     make_vllm_builders,
 )
-from pytest_kvprofile.engines.vllm_pull_request import pull_request_builder
-from pytest_kvprofile.engines.vllm_release import (
+from pytest_kvprofile.engines.vllm.pull_request import pull_request_builder
+from pytest_kvprofile.engines.vllm.release import (
     EXTENSIBLE,
     PROFILE_WINDOW,
     has_extensible_kv_cache,

@@ -1,4 +1,4 @@
-"""vLLM's own WorkspaceManager as the lifecycle's arena (issue 24, point 1; engines/vllm_workspace.py).
+"""vLLM's own WorkspaceManager as the lifecycle's arena (issue 24, point 1; engines/vllm/workspace.py).
 
 Where vLLM's manager behaves unlike the harness's (lanes, unlock, keyed resources, the empty slot, a kept view
 across a growth), the difference is pinned here and described in docs/vllm.md.
@@ -15,7 +15,7 @@ from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, CheckOptions, failin
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import OWNER, WorkspaceLockedError
-from pytest_kvprofile.engines import vllm_workspace as vw
+from pytest_kvprofile.engines.vllm import workspace as vw
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.memory.device import SimDevice

@@ -18,7 +18,7 @@ reserves what FlashInfer's planner carves for the case (``pytest_kvprofile.sizin
 ``vllm-hybrid-gdn`` is a hybrid model's builder set (Qwen3-Next: full attention every 4th layer, Gated DeltaNet
 linear attention on the others): the reserving FlashInfer builder for the full-attention layers plus vLLM's
 released ``GDNAttentionMetadataBuilder`` for the GDN layers, declared NEUTRAL as the pull request declares it
-(``pytest_kvprofile.engines.vllm_gdn``). Whether it is NEUTRAL is what the suite finds; run it on
+(``pytest_kvprofile.engines.vllm.gdn``). Whether it is NEUTRAL is what the suite finds; run it on
 ``matrices/hybrid.yaml``.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 from pytest_kvprofile import Backend, Batch, BuilderContext, ProfilingSupport, WorkspaceDeclaration
 from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES, VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.engines.batches import window_batches
-from pytest_kvprofile.engines.vllm_flashinfer import VllmFlashInferBuilder, engine_refusal
-from pytest_kvprofile.engines.vllm_gdn import VllmGdnBuilder
-from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT
+from pytest_kvprofile.engines.vllm.flashinfer import VllmFlashInferBuilder, engine_refusal
+from pytest_kvprofile.engines.vllm.gdn import VllmGdnBuilder
+from pytest_kvprofile.engines.vllm.standins import VLLM_INSTALL_HINT
 from pytest_kvprofile.sizing import for_case
 
 __version__ = "0.1.0"

@@ -32,7 +32,6 @@ from pytest_kvprofile.contract.backends import Backend, EnginePolicy, KvSizingMo
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines import _vllm_for_run
 from pytest_kvprofile.engines.adapter import (
     CONTRACT_DECLARATION,
     CONTRACT_RESERVATION,
@@ -46,7 +45,8 @@ from pytest_kvprofile.engines.adapter import (
     map_support,
 )
 from pytest_kvprofile.engines.batches import capture_batches, pad_to_capture, pages_per_request, runner_batch
-from pytest_kvprofile.engines.vllm_config import (
+from pytest_kvprofile.engines.vllm import _vllm_for_run
+from pytest_kvprofile.engines.vllm.config import (
     UnexpressibleCase,
     check_expressible,
     kv_cache_spec,
@@ -56,8 +56,8 @@ from pytest_kvprofile.engines.vllm_config import (
     resolve_kv_cache_layout,
     standin_layers,
 )
-from pytest_kvprofile.engines.vllm_release import EXTENSIBLE, has_v1_runner, kv_sizing_mode, provenance
-from pytest_kvprofile.engines.vllm_standins import (
+from pytest_kvprofile.engines.vllm.release import EXTENSIBLE, has_v1_runner, kv_sizing_mode, provenance
+from pytest_kvprofile.engines.vllm.standins import (
     _BACKEND_MODULE,
     VLLM_INSTALL_HINT,
     import_vllm_flashinfer,
@@ -118,7 +118,7 @@ def speculative_gate(case: Case) -> str | None:
 
 
 def vllm_kv_sizing(case: Case) -> KvSizingMode:
-    """Where the installed vLLM sizes the KV cache on ``case`` (``engines/vllm_release.py``); a layout vLLM rejects
+    """Where the installed vLLM sizes the KV cache on ``case`` (``engines/vllm/release.py``); a layout vLLM rejects
     is never run, so its mode is the profile window's."""
     try:
         return kv_sizing_mode(case)

@@ -55,7 +55,7 @@ from pytest_kvprofile.contract.protocol import Batch
 from pytest_kvprofile.engines.adapter import EngineAdapter, EngineBuildError, Patches, device_active, engine_backend
 from pytest_kvprofile.engines.batches import capture_sizes, pad_to_capture, runner_batch
 from pytest_kvprofile.engines.model_config import config_dir, decoder_config
-from pytest_kvprofile.engines.sglang_standins import (
+from pytest_kvprofile.engines.sglang.standins import (
     SGLANG_INSTALL_HINT,
     import_sglang_flashinfer,
     sglang_standins,
@@ -156,7 +156,7 @@ def hf_config_dir(case: Case, root: Path | None = None) -> Path:
 def server_args_kwargs(case: Case, model_path: str, attention_backend: str = "flashinfer") -> dict[str, SglangValue]:
     """``ServerArgs`` of one rank of the case: the envelope as SGLang's scheduler limits, TP/DCP, the capture sizes
     (SGLang's decode graphs are captured per batch size), the case's utilization as ``mem_fraction_static``, and the
-    attention backend (``flashinfer``, or ``trtllm_mha``: ``engines/sglang_trtllm_mha.py``)."""
+    attention backend (``flashinfer``, or ``trtllm_mha``: ``engines/sglang/trtllm_mha.py``)."""
     env = case.envelope
     return dict(
         model_path=model_path, skip_tokenizer_init=True, load_format="dummy", device="cuda", random_seed=0,
@@ -778,7 +778,7 @@ SGLANG_BACKENDS: tuple[Backend, ...] = (
 
 
 def backends() -> list[Backend]:
-    """``--kvprofile-backend pytest_kvprofile.engines.sglang_flashinfer:backends`` (before the backend is registered
+    """``--kvprofile-backend pytest_kvprofile.engines.sglang.flashinfer:backends`` (before the backend is registered
     by ``engines/__init__.py``)."""
     return list(SGLANG_BACKENDS)
 

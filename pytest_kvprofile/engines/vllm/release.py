@@ -94,8 +94,8 @@ def kv_sizing_mode(case: Case, config: VllmConfig | None = None) -> KvSizingMode
     if not has_extensible_kv_cache():
         return KvSizingMode(PROFILE_WINDOW, "profile", f"vLLM {vllm_version()} has no extensible KV cache")
     if config is None:
-        from pytest_kvprofile.engines.vllm_config import make_vllm_config
-        from pytest_kvprofile.engines.vllm_standins import vllm_standins
+        from pytest_kvprofile.engines.vllm.config import make_vllm_config
+        from pytest_kvprofile.engines.vllm.standins import vllm_standins
 
         with vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp):
             config = make_vllm_config(case)

@@ -174,9 +174,9 @@ def default_mem_fraction(case: Case, *, post_capture: bool = False, attention_ba
     """SGLang's own default ``mem_fraction_static`` for the case's rank (its heuristic, resolved by SGLang's
     pipeline from the case's ``ServerArgs`` without one, on the case's GPU memory); with ``post_capture``, as
     ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` resolves it (no activation or graph reserve where it applies)."""
-    from pytest_kvprofile.engines.sglang_flashinfer import hf_config_dir, server_args_kwargs
-    from pytest_kvprofile.engines.sglang_post_capture import post_capture_scope
-    from pytest_kvprofile.engines.sglang_standins import sglang_standins
+    from pytest_kvprofile.engines.sglang.flashinfer import hf_config_dir, server_args_kwargs
+    from pytest_kvprofile.engines.sglang.post_capture import post_capture_scope
+    from pytest_kvprofile.engines.sglang.standins import sglang_standins
 
     opt_in = post_capture_scope() if post_capture else contextlib.nullcontext()
     with sglang_standins(case.gpu), _gpu_memory(case), opt_in:

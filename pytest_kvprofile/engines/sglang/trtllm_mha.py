@@ -9,7 +9,7 @@ plans into, beside its own zeroed trtllm-gen workspace (``get_buffer("trtllm_mha
 default). The verdict is the legacy path with its cost, by source line; the unused FlashInfer arena shows there as its
 own line, and ``docs/sglang-results.md`` as waste (no route plans into it: its exact need is zero).
 
-What the adapter adds to ``sglang-flashinfer``'s (``engines/sglang_flashinfer.py``): the attention backend in the
+What the adapter adds to ``sglang-flashinfer``'s (``engines/sglang/flashinfer.py``): the attention backend in the
 case's ``ServerArgs`` (SGLang's own validation refuses what it refuses), the backend class, and host versions of
 its two Triton kernels (:func:`host_page_table`, :func:`host_graph_metadata`). Builds go through the same calls
 (``init_forward_metadata``, ``init_forward_metadata_out_graph``).
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.engines.adapter import Patches
-from pytest_kvprofile.engines.sglang_flashinfer import (
+from pytest_kvprofile.engines.sglang.flashinfer import (
     SglangFlashInferAdapter,
     SglangValue,
     engine_refusal,

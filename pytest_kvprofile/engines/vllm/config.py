@@ -235,7 +235,7 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> VllmConfig:
 
         kwargs["speculative_config"] = SpeculativeConfig(method="ngram", num_speculative_tokens=case.mtp,
                                                          prompt_lookup_max=2, prompt_lookup_min=1)
-    from pytest_kvprofile.engines.vllm_release import extensible_kv_cache_request
+    from pytest_kvprofile.engines.vllm.release import extensible_kv_cache_request
 
     # Any: a CacheConfig field the installed vLLM may not have (0.34's enable_extensible_kv_cache), passed by name
     request: dict[str, Any] = dict(extensible_kv_cache_request(case))

@@ -9,7 +9,7 @@ it also makes SGLang's MLA float workspace (384 MiB) and FlashInfer's MLA wrappe
 its own zeroed trtllm-gen workspace (``get_buffer("trtllm_mla_zero_workspace")``, 150 MiB). SGLang raises the page
 size to 64 for it ("TensorRT-LLM MLA only supports page_size of 32 or 64"); the runner takes SGLang's resolved one.
 
-What the adapter adds to ``sglang-flashinfer``'s (``engines/sglang_flashinfer.py``): the attention backend in the
+What the adapter adds to ``sglang-flashinfer``'s (``engines/sglang/flashinfer.py``): the attention backend in the
 case's ``ServerArgs``, the backend class, the host version of its block-table kernel
 (:class:`HostFlashMlaKvIndices`) and a stand-in for the CUDA module it JIT-compiles at construction.
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.engines.adapter import Patches
-from pytest_kvprofile.engines.sglang_flashinfer import (
+from pytest_kvprofile.engines.sglang.flashinfer import (
     SglangFlashInferAdapter,
     SglangValue,
     engine_refusal,

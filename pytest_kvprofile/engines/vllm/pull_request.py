@@ -13,7 +13,7 @@ with any installed vLLM, and the adapter's recognition and runner order are test
   moved (the pull request compares ``data_ptr()``, which is metadata, not a use of the old arena).
 - ``reserve_workspace_for_cudagraph_capture() -> int`` makes the CUDA-graph wrappers again before capture.
 
-Two backends (``--kvprofile-backend pytest_kvprofile.engines.vllm_pull_request:backends``): ``vllm-pr-planned``
+Two backends (``--kvprofile-backend pytest_kvprofile.engines.vllm.pull_request:backends``): ``vllm-pr-planned``
 plans each wrapper once inside the window (one batch of every shape the engine runs, the largest last), so
 FlashInfer's plan-time buffers exist at the closing measurement; ``vllm-pr-unplanned`` builds the wrappers without
 planning them, as the pull request does, and those buffers first appear in serving (``persistent_memory_visible_at_
@@ -28,8 +28,8 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.contract.backends import Backend
-from pytest_kvprofile.engines.vllm_flashinfer import VLLM_POLICY, engine_refusal, make_vllm_builders
-from pytest_kvprofile.engines.vllm_standins import VLLM_INSTALL_HINT, import_vllm_flashinfer
+from pytest_kvprofile.engines.vllm.flashinfer import VLLM_POLICY, engine_refusal, make_vllm_builders
+from pytest_kvprofile.engines.vllm.standins import VLLM_INSTALL_HINT, import_vllm_flashinfer
 
 if TYPE_CHECKING:
     from types import ModuleType

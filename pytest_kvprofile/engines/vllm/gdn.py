@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, ContextManager, cast
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.adapter import declared_support, module_standin
-from pytest_kvprofile.engines.vllm_config import UnexpressibleCase, model_dtype
-from pytest_kvprofile.engines.vllm_flashinfer import DECLARATION_NAMES, VllmAdapter
+from pytest_kvprofile.engines.vllm.config import UnexpressibleCase, model_dtype
+from pytest_kvprofile.engines.vllm.flashinfer import DECLARATION_NAMES, VllmAdapter
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from pytest_kvprofile.engines.adapter import EngineObject
-    from pytest_kvprofile.engines.vllm_flashinfer import VllmFlashInferBuilder
+    from pytest_kvprofile.engines.vllm.flashinfer import VllmFlashInferBuilder
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["GDN_LAYER_MODULE", "VllmGdnBuilder", "gdn_groups", "gdn_resolver_standin", "mamba_spec"]
@@ -141,7 +141,7 @@ def gdn_resolver_standin() -> ContextManager[None]:
 
 class VllmGdnBuilder(VllmAdapter):
     """vLLM's ``GDNAttentionMetadataBuilder`` as the V1 runner integrates it, sharing ``runner``'s input buffers
-    (a :class:`~pytest_kvprofile.engines.vllm_flashinfer.VllmFlashInferBuilder` of the same case): one builder per
+    (a :class:`~pytest_kvprofile.engines.vllm.flashinfer.VllmFlashInferBuilder` of the same case): one builder per
     micro-batch and KV-cache group, keyed ``(ubatch, group)``.
 
     Declares NEUTRAL, as the vLLM pull request does, unless the installed class declares something itself (the

@@ -37,7 +37,7 @@ from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.adapter import EngineAdapter
-from pytest_kvprofile.engines.sglang_flashinfer import (
+from pytest_kvprofile.engines.sglang.flashinfer import (
     DRAFT,
     SglangEngine,
     SglangFlashInferAdapter,
@@ -45,9 +45,9 @@ from pytest_kvprofile.engines.sglang_flashinfer import (
     make_sglang_engine,
     sglang_backend,
 )
-from pytest_kvprofile.engines.sglang_standins import sglang_standins
-from pytest_kvprofile.engines.sglang_trtllm_mha import SglangTrtllmMhaAdapter
-from pytest_kvprofile.engines.sglang_trtllm_mla import SglangTrtllmMlaAdapter
+from pytest_kvprofile.engines.sglang.standins import sglang_standins
+from pytest_kvprofile.engines.sglang.trtllm_mha import SglangTrtllmMhaAdapter
+from pytest_kvprofile.engines.sglang.trtllm_mla import SglangTrtllmMlaAdapter
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.lease import Lease

@@ -101,7 +101,7 @@ def import_vllm_workspace() -> tuple[VllmModule, VllmModule]:
 
 
 def _load() -> ModuleType:
-    from pytest_kvprofile.engines.vllm_standins import (
+    from pytest_kvprofile.engines.vllm.standins import (
         _standin_platform_cls,
         cuda_version,
         standin_platform,
