@@ -71,6 +71,19 @@ class OracleUnavailable(OracleError):
 class OracleBuildError(OracleError):
     """The compiler ran and failed; the message carries the command and its stderr."""
 
+    def __init__(self, message: str, stderr: str = "") -> None:
+        super().__init__(message)
+        self.stderr = stderr
+
+    @property
+    def first_error(self) -> str:
+        """The compiler's first ``error`` line (file, line and what), or the first line of its stderr."""
+        lines = [ln.strip() for ln in self.stderr.splitlines() if ln.strip()]
+        for ln in lines:
+            if "error" in ln.lower():
+                return ln
+        return lines[0] if lines else str(self).splitlines()[0]
+
 
 class OracleSecurityError(OracleError):
     """A cached library is not owned by this user or is writable by group/others."""
@@ -140,6 +153,10 @@ def flashinfer_headers(version: str) -> FlashInferInstall:
     if root is None:
         raise OracleUnavailable(
             f"FlashInfer {version} is not installed and {HEADERS_ENV} is not set; "
+            f"`python scripts/fetch_flashinfer_headers.py {version}` fetches its headers")
+    if not (root / version).is_dir():
+        raise OracleUnavailable(
+            f"FlashInfer {version} is not installed and {HEADERS_ENV}={root} holds no {version}/; "
             f"`python scripts/fetch_flashinfer_headers.py {version}` fetches its headers")
     return _install_at(root / version / "flashinfer", version, installed=False)
 
@@ -329,7 +346,7 @@ def _compile(install: FlashInferInstall, nvcc: Path, workdir: Path) -> tuple[Pat
         if res.returncode != 0:
             raise OracleBuildError(
                 f"building the FlashInfer host oracle failed (exit {res.returncode}).\n"
-                f"command: {' '.join(cmd)}\nstderr:\n{res.stderr.strip()}")
+                f"command: {' '.join(cmd)}\nstderr:\n{res.stderr.strip()}", res.stderr)
     return workdir / LIB_NAME, steps[0]
 
 

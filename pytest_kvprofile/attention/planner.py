@@ -237,6 +237,8 @@ def prefill_plan(family: str, qo_lens: Sequence[int], kv_pages: Sequence[int], *
     min_chunk = max(128 // page_size, 1)
     gen = generation(family)
     uniform = gen.uniform_q and uniform_q_len > 0
+    if not gen.kv_dtype_bytes:
+        kv_dtype_bytes = 2  # the planner of this generation has no such argument and plans as 2 bytes
     if cuda_graph:
         if uniform:
             pu = uniform_q_len * g
