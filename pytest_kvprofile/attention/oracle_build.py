@@ -255,17 +255,6 @@ def _abi_flags(install: FlashInferInstall) -> list[str]:
             f"-DKVP_HAS_KV_DTYPE_BYTES={int(feats['kv_dtype_bytes'])}"]
 
 
-def plans_by_kv_dtype(install: FlashInferInstall) -> bool:
-    """Whether the installed ``PrefillPlan`` takes ``kv_dtype_bytes`` (its CTA tile then depends on the KV dtype);
-    an older one plans every dtype as 2 bytes, and so does the oracle built from it."""
-    return header_features(install)["kv_dtype_bytes"]
-
-
-def uniform_q(install: FlashInferInstall) -> bool:
-    """Whether its ``PrefillPlan`` takes ``uniform_q_len`` (0.6.16+)."""
-    return header_features(install)["uniform_q"]
-
-
 def count_only(install: FlashInferInstall) -> bool:
     """Whether ``PrefillPlanWorkspaceSize`` exists (0.6.15+); without it the oracle materializes every plan."""
     return header_features(install)["count_only"]

@@ -21,6 +21,7 @@ from pytest_kvprofile.attention.oracle import Oracle, OracleError, OracleUnavail
 from pytest_kvprofile.attention.oracle_build import (
     HEADERS_ENV,
     INSTALL_HINT,
+    FlashInferInstall,
     OracleBuildError,
     cache_root,
     find_nvcc,
@@ -99,8 +100,15 @@ def _method_key() -> tuple[str, str, str]:
     return (str(cache_root()), str(find_nvcc()), os.environ.get(HEADERS_ENV, ""))
 
 
+def _oracle_or_why(version: str | None) -> tuple[Oracle | None, SizingMethod]:
+    """This thread's oracle for ``version`` (None: the installed one) and how it sizes; no oracle when it cannot."""
+    install, how = _method_for(version, _method_key())
+    return (get_oracle(install) if install is not None else None), how
+
+
 @lru_cache(maxsize=32)
-def _oracle_or_why(version: str | None, _key: tuple[str, str, str]) -> tuple[Oracle | None, SizingMethod]:
+def _method_for(version: str | None, _key: tuple[str, str, str]) -> tuple[FlashInferInstall | None, SizingMethod]:
+    """Which headers the oracle compiles for ``version``, or why it cannot (built once; loaded per thread)."""
     try:
         install = install_for(version)
     except OracleUnavailable as exc:
@@ -114,7 +122,7 @@ def _oracle_or_why(version: str | None, _key: tuple[str, str, str]) -> tuple[Ora
         return None, SizingMethod("analytic", install.version, fam,
                                   f"nvcc not found on CUDA_HOME, PATH or the nvidia-cuda-nvcc wheel; {INSTALL_HINT}")
     try:
-        oracle = get_oracle(install)
+        get_oracle(install)
     except OracleBuildError as exc:
         return None, SizingMethod(
             "analytic", install.version, fam,
@@ -129,7 +137,7 @@ def _oracle_or_why(version: str | None, _key: tuple[str, str, str]) -> tuple[Ora
     mismatch = generation_mismatch(install)
     if mismatch:
         reason += f"; its headers differ from the analytic model's family table ({mismatch})"
-    return oracle, SizingMethod("oracle", install.version, fam, reason)
+    return install, SizingMethod("oracle", install.version, fam, reason)
 
 
 def sizing_method(flashinfer_version: str | None = None, *, use_oracle: bool | None = None) -> SizingMethod:
@@ -141,7 +149,7 @@ def sizing_method(flashinfer_version: str | None = None, *, use_oracle: bool | N
     if use_oracle is False:
         version = flashinfer_version or installed_flashinfer_version()
         return SizingMethod("analytic", version, family_of(version), "use_oracle=False: the analytic model only")
-    return _oracle_or_why(flashinfer_version, _method_key())[1]
+    return _method_for(flashinfer_version, _method_key())[1]
 
 
 def installed_flashinfer_version() -> str:
@@ -219,7 +227,7 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
     if use_oracle is False:
         how = SizingMethod("analytic", version, family, "use_oracle=False: the analytic model only")
     else:
-        oracle, how = _oracle_or_why(None if version == installed else version, _method_key())
+        oracle, how = _oracle_or_why(None if version == installed else version)
         if oracle is None and use_oracle:
             raise OracleUnavailable(f"the oracle cannot size FlashInfer {version}: {how.reason}")
         if oracle is None:

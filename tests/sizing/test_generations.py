@@ -47,7 +47,7 @@ TMP_V_513 = 16 * 513 * 128 * 128 * 4
 
 
 def _clear() -> None:
-    requirement._oracle_or_why.cache_clear()
+    requirement._method_for.cache_clear()
     requirement._required.cache_clear()
 
 
