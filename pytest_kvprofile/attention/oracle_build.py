@@ -225,7 +225,10 @@ def cache_root() -> Path:
 def header_features(install: FlashInferInstall) -> dict[str, bool]:
     """The planner signatures ``scheduler.cuh`` of this install declares (read from its text)."""
     text = install.scheduler.read_text(errors="replace")
+    utils = install.include_dir / "flashinfer" / "utils.cuh"
+    utils_text = utils.read_text(errors="replace") if utils.is_file() else ""
     return {
+        "d512_tiles": "head_dim >= 512" in utils_text,
         "count_only": "PrefillPlanWorkspaceSize(" in text,
         "uniform_q": "int64_t uniform_q_len" in text,
         "fixed_uniform_q": "bool fixed_uniform_q_len" in text,

@@ -193,11 +193,11 @@ def _finish(route: str, family: str, lay: Layout, env: PlanEnvelope, bound: int,
                        0 if exact else bound - max(best, 0), None, notes + extra)
 
 
-def _q_for_tile(lay: Layout, target_cta: int, uniform: int = 0) -> int:
+def _q_for_tile(family: str, lay: Layout, target_cta: int, uniform: int = 0) -> int:
     if uniform:
         return uniform
     for q in range(1, 4097):
-        if cta_tile_q(q * lay.group, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes) == target_cta:
+        if cta_tile_q(q * lay.group, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes, family) == target_cta:
             return q
     return 1
 
@@ -205,9 +205,9 @@ def _q_for_tile(lay: Layout, target_cta: int, uniform: int = 0) -> int:
 def prefill_nograph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
     """No CUDA graph: padded == the split batch <= max_batch_size_if_split; largest tile wins."""
     max_bs = max_batch_size_if_split(lay.num_sm, lay.heads_kv)
-    cta = max_cta_tile_q(lay.head_dim_vo, lay.head_dim_qk, lay.device)
+    cta = max_cta_tile_q(lay.head_dim_vo, lay.head_dim_qk, lay.device, family)
     bound = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, max_bs, cta)
-    q = _q_for_tile(lay, cta)
+    q = _q_for_tile(family, lay, cta)
     tiles = ceil_div(q * lay.group, cta)
     ib = _int_bound(family, lay, env.max_num_batched_tokens,
                     min(env.max_num_seqs, env.max_num_batched_tokens), False)
@@ -253,7 +253,7 @@ def prefill_graph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
             if b <= n < n_max:
                 ns.add(n)
         for n in ns:
-            cta = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes)
+            cta = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes, family)
             padded = max(max_bs, ceil_div(n * g, cta) + b - 1)
             rows = prefill_split_rows(family, hq, hkv, padded, cta)
             if rows > best_rows:
@@ -274,7 +274,7 @@ def decode_tc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> 
     u = env.q_decode
     g = lay.group
     max_bs = max_batch_size_if_split(lay.num_sm, lay.heads_kv)
-    cta = cta_tile_q(u * g, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes)
+    cta = cta_tile_q(u * g, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes, family)
     tiles = ceil_div(u * g, cta)
     uq, fixed = decode_uniform_args(family, u)
     if cuda_graph:
@@ -295,7 +295,7 @@ def decode_tc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> 
         dev, hq, hkv, dvo, dqk = lay.device, lay.heads_q, lay.heads_kv, lay.head_dim_vo, lay.head_dim_qk
         for b in range(1, b_max + 1):
             n = b * u
-            c = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes)
+            c = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes, family)
             padded = max(max_bs, ceil_div(n * g, c) + b - 1)
             rows = prefill_split_rows(family, hq, hkv, padded, c)
             if rows > best_rows:

@@ -21,6 +21,7 @@ from pytest_kvprofile.attention.planner import (
     FAMILY_06,
     FAMILY_06_KV_DTYPE,
     FAMILY_06_MATERIALIZE,
+    FAMILY_06_MATERIALIZE_D512,
     FAMILY_06_UNIFORM,
     FAMILY_07,
     FAMILY_07_UNFIXED,
@@ -63,14 +64,16 @@ def fresh_sizing():
 
 
 @pytest.mark.parametrize(("version", "family"), [
-    ("0.6.9", FAMILY_06_MATERIALIZE), ("0.6.12", FAMILY_06_MATERIALIZE), ("0.6.14", FAMILY_06_MATERIALIZE),
+    ("0.6.9", FAMILY_06_MATERIALIZE), ("0.6.12", FAMILY_06_MATERIALIZE), ("0.6.13", FAMILY_06_MATERIALIZE),
+    ("0.6.14", FAMILY_06_MATERIALIZE_D512),
     ("0.6.15", FAMILY_06), ("0.6.15.post1", FAMILY_06), ("0.6.16", FAMILY_06_UNIFORM), ("0.6.17", FAMILY_06_UNIFORM),
     ("0.6.18.post1", FAMILY_06_KV_DTYPE), ("0.7.0", FAMILY_06_KV_DTYPE), ("0.7.1", FAMILY_07_UNFIXED),
     ("0.7.2", FAMILY_07_UNFIXED), ("0.7.2.post1", FAMILY_07_UNFIXED), ("0.7.3", FAMILY_07_UNFIXED),
     ("0.7.4", FAMILY_07), ("0.8.0rc1", FAMILY_07),
 ])
 def test_family_of_follows_the_wheels(version: str, family: str) -> None:
-    """Boundaries read from each wheel's scheduler.cuh: count-only 0.6.15, uniform_q_len 0.6.16, kv_dtype_bytes
+    """Boundaries read from each wheel's scheduler.cuh and utils.cuh: VO-512 tiles 0.6.14, count-only 0.6.15,
+    uniform_q_len 0.6.16, kv_dtype_bytes
     0.6.18, per-row partial outputs 0.7.1 (0.7.0 still carves per tile), fixed_uniform_q_len 0.7.4."""
     assert family_of(version) == family
 
@@ -79,7 +82,7 @@ def test_generations_are_ordered_and_cumulative() -> None:
     firsts = [g.first for g in GENERATIONS]
     assert firsts == sorted(firsts)
     for older, newer in zip(GENERATIONS, GENERATIONS[1:]):
-        for feat in ("count_only", "uniform_q", "kv_dtype_bytes", "rows_by_group", "fixed_uniform_q"):
+        for feat in ("count_only", "uniform_q", "kv_dtype_bytes", "rows_by_group", "fixed_uniform_q", "d512_tiles"):
             assert getattr(newer, feat) >= getattr(older, feat), (newer.family, feat)
 
 
@@ -239,6 +242,8 @@ CASES = (
     (64, 8, 128, 148, (10, 0)),  # the seed's 64q/8kv, B200
     (16, 4, 256, 132, (9, 0)),  # d256, H100
 )
+# (heads_q, heads_kv, head_dim_qk, head_dim_vo): MLA-shaped and asymmetric layouts, where FA2DetermineCtaTileQ moved
+ODD = ((16, 1, 576, 512), (128, 1, 576, 512), (16, 16, 192, 128), (8, 1, 512, 512))
 ENVS = (PlanEnvelope(), GRAPHS_512,
         PlanEnvelope(cuda_graph=True, cuda_graph_sizes=(2, 4, 8, 16, 32, 64, 128, 256, 512), mtp=1))
 
@@ -268,6 +273,12 @@ def test_every_cached_release_compiles_and_confirms_the_model(fresh_sizing: None
                                        compute_capability=cc, flashinfer_version=v, use_oracle=True)
                 assert r.method == "oracle" and all(rs.confirmed_by_oracle for rs in r.routes.values()), (v, r.notes)
                 sizes[(i, j)] = r.float_bytes
+        for hq, hkv, dqk, dvo in ODD:
+            for env in ENVS:
+                r = required_workspace(heads_q=hq, heads_kv=hkv, head_dim=dqk, head_dim_vo=dvo, num_sm=132,
+                                       envelope=env, flashinfer_version=v, use_oracle=True)
+                assert r.method == "oracle" and all(rs.confirmed_by_oracle for rs in r.routes.values()), (v, r.notes)
+                sizes[(hq * 1000 + dqk, ENVS.index(env))] = r.float_bytes
         # where two releases' planners agree the sizing agrees
         seen = by_family.setdefault(inst.family, sizes)
         assert seen == sizes, (v, inst.family)
