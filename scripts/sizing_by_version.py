@@ -26,28 +26,35 @@ LAYOUTS = (
     ("32q/2kv, L40S", 32, 2, 128, 142, (8, 9)),
     ("64q/8kv, B200", 64, 8, 128, 148, (10, 0)),
 )
+MTP1 = PlanEnvelope(cuda_graph=True, cuda_graph_sizes=(2, 4, 8, 16, 32, 64, 128, 256, 512), mtp=1)
+# (column, envelope, the routes sized, the sub-route reported or "" for the maximum over routes)
 ENVELOPES = (
-    ("no graph", PlanEnvelope()),
-    ("graphs to 512 tok", PlanEnvelope(cuda_graph=True, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))),
-    ("graphs to 512 tok, MTP 1", PlanEnvelope(cuda_graph=True, cuda_graph_sizes=(2, 4, 8, 16, 32, 64, 128, 256, 512),
-                                             mtp=1)),
+    ("no graph", PlanEnvelope(), ("prefill", "decode"), ""),
+    ("graphs to 512 tok", PlanEnvelope(cuda_graph=True, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)),
+     ("prefill", "decode"), ""),
+    ("MTP-1 decode, graphs to 512 tok", MTP1, ("decode",), "decode_tc_cuda_graph"),
 )
 
 
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in version.split("."))
+
+
 def main(argv: list[str]) -> int:
-    versions = argv or [*cached_versions(), flashinfer_install().version]
+    versions = argv or sorted({*cached_versions(), flashinfer_install().version}, key=_key)
     head = "| version | family | method | " + " | ".join(f"{lab}: {env}" for lab, *_ in LAYOUTS
-                                                      for env, _ in ENVELOPES) + " |"
+                                                      for env, *_ in ENVELOPES) + " |"
     print(head)
     print("|" + " --- |" * (3 + len(LAYOUTS) * len(ENVELOPES)))
     for v in versions:
         how = sizing_method(v)
         cells = []
         for _, hq, hkv, d, sm, cc in LAYOUTS:
-            for _, env in ENVELOPES:
+            for _, env, routes, sub in ENVELOPES:
                 r = required_workspace(heads_q=hq, heads_kv=hkv, head_dim=d, num_sm=sm, envelope=env,
-                                       flashinfer_version=v, compute_capability=cc)
-                cells.append(f"{r.float_bytes / MiB:.2f}" + ("" if r.method == how.method else f" ({r.method})"))
+                                       routes=routes, flashinfer_version=v, compute_capability=cc)
+                nbytes = r.routes[sub].float_bytes if sub else r.float_bytes
+                cells.append(f"{nbytes / MiB:.2f}" + ("" if r.method == how.method else f" ({r.method})"))
         print(f"| {v} | {how.family} | {how.method} | " + " | ".join(cells) + " |")
     return 0
 
