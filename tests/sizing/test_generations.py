@@ -97,6 +97,50 @@ def test_installed_headers_match_the_table() -> None:
     assert all(ob.header_features(inst).values()) == (inst.family == FAMILY_07)
 
 
+# The declarations header_features looks for, as each generation's wheel spells them (excerpts of scheduler.cuh
+# and utils.cuh of 0.6.12, 0.6.15, 0.6.16, 0.6.18.post1, 0.7.2, 0.7.4).
+_SIG = {
+    "d512": "  if (head_dim >= 512) {",
+    "count": "inline cudaError_t PrefillPlanWorkspaceSize(",
+    "uniform": "                               int64_t uniform_q_len, cudaStream_t stream) {",  # 0.6.16
+    "kv": "                               uint32_t kv_dtype_bytes = 2) {",
+    "rows": "    const size_t max_partial_rows =",
+    "fixed": "    int64_t uniform_q_len, bool fixed_uniform_q_len, cudaStream_t stream,",
+}
+
+
+@pytest.mark.parametrize(("version", "parts"), [
+    ("0.6.12", ()), ("0.6.14", ("d512",)), ("0.6.15", ("d512", "count")),
+    ("0.6.16", ("d512", "count", "uniform")), ("0.6.18.post1", ("d512", "count", "uniform", "kv")),
+    ("0.7.0", ("d512", "count", "uniform", "kv")), ("0.7.2", ("d512", "count", "uniform", "kv", "rows")),
+    ("0.7.4", ("d512", "count", "uniform", "kv", "rows", "fixed")),
+])
+def test_header_features_select_the_signatures(tmp_path: Path, version: str, parts: tuple[str, ...]) -> None:
+    """The oracle's -D switches come from the headers' text; on each generation's declarations they agree with
+    the family table (so the compiled call and the Python model describe the same planner)."""
+    inc = tmp_path / "flashinfer" / "data" / "include"
+    sched = inc / ob.KEY_HEADERS[0]
+    sched.parent.mkdir(parents=True)
+    sched.write_text("\n".join(_SIG[p] for p in parts if p != "d512") + "\n")
+    (inc / "flashinfer" / "utils.cuh").write_text(_SIG["d512"] if "d512" in parts else "")
+    inst = ob.FlashInferInstall(version, tmp_path / "flashinfer", inc, None, installed=False)
+    assert ob.generation_mismatch(inst) is None
+    flags = ob._abi_flags(inst)
+    assert f"-DKVP_HAS_COUNT_ONLY={int('count' in parts)}" in flags
+    assert f"-DKVP_HAS_UNIFORM_Q={int('uniform' in parts)}" in flags
+    assert f"-DKVP_HAS_FIXED_UNIFORM_Q={int('fixed' in parts)}" in flags
+    assert f"-DKVP_HAS_KV_DTYPE_BYTES={int('kv' in parts)}" in flags
+
+
+def test_a_header_the_table_does_not_know_is_named(tmp_path: Path) -> None:
+    inc = tmp_path / "flashinfer" / "data" / "include"
+    (inc / "flashinfer" / "attention").mkdir(parents=True)
+    (inc / ob.KEY_HEADERS[0]).write_text(_SIG["count"] + "\n" + _SIG["uniform"] + "\n")
+    inst = ob.FlashInferInstall("0.6.15", tmp_path / "flashinfer", inc, None, installed=False)
+    assert ob.generation_mismatch(inst) == (
+        "FlashInfer 0.6.15 (family 0.6): d512_tiles: headers False, table True; uniform_q: headers True, table False")
+
+
 @pytest.mark.parametrize(("family", "q", "args"), [
     (FAMILY_07, 1, (1, True)), (FAMILY_07, 2, (2, True)), (FAMILY_07_UNFIXED, 1, (0, False)),
     (FAMILY_07_UNFIXED, 2, (2, False)), (FAMILY_06_UNIFORM, 2, (2, False)), (FAMILY_06, 2, (0, False)),
