@@ -225,6 +225,7 @@ def _cmd_size(args: argparse.Namespace) -> int:
         "worst_batch": {"qo_lens": list(qo), "kv_lens": list(kv), "cuda_graph": graph},
         "worst_route": res.worst_route,
         "method": res.method,
+        "method_reason": res.method_reason,
         "exact": res.exact,
         "gap_bytes": res.gap_bytes,
         "flashinfer_version": res.flashinfer_version,

@@ -31,12 +31,12 @@ from pytest_kvprofile.attention.oracle_build import (
     build_info,
     cache_root,
     check_owner_mode,
+    count_only,
     ensure_built,
     find_nvcc,
     flashinfer_install,
     sha256,
 )
-from pytest_kvprofile.attention.planner import FAMILY_06_MATERIALIZE
 
 __all__ = [
     "DIGEST_NAME",
@@ -71,6 +71,7 @@ class Oracle:
         self.install = install
         self.version = install.version
         self.family = install.family
+        self.materializes = not count_only(install)  # <= 0.6.14 has no count-only planner
         digest = (lib_path.parent / DIGEST_NAME).read_text().strip()
         check_owner_mode(lib_path)
         if sha256(lib_path) != digest:
@@ -146,7 +147,7 @@ class Oracle:
         """Float and int bytes the installed planner carves for a batch (kv_lens in tokens)."""
         qo, kv = indptrs(qo_lens, kv_lens, page_size)
         if materialize is None:
-            materialize = self.family == FAMILY_06_MATERIALIZE
+            materialize = self.materializes
         return self.prefill_raw(qo, kv, heads_q, heads_kv, head_dim, head_dim_vo or head_dim,
                                 page_size, cuda_graph, uniform_q_len, fixed_uniform_q_len,
                                 materialize, kv_dtype_bytes=kv_dtype_bytes)
@@ -157,7 +158,7 @@ class Oracle:
         """CUDA-core ``DecodePlan`` sizes with the kernel occupancy given as blocks_per_sm."""
         kv = array("i", accumulate((-(-k // page_size) for k in kv_lens), initial=0))
         if materialize is None:
-            materialize = self.family == FAMILY_06_MATERIALIZE
+            materialize = self.materializes
         fptr = iptr = None
         fcap = icap = 0
         if materialize:
@@ -184,15 +185,18 @@ def indptrs(qo_lens: Sequence[int], kv_lens: Sequence[int], page_size: int) -> t
 _local = threading.local()
 
 
-def get_oracle() -> Oracle:
-    """This thread's oracle, building/loading it on first use (raises OracleUnavailable)."""
-    cached: tuple[str, Oracle] | None = getattr(_local, "oracle", None)
-    key = str(cache_root())
-    if cached is not None and cached[0] == key and cached[1].path.is_file():
-        return cached[1]
-    path = ensure_built()
-    oracle = Oracle(path, flashinfer_install())
-    _local.oracle = (key, oracle)
+def get_oracle(install: FlashInferInstall | None = None) -> Oracle:
+    """This thread's oracle for ``install`` (default: the installed FlashInfer), building/loading it on first
+    use (raises OracleUnavailable, or OracleBuildError when the compiler fails on these headers)."""
+    install = install or flashinfer_install()
+    cache: dict[tuple[str, Path], Oracle] = getattr(_local, "oracles", None) or {}
+    _local.oracles = cache
+    key = (str(cache_root()), install.include_dir)
+    cached = cache.get(key)
+    if cached is not None and cached.path.is_file():
+        return cached
+    path = ensure_built(install=install)
+    oracle = cache[key] = Oracle(path, install)
     return oracle
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from pytest_kvprofile.attention.planner import FAMILY_06_MATERIALIZE, FAMILY_07, family_of
+from pytest_kvprofile.attention.planner import Generation, family_of, generation
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("oracle.cu", "cuda_stubs.cpp")
@@ -51,6 +51,9 @@ KEY_HEADERS = (
     "flashinfer/exception.h",
     "flashinfer/attention/heap.h",
 )
+# A directory of other FlashInfer versions' headers (``scripts/fetch_flashinfer_headers.py`` fills it):
+# ``$KVPROFILE_FLASHINFER_HEADERS/<version>/flashinfer/data/include``. Only read, never downloaded into.
+HEADERS_ENV = "KVPROFILE_FLASHINFER_HEADERS"
 INSTALL_HINT = (
     "install a CUDA compiler: `pip install pytest-kvprofile[nvcc]` (the nvidia-cuda-nvcc wheel), "
     "or put nvcc on PATH, or set CUDA_HOME to a CUDA toolkit"
@@ -68,6 +71,19 @@ class OracleUnavailable(OracleError):
 class OracleBuildError(OracleError):
     """The compiler ran and failed; the message carries the command and its stderr."""
 
+    def __init__(self, message: str, stderr: str = "") -> None:
+        super().__init__(message)
+        self.stderr = stderr
+
+    @property
+    def first_error(self) -> str:
+        """The compiler's first ``error`` line (file, line and what), or the first line of its stderr."""
+        lines = [ln.strip() for ln in self.stderr.splitlines() if ln.strip()]
+        for ln in lines:
+            if "error" in ln.lower():
+                return ln
+        return lines[0] if lines else str(self).splitlines()[0]
+
 
 class OracleSecurityError(OracleError):
     """A cached library is not owned by this user or is writable by group/others."""
@@ -75,16 +91,23 @@ class OracleSecurityError(OracleError):
 
 @dataclass(frozen=True)
 class FlashInferInstall:
-    """Where the installed FlashInfer keeps its headers, and which planner family its version has."""
+    """Where a FlashInfer keeps its headers, and which planner family its version has.
+
+    ``installed``: the importable package (False: another version's headers, unpacked from its wheel)."""
 
     version: str
     package_dir: Path
     include_dir: Path
     cccl_dir: Path | None
+    installed: bool = True
 
     @property
     def family(self) -> str:
         return family_of(self.version)
+
+    @property
+    def scheduler(self) -> Path:
+        return self.include_dir / KEY_HEADERS[0]
 
 
 @lru_cache(maxsize=1)
@@ -98,11 +121,55 @@ def flashinfer_install() -> FlashInferInstall:
         version = importlib.metadata.version("flashinfer-python")
     except importlib.metadata.PackageNotFoundError:
         version = _version_from_file(pkg)
+    return _install_at(pkg, version, installed=True)
+
+
+def _install_at(pkg: Path, version: str, *, installed: bool) -> FlashInferInstall:
     include = pkg / "data" / "include"
     if not (include / KEY_HEADERS[0]).is_file():
-        raise OracleUnavailable(f"FlashInfer at {pkg} ships no {KEY_HEADERS[0]} under {include}")
+        raise OracleUnavailable(f"FlashInfer {version} at {pkg} ships no {KEY_HEADERS[0]} under {include}")
     cccl = pkg / "data" / "cccl"
-    return FlashInferInstall(version, pkg, include, cccl if cccl.is_dir() else None)
+    return FlashInferInstall(version, pkg, include, cccl if cccl.is_dir() else None, installed)
+
+
+def headers_root() -> Path | None:
+    """``$KVPROFILE_FLASHINFER_HEADERS`` when set: other FlashInfer versions' unpacked headers, one dir each."""
+    root = os.environ.get(HEADERS_ENV)
+    return Path(root) if root else None
+
+
+def cached_versions() -> tuple[str, ...]:
+    """The FlashInfer versions whose headers ``$KVPROFILE_FLASHINFER_HEADERS`` holds."""
+    root = headers_root()
+    if root is None or not root.is_dir():
+        return ()
+    return tuple(sorted(p.name for p in root.iterdir()
+                        if (p / "flashinfer" / "data" / "include" / KEY_HEADERS[0]).is_file()))
+
+
+def flashinfer_headers(version: str) -> FlashInferInstall:
+    """Another FlashInfer version's headers, from ``$KVPROFILE_FLASHINFER_HEADERS/<version>`` (no download)."""
+    root = headers_root()
+    if root is None:
+        raise OracleUnavailable(
+            f"FlashInfer {version} is not installed and {HEADERS_ENV} is not set; "
+            f"`python scripts/fetch_flashinfer_headers.py {version}` fetches its headers")
+    if not (root / version).is_dir():
+        raise OracleUnavailable(
+            f"FlashInfer {version} is not installed and {HEADERS_ENV}={root} holds no {version}/; "
+            f"`python scripts/fetch_flashinfer_headers.py {version}` fetches its headers")
+    return _install_at(root / version / "flashinfer", version, installed=False)
+
+
+def install_for(version: str | None) -> FlashInferInstall:
+    """The installed FlashInfer when ``version`` is None or its version, else that version's cached headers."""
+    try:
+        inst = flashinfer_install()
+    except OracleUnavailable:
+        if version is None:
+            raise
+        return flashinfer_headers(version)
+    return inst if version in (None, inst.version) else flashinfer_headers(version)
 
 
 def _version_from_file(pkg: Path) -> str:
@@ -155,23 +222,45 @@ def cache_root() -> Path:
     return base / "pytest-kvprofile"
 
 
+def header_features(install: FlashInferInstall) -> dict[str, bool]:
+    """The planner signatures ``scheduler.cuh`` of this install declares (read from its text)."""
+    text = install.scheduler.read_text(errors="replace")
+    utils = install.include_dir / "flashinfer" / "utils.cuh"
+    utils_text = utils.read_text(errors="replace") if utils.is_file() else ""
+    return {
+        "d512_tiles": "head_dim >= 512" in utils_text,
+        "count_only": "PrefillPlanWorkspaceSize(" in text,
+        "uniform_q": "int64_t uniform_q_len" in text,
+        "fixed_uniform_q": "bool fixed_uniform_q_len" in text,
+        "kv_dtype_bytes": "uint32_t kv_dtype_bytes" in text,
+        "rows_by_group": "max_partial_rows" in text,
+    }
+
+
+def generation_mismatch(install: FlashInferInstall) -> str | None:
+    """Where the headers disagree with the family table of the version (planner.GENERATIONS), or None.
+
+    The oracle compiles against what the headers declare whatever the table says; a mismatch means the
+    Python port and the analytic model (which follow the table) would size this version wrongly."""
+    gen: Generation = generation(install.family)
+    found = header_features(install)
+    diff = [f"{k}: headers {v}, table {getattr(gen, k)}" for k, v in found.items() if getattr(gen, k) != v]
+    if not diff:
+        return None
+    return f"FlashInfer {install.version} (family {install.family}): " + "; ".join(diff)
+
+
 def _abi_flags(install: FlashInferInstall) -> list[str]:
-    fam = install.family
-    count_only = 0 if fam == FAMILY_06_MATERIALIZE else 1
-    uniform = int(uniform_q(install))
-    return [f"-DKVP_HAS_COUNT_ONLY={count_only}", f"-DKVP_HAS_UNIFORM_Q={uniform}",
-            f"-DKVP_HAS_KV_DTYPE_BYTES={int(plans_by_kv_dtype(install))}"]
+    feats = header_features(install)
+    return [f"-DKVP_HAS_COUNT_ONLY={int(feats['count_only'])}",
+            f"-DKVP_HAS_UNIFORM_Q={int(feats['uniform_q'])}",
+            f"-DKVP_HAS_FIXED_UNIFORM_Q={int(feats['fixed_uniform_q'])}",
+            f"-DKVP_HAS_KV_DTYPE_BYTES={int(feats['kv_dtype_bytes'])}"]
 
 
-def plans_by_kv_dtype(install: FlashInferInstall) -> bool:
-    """Whether the installed ``PrefillPlan`` takes ``kv_dtype_bytes`` (its CTA tile then depends on the KV dtype);
-    an older one plans every dtype as 2 bytes, and so does the oracle built from it."""
-    header = install.include_dir / KEY_HEADERS[0]
-    return uniform_q(install) and "uint32_t kv_dtype_bytes" in header.read_text(errors="replace")
-
-
-def uniform_q(install: FlashInferInstall) -> bool:
-    return install.family == FAMILY_07
+def count_only(install: FlashInferInstall) -> bool:
+    """Whether ``PrefillPlanWorkspaceSize`` exists (0.6.15+); without it the oracle materializes every plan."""
+    return header_features(install)["count_only"]
 
 
 def build_key(install: FlashInferInstall, nvcc: Path) -> str:
@@ -249,7 +338,7 @@ def _compile(install: FlashInferInstall, nvcc: Path, workdir: Path) -> tuple[Pat
         if res.returncode != 0:
             raise OracleBuildError(
                 f"building the FlashInfer host oracle failed (exit {res.returncode}).\n"
-                f"command: {' '.join(cmd)}\nstderr:\n{res.stderr.strip()}")
+                f"command: {' '.join(cmd)}\nstderr:\n{res.stderr.strip()}", res.stderr)
     return workdir / LIB_NAME, steps[0]
 
 
@@ -281,9 +370,11 @@ def _build_into(root: Path, keydir: Path, install: FlashInferInstall, nvcc: Path
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ensure_built(force: bool = False) -> Path:
-    """Path of a verified oracle library, building it (once, under a lock) if needed."""
-    install = flashinfer_install()
+def ensure_built(force: bool = False, install: FlashInferInstall | None = None) -> Path:
+    """Path of a verified oracle library, building it (once, under a lock) if needed.
+
+    ``install``: whose headers to compile (default: the installed FlashInfer)."""
+    install = install or flashinfer_install()
     nvcc = find_nvcc()
     if nvcc is None:
         raise OracleUnavailable(f"no CUDA compiler found for the FlashInfer host oracle; {INSTALL_HINT}")

@@ -6,10 +6,14 @@ installed. The port follows ``flashinfer/attention/scheduler.cuh`` (``PrefillSpl
 ``PrefillPlanImpl``, ``DecodePlanImpl`` and the decode work estimation); the test suite checks it
 against the oracle, which runs the real code.
 
-Version families (``family``):
-  ``"0.6-materialize"`` (<= 0.6.14) and ``"0.6"`` (0.6.15-0.6.x): ``tmp_v = H_qo*padded*cta_tile_q*D_vo*4``,
-  no ``uniform_q_len`` planning, block-valid mask only when split;
-  ``"0.7"``: ``rows = ceil(padded*cta_tile_q / (H_qo/H_kv))``, ``uniform_q_len``/``fixed_uniform_q_len``.
+Version families (``family``), read from the wheels' ``scheduler.cuh`` (``Generation`` holds the table):
+  ``"0.6-materialize"`` (<= 0.6.13): no count-only planner; ``"0.6-materialize-d512"`` (0.6.14): own CTA tiles
+  for a VO dim of 512 or more; ``"0.6"`` (0.6.15): ``PrefillPlanWorkspaceSize``;
+  ``"0.6-uniform"`` (0.6.16-0.6.17): ``uniform_q_len``; ``"0.6-kv-dtype"`` (0.6.18-0.7.0): ``kv_dtype_bytes``.
+  All four carve ``tmp_v = H_qo*padded*cta_tile_q*D_vo*4`` and the block-valid mask only when split.
+  ``"0.7-unfixed"`` (0.7.1-0.7.3) and ``"0.7"`` (>= 0.7.4): ``rows = ceil(padded*cta_tile_q / (H_qo/H_kv))``, the
+  mask under every CUDA graph; only ``"0.7"`` has ``fixed_uniform_q_len``. 0.7.3 is not on PyPI; it is placed
+  with 0.7.2 (no ``fixed_uniform_q_len``), which carves at least as much.
 """
 
 from __future__ import annotations
@@ -18,8 +22,70 @@ from dataclasses import dataclass
 from typing import Sequence
 
 FAMILY_06_MATERIALIZE = "0.6-materialize"
+FAMILY_06_MATERIALIZE_D512 = "0.6-materialize-d512"
 FAMILY_06 = "0.6"
+FAMILY_06_UNIFORM = "0.6-uniform"
+FAMILY_06_KV_DTYPE = "0.6-kv-dtype"
+FAMILY_07_UNFIXED = "0.7-unfixed"
 FAMILY_07 = "0.7"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one family of FlashInfer's planner does differently: its signatures and its sizing arithmetic.
+
+    ``first``: the first release with it. ``count_only``: ``PrefillPlanWorkspaceSize``/``DecodePlanWorkspaceSize``
+    exist. ``uniform_q``: ``PrefillPlan`` takes ``uniform_q_len`` (the tensor-core decode wrapper passes its query
+    length when it is above 1). ``kv_dtype_bytes``: it takes ``sizeof(DTypeKV)``, and ``FA2DetermineCtaTileQ``
+    reads it and ``head_dim_qk``. ``rows_by_group``: the partial outputs are ``ceil(padded*cta/group)`` rows,
+    not ``padded*cta``, and the block-valid mask is carved under every CUDA graph. ``fixed_uniform_q``: the
+    wrapper passes ``uniform_q_len`` always, with ``fixed_uniform_q_len=True``, and a graph past the split budget
+    never splits. ``d512_tiles``: ``FA2DetermineCtaTileQ`` gives a VO dim of 512 or more tiles of 16/32."""
+
+    family: str
+    first: tuple[int, int, int]
+    count_only: bool
+    uniform_q: bool
+    kv_dtype_bytes: bool
+    rows_by_group: bool
+    fixed_uniform_q: bool
+    d512_tiles: bool
+
+
+GENERATIONS: tuple[Generation, ...] = (
+    #          family                      first       count  uniform kv_dt  rows   fixed  d512
+    Generation(FAMILY_06_MATERIALIZE,      (0, 0, 0),  False, False, False, False, False, False),
+    Generation(FAMILY_06_MATERIALIZE_D512, (0, 6, 14), False, False, False, False, False, True),
+    Generation(FAMILY_06,                  (0, 6, 15), True,  False, False, False, False, True),
+    Generation(FAMILY_06_UNIFORM,          (0, 6, 16), True,  True,  False, False, False, True),
+    Generation(FAMILY_06_KV_DTYPE,         (0, 6, 18), True,  True,  True,  False, False, True),
+    Generation(FAMILY_07_UNFIXED,          (0, 7, 1),  True,  True,  True,  True,  False, True),
+    Generation(FAMILY_07,                  (0, 7, 4),  True,  True,  True,  True,  True,  True),
+)
+_BY_FAMILY = {g.family: g for g in GENERATIONS}
+
+
+def generation(family: str) -> Generation:
+    """The table row of a family (``family_of``'s answer)."""
+    try:
+        return _BY_FAMILY[family]
+    except KeyError:
+        raise ValueError(f"unknown FlashInfer planner family {family!r}; known: {sorted(_BY_FAMILY)}") from None
+
+
+def rows_by_group(family: str) -> bool:
+    """Whether the family sizes split partial outputs per query row (0.7.1+), not per packed tile row."""
+    return generation(family).rows_by_group
+
+
+def decode_uniform_args(family: str, q_len_per_req: int) -> tuple[int, bool]:
+    """``(uniform_q_len, fixed_uniform_q_len)`` the family's tensor-core decode wrapper passes to ``plan``."""
+    gen = generation(family)
+    if gen.fixed_uniform_q:
+        return q_len_per_req, True
+    if gen.uniform_q and q_len_per_req > 1:
+        return q_len_per_req, False
+    return 0, False
 
 PREFILL_BLOCKS_PER_SM = 2  # hard-coded in PrefillPlanImpl
 
@@ -32,12 +98,8 @@ def family_of(version: str) -> str:
         parts.append(int(digits) if digits else 0)
     while len(parts) < 3:
         parts.append(0)
-    major, minor, patch = parts
-    if (major, minor) >= (0, 7):
-        return FAMILY_07
-    if (major, minor) == (0, 6) and patch >= 15:
-        return FAMILY_06
-    return FAMILY_06_MATERIALIZE
+    key = (parts[0], parts[1], parts[2])
+    return [g for g in GENERATIONS if g.first <= key][-1].family
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -59,27 +121,32 @@ class PlannerDevice:
 
 
 def cta_tile_q(avg_packed_qo_len: int, head_dim_vo: int, head_dim_qk: int, dev: PlannerDevice,
-               kv_dtype_bytes: int = 2) -> int:
-    """``FA2DetermineCtaTileQ`` (head_dim is the VO dim at the batch-prefill call sites)."""
+               kv_dtype_bytes: int = 2, family: str = FAMILY_07) -> int:
+    """``FA2DetermineCtaTileQ`` of the family (head_dim is the VO dim at the batch-prefill call sites).
+
+    From 0.6.14 a VO dim of 512 or more has its own tiles (16, or 32 past 32 packed rows); from 0.6.18 (the
+    generations with ``kv_dtype_bytes``) a QK dim of 512 or more takes 16 and a short query falls back to 64
+    when one KV step of the 1x4 layout does not fit the opt-in shared memory. Before, only the 128/64/16 rule."""
+    gen = generation(family)
     qk = head_dim_qk or head_dim_vo
-    if head_dim_vo >= 512:
+    if head_dim_vo >= 512 and gen.d512_tiles:
         return 16 if avg_packed_qo_len <= 32 else 32
-    if qk >= 512:
+    if qk >= 512 and gen.kv_dtype_bytes:
         return 16
     if avg_packed_qo_len > 64 and head_dim_vo < 256:
         return 128
     if dev.cc_major >= 8:
         if avg_packed_qo_len > 16:
             return 64
-        if 16 * qk * 2 + (qk + head_dim_vo) * 16 * 4 * kv_dtype_bytes > dev.smem_optin:
+        if gen.kv_dtype_bytes and 16 * qk * 2 + (qk + head_dim_vo) * 16 * 4 * kv_dtype_bytes > dev.smem_optin:
             return 64
         return 16
     return 64
 
 
-def max_cta_tile_q(head_dim_vo: int, head_dim_qk: int, dev: PlannerDevice) -> int:
+def max_cta_tile_q(head_dim_vo: int, head_dim_qk: int, dev: PlannerDevice, family: str = FAMILY_07) -> int:
     """The largest tile the planner can pick: it grows with the packed query length."""
-    return cta_tile_q(1 << 40, head_dim_vo, head_dim_qk, dev)
+    return cta_tile_q(1 << 40, head_dim_vo, head_dim_qk, dev, family=family)
 
 
 def max_batch_size_if_split(num_sm: int, heads_kv: int) -> int:
@@ -113,7 +180,7 @@ class _Alloc:
 def prefill_split_rows(family: str, heads_q: int, heads_kv: int, padded: int, cta: int) -> int:
     """The rows of a split plan's partial outputs; ``prefill_float_bytes`` grows strictly with them, so a search for
     the largest plan compares rows and sizes the winner once."""
-    if family == FAMILY_07:
+    if rows_by_group(family):
         return ceil_div(padded * cta, heads_q // heads_kv)
     return padded * cta
 
@@ -139,9 +206,9 @@ def prefill_int_bytes(family: str, padded: int, batch_size: int, total_rows: int
         alloc.take(4, 16)
     if split:
         alloc.take(4 * (total_rows + 1), 16)
-        if family != FAMILY_07 and cuda_graph:
+        if not rows_by_group(family) and cuda_graph:
             alloc.take(padded, 16)
-    if family == FAMILY_07 and cuda_graph:
+    if rows_by_group(family) and cuda_graph:
         alloc.take(padded, 16)
     return alloc.used
 
@@ -178,23 +245,26 @@ def prefill_plan(family: str, qo_lens: Sequence[int], kv_pages: Sequence[int], *
     packed = [q * g for q in qo_lens]
     total_rows = sum(qo_lens)
     min_chunk = max(128 // page_size, 1)
-    uniform = family == FAMILY_07 and uniform_q_len > 0
+    gen = generation(family)
+    uniform = gen.uniform_q and uniform_q_len > 0
+    if not gen.kv_dtype_bytes:
+        kv_dtype_bytes = 2  # the planner of this generation has no such argument and plans as 2 bytes
     if cuda_graph:
         if uniform:
             pu = uniform_q_len * g
             if any(p != pu for p in packed):
                 raise ValueError("uniform_q_len does not describe this batch")
-            cta = cta_tile_q(pu, head_dim_vo, head_dim_qk, dev, kv_dtype_bytes)
+            cta = cta_tile_q(pu, head_dim_vo, head_dim_qk, dev, kv_dtype_bytes, family)
             tiles = batch * ceil_div(pu, cta)
         else:
             max_seq = total_rows - batch + 1
-            cta = cta_tile_q(max_seq * g, head_dim_vo, head_dim_qk, dev, kv_dtype_bytes)
+            cta = cta_tile_q(max_seq * g, head_dim_vo, head_dim_qk, dev, kv_dtype_bytes, family)
             tiles = ceil_div(total_rows * g, cta) + batch - 1
     else:
-        cta = cta_tile_q(sum(packed) // batch, head_dim_vo, head_dim_qk, dev, kv_dtype_bytes)
+        cta = cta_tile_q(sum(packed) // batch, head_dim_vo, head_dim_qk, dev, kv_dtype_bytes, family)
         tiles = sum(ceil_div(p, cta) for p in packed)
     split, chunk = _prefill_chunk_search(cuda_graph, max_bs, packed, kv_pages, cta, min_chunk)
-    if family == FAMILY_07 and fixed_uniform_q_len and uniform_q_len > 0 and tiles > max_bs:
+    if gen.fixed_uniform_q and fixed_uniform_q_len and uniform_q_len > 0 and tiles > max_bs:
         split = False
     new_bs = 0
     for p, k in zip(packed, kv_pages):

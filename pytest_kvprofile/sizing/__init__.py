@@ -4,6 +4,7 @@
 |---|---|---|
 | `for_case`, `plan_envelope`, `decode_tensor_cores`, `routes` | `case` | the one computation of what a matrix case needs |
 | `required_workspace`, `SizingResult`, `RouteSizing`, `route_results`, `installed_flashinfer_version` | `requirement` | the requirement for any per-rank layout and envelope |
+| `sizing_method`, `SizingMethod` | `requirement` | which method (oracle or analytic) sizes a FlashInfer version here, and why |
 | `PlanEnvelope`, `PlanBatch`, `DEFAULT_INT_WORKSPACE` | `analytic` | the batches one `plan()` can see; closed-form worst cases |
 | `OracleError`, `OracleUnavailable`, `get_oracle`, `oracle_available` | `attention.oracle` | FlashInfer's own planner compiled for the host (re-exported) |
 | `sizing_report`, `report_for_matrix`, `format_report` | `comparison` | the requirement next to the fixed sizes in use |
@@ -35,10 +36,12 @@ from pytest_kvprofile.sizing.comparison import (
 )
 from pytest_kvprofile.sizing.requirement import (
     RouteSizing,
+    SizingMethod,
     SizingResult,
     installed_flashinfer_version,
     required_workspace,
     route_results,
+    sizing_method,
 )
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "PlanBatch",
     "PlanEnvelope",
     "RouteSizing",
+    "SizingMethod",
     "SizingResult",
     "decode_tensor_cores",
     "for_case",
@@ -60,5 +64,6 @@ __all__ = [
     "required_workspace",
     "route_results",
     "routes",
+    "sizing_method",
     "sizing_report",
 ]

@@ -12,8 +12,8 @@ Route names:
   ``prefill``                 FA2 paged prefill, no CUDA graph
   ``prefill_cuda_graph``      FA2 paged prefill planned for a CUDA graph (tokens up to the largest
                               capture size, or max_num_batched_tokens when none is given)
-  ``decode_tc``/``decode_tc_cuda_graph``  tensor-core decode: the prefill planner with
-                              ``uniform_q_len = 1 + mtp`` and ``fixed_uniform_q_len``
+  ``decode_tc``/``decode_tc_cuda_graph``  tensor-core decode: the prefill planner with what the
+                              generation's wrapper passes (``planner.decode_uniform_args``)
   ``decode_cc``/``decode_cc_cuda_graph``  CUDA-core decode (``DecodePlan``), occupancy as input
   ``fa3_int``                 FA3 ``PrefillSM90Plan`` int arrays (no float workspace)
 """
@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 
 from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.attention.planner import (
-    FAMILY_07,
     PlannerDevice,
     PlanSize,
     ceil_div,
     cta_tile_q,
     decode_blocks_per_sm_bound,
     decode_plan,
+    decode_uniform_args,
+    generation,
     max_batch_size_if_split,
     max_cta_tile_q,
     prefill_float_bytes,
@@ -192,11 +193,11 @@ def _finish(route: str, family: str, lay: Layout, env: PlanEnvelope, bound: int,
                        0 if exact else bound - max(best, 0), None, notes + extra)
 
 
-def _q_for_tile(lay: Layout, target_cta: int, uniform: int = 0) -> int:
+def _q_for_tile(family: str, lay: Layout, target_cta: int, uniform: int = 0) -> int:
     if uniform:
         return uniform
     for q in range(1, 4097):
-        if cta_tile_q(q * lay.group, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes) == target_cta:
+        if cta_tile_q(q * lay.group, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes, family) == target_cta:
             return q
     return 1
 
@@ -204,9 +205,9 @@ def _q_for_tile(lay: Layout, target_cta: int, uniform: int = 0) -> int:
 def prefill_nograph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
     """No CUDA graph: padded == the split batch <= max_batch_size_if_split; largest tile wins."""
     max_bs = max_batch_size_if_split(lay.num_sm, lay.heads_kv)
-    cta = max_cta_tile_q(lay.head_dim_vo, lay.head_dim_qk, lay.device)
+    cta = max_cta_tile_q(lay.head_dim_vo, lay.head_dim_qk, lay.device, family)
     bound = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, max_bs, cta)
-    q = _q_for_tile(lay, cta)
+    q = _q_for_tile(family, lay, cta)
     tiles = ceil_div(q * lay.group, cta)
     ib = _int_bound(family, lay, env.max_num_batched_tokens,
                     min(env.max_num_seqs, env.max_num_batched_tokens), False)
@@ -252,7 +253,7 @@ def prefill_graph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
             if b <= n < n_max:
                 ns.add(n)
         for n in ns:
-            cta = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes)
+            cta = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes, family)
             padded = max(max_bs, ceil_div(n * g, cta) + b - 1)
             rows = prefill_split_rows(family, hq, hkv, padded, cta)
             if rows > best_rows:
@@ -264,12 +265,18 @@ def prefill_graph(family: str, lay: Layout, env: PlanEnvelope) -> RouteResult:
 
 
 def decode_tc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> RouteResult:
-    """Tensor-core decode: every request has ``u = 1 + mtp`` query tokens."""
+    """Tensor-core decode: every request has ``u = 1 + mtp`` query tokens.
+
+    What the wrapper tells the planner follows the generation (``decode_uniform_args``): from 0.7.4
+    ``uniform_q_len = u`` with ``fixed_uniform_q_len``, so a captured batch past the split budget never splits;
+    0.6.16-0.7.3 pass ``uniform_q_len`` only when ``u > 1`` and a captured batch always splits, with
+    ``padded = max(M, B * tiles)``; earlier ones (and ``u == 1``) plan a captured batch as a ragged one."""
     u = env.q_decode
     g = lay.group
     max_bs = max_batch_size_if_split(lay.num_sm, lay.heads_kv)
-    cta = cta_tile_q(u * g, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes)
+    cta = cta_tile_q(u * g, lay.head_dim_vo, lay.head_dim_qk, lay.device, lay.kv_bytes, family)
     tiles = ceil_div(u * g, cta)
+    uq, fixed = decode_uniform_args(family, u)
     if cuda_graph:
         cap = env.graph_tokens // u if env.cuda_graph_sizes else env.max_num_seqs
         b_max = max(1, min(env.max_num_seqs, cap))
@@ -277,31 +284,36 @@ def decode_tc(family: str, lay: Layout, env: PlanEnvelope, cuda_graph: bool) -> 
         b_max = max(1, min(env.max_num_seqs, env.max_num_batched_tokens // u))
     route = "decode_tc_cuda_graph" if cuda_graph else "decode_tc"
     ib = _int_bound(family, lay, b_max * u, b_max, cuda_graph)
-    if family != FAMILY_07 and cuda_graph:
+    if cuda_graph and not generation(family).fixed_uniform_q:
+        kv = min(env.max_model_len, max(u, 128))
+        if uq:
+            padded = max(max_bs, b_max * tiles)
+            best = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, padded, cta)
+            cand = PlanBatch((u,) * b_max, (kv,) * b_max, True, uq, fixed)
+            return _finish(route, family, lay, env, best, [cand], ib)
         best_rows, best_b, best_plan = -1, 1, (max_bs, 0)
         dev, hq, hkv, dvo, dqk = lay.device, lay.heads_q, lay.heads_kv, lay.head_dim_vo, lay.head_dim_qk
         for b in range(1, b_max + 1):
             n = b * u
-            c = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes)
+            c = cta_tile_q((n - b + 1) * g, dvo, dqk, dev, lay.kv_bytes, family)
             padded = max(max_bs, ceil_div(n * g, c) + b - 1)
             rows = prefill_split_rows(family, hq, hkv, padded, c)
             if rows > best_rows:
                 best_rows, best_b, best_plan = rows, b, (padded, c)
         best = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, *best_plan)
-        kv = min(env.max_model_len, max(u, 128))
         cand = PlanBatch((u,) * best_b, (kv,) * best_b, True)
         return _finish(route, family, lay, env, best, [cand], ib)
     if tiles > max_bs:
         bound = 0
-        cands = [PlanBatch((u,), (u,), cuda_graph, u, True)]
+        cands = [PlanBatch((u,), (u,), cuda_graph, uq, fixed)]
     else:
         bound = prefill_float_bytes(family, lay.heads_q, lay.heads_kv, lay.head_dim_vo, max_bs, cta)
         if cuda_graph:
             kv = min(env.max_model_len, max(u, 128))
-            cands = [PlanBatch((u,), (kv,), True, u, True)]
+            cands = [PlanBatch((u,), (kv,), True, uq, fixed)]
         else:
             reqs = _split_witness(max_bs, tiles, u, env, b_max)
-            cands = [PlanBatch(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs), False, u, True)]
+            cands = [PlanBatch(tuple(r[0] for r in reqs), tuple(r[1] for r in reqs), False, uq, fixed)]
             cands = [c for c in cands if c.qo_lens]
     return _finish(route, family, lay, env, bound, cands, ib)
 

@@ -13,10 +13,21 @@ per-wrapper maximum.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 from pytest_kvprofile.attention.oracle import Oracle, OracleError, OracleUnavailable, get_oracle
+from pytest_kvprofile.attention.oracle_build import (
+    HEADERS_ENV,
+    INSTALL_HINT,
+    FlashInferInstall,
+    OracleBuildError,
+    cache_root,
+    find_nvcc,
+    generation_mismatch,
+    install_for,
+)
 from pytest_kvprofile.attention.planner import family_of
 from pytest_kvprofile.sizing.analytic import (
     DEFAULT_INT_WORKSPACE,
@@ -67,6 +78,78 @@ class SizingResult:
     worst_route: str = ""
     gap_bytes: int = 0
     kv_dtype_bytes: int = 2  # sizeof(DTypeKV) the routes were planned with
+    method_reason: str = ""  # why ``method`` (sizing_method's reason; for "analytic", why not the oracle)
+
+
+@dataclass(frozen=True)
+class SizingMethod:
+    """Which method sizes a FlashInfer version here, and why.
+
+    ``method``: ``"oracle"`` (its own planner, compiled for the host from its headers) or ``"analytic"`` (the
+    closed forms and the Python port of its generation, ``family``). ``reason``: for the oracle, which headers
+    and compiler; for the analytic model, why the oracle cannot run (no compiler, no headers, or the first
+    compiler error)."""
+
+    method: str
+    flashinfer_version: str
+    family: str
+    reason: str
+
+
+def _method_key() -> tuple[str, str, str]:
+    return (str(cache_root()), str(find_nvcc()), os.environ.get(HEADERS_ENV, ""))
+
+
+def _oracle_or_why(version: str | None) -> tuple[Oracle | None, SizingMethod]:
+    """This thread's oracle for ``version`` (None: the installed one) and how it sizes; no oracle when it cannot."""
+    install, how = _method_for(version, _method_key())
+    return (get_oracle(install) if install is not None else None), how
+
+
+@lru_cache(maxsize=32)
+def _method_for(version: str | None, _key: tuple[str, str, str]) -> tuple[FlashInferInstall | None, SizingMethod]:
+    """Which headers the oracle compiles for ``version``, or why it cannot (built once; loaded per thread)."""
+    try:
+        install = install_for(version)
+    except OracleUnavailable as exc:
+        if version is None:
+            raise
+        return None, SizingMethod("analytic", version, family_of(version), str(exc))
+    fam = install.family
+    where = "installed" if install.installed else f"headers from {HEADERS_ENV}"
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return None, SizingMethod("analytic", install.version, fam,
+                                  f"nvcc not found on CUDA_HOME, PATH or the nvidia-cuda-nvcc wheel; {INSTALL_HINT}")
+    try:
+        get_oracle(install)
+    except OracleBuildError as exc:
+        return None, SizingMethod(
+            "analytic", install.version, fam,
+            f"the oracle does not compile against flashinfer-python {install.version} ({where}, family {fam}): "
+            f"{exc.first_error}")
+    except OracleError as exc:
+        return None, SizingMethod("analytic", install.version, fam,
+                                  f"the oracle for flashinfer-python {install.version} cannot load: "
+                                  f"{str(exc).splitlines()[0]}")
+    reason = (f"flashinfer-python {install.version}'s planner ({where}, family {fam}) compiled for the host "
+              f"from {install.include_dir} with {nvcc}")
+    mismatch = generation_mismatch(install)
+    if mismatch:
+        reason += f"; its headers differ from the analytic model's family table ({mismatch})"
+    return install, SizingMethod("oracle", install.version, fam, reason)
+
+
+def sizing_method(flashinfer_version: str | None = None, *, use_oracle: bool | None = None) -> SizingMethod:
+    """Which method sizes ``flashinfer_version`` (default: the installed FlashInfer) here, and why.
+
+    Builds the oracle when it can (once; cached like ``for_case``'s). ``use_oracle=False`` answers "analytic"
+    ("the caller asked for the analytic model"). Never raises for a missing compiler or a failed build: that is
+    the reason. Raises ``OracleUnavailable`` only when no FlashInfer is installed and no version is named."""
+    if use_oracle is False:
+        version = flashinfer_version or installed_flashinfer_version()
+        return SizingMethod("analytic", version, family_of(version), "use_oracle=False: the analytic model only")
+    return _method_for(flashinfer_version, _method_key())[1]
 
 
 def installed_flashinfer_version() -> str:
@@ -140,21 +223,18 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
         raise OracleUnavailable("no FlashInfer installed and no flashinfer_version given")
     family = family_of(version)
     notes: list[str] = []
-    if version != installed:
+    oracle = None
+    if use_oracle is False:
+        how = SizingMethod("analytic", version, family, "use_oracle=False: the analytic model only")
+    else:
+        oracle, how = _oracle_or_why(None if version == installed else version)
+        if oracle is None and use_oracle:
+            raise OracleUnavailable(f"the oracle cannot size FlashInfer {version}: {how.reason}")
+        if oracle is None:
+            notes.append(f"oracle unavailable, analytic only: {how.reason}")
+    if version != installed and oracle is None:
         notes.append(f"FlashInfer {version} is not installed: sized from the {family} family's "
                      "model and the Python port, not confirmed by that version's planner")
-    oracle = None
-    if use_oracle is not False:
-        if installed is not None and version == installed:
-            try:
-                oracle = get_oracle()
-            except OracleError as exc:  # unavailable, or a failed build: never blame the caller's backend
-                if use_oracle:
-                    raise
-                notes.append(f"oracle unavailable, analytic only: {exc}")
-        elif use_oracle:
-            raise OracleUnavailable(
-                f"the oracle runs the installed FlashInfer ({installed}), not {version}")
     results = route_results(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                             head_dim_vo=head_dim_vo, num_sm=num_sm, envelope=envelope,
                             routes=routes, decode_tensor_cores=decode_tensor_cores, family=family,
@@ -201,6 +281,8 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
         worst_route=worst.route if worst else "",
         gap_bytes=worst.gap_bytes if worst else 0,
         kv_dtype_bytes=kv_dtype_bytes,
+        method_reason=how.reason if confirmed_all or oracle is None else
+        f"{how.reason}; but the oracle did not confirm the worst batch (see notes)",
     )
 
 
@@ -215,7 +297,9 @@ def required_workspace(*, heads_q: int, heads_kv: int, head_dim: int,
 
     ``heads_q``/``heads_kv`` are per rank; ``heads_q_decode`` is the decode wrapper's query heads
     when it differs (DCP: ``heads_q * dcp``). ``use_oracle``: None uses the oracle when it can be
-    built for the installed FlashInfer, True requires it, False never builds it. ``kv_dtype_bytes`` is
+    built for ``flashinfer_version`` (default: the installed one; another version's headers are read from
+    ``$KVPROFILE_FLASHINFER_HEADERS/<version>``), True requires it, False never builds it. ``method`` and
+    ``method_reason`` say which sized it and why (``sizing_method``). ``kv_dtype_bytes`` is
     ``sizeof(DTypeKV)`` of the KV cache the wrappers plan for (fp8: 1). Results are cached per argument tuple.
     """
     return _required(heads_q, heads_kv, head_dim, head_dim_vo, num_sm, envelope, tuple(routes),

@@ -37,6 +37,7 @@ def test_acceptance_command_json(oracle, capsys):
         assert key in data
     assert set(data["worst_batch"]) == {"qo_lens", "kv_lens", "cuda_graph"}
     assert data["method"] == "oracle" and data["exact"] and data["num_sm"] == 142
+    assert "compiled for the host" in data["method_reason"]  # sizing_method's reason (docs/sizing.md)
     batch = data["worst_batch"]
     oracle.set_device(142)
     got, _ = oracle.prefill(batch["qo_lens"], batch["kv_lens"], heads_q=32, heads_kv=8,
@@ -52,6 +53,7 @@ def test_gpu_tp_dcp_and_table(capsys):
     assert (data["num_sm"], data["heads_q"], data["heads_kv"], data["heads_q_decode"]) == (
         148, 16, 2, 32)
     assert data["method"] == "analytic" and data["worst_batch"]["cuda_graph"] is True
+    assert data["method_reason"].startswith("use_oracle=False")
     rc = main(["size", "--heads-q", "32", "--heads-kv", "8", "--head-dim", "128", "--sm", "77",
                "--no-oracle"])
     out = capsys.readouterr().out

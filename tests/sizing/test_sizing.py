@@ -123,7 +123,8 @@ def test_dcp_decode_heads_and_bad_layouts():
 
 def test_version_families():
     assert family_of("0.6.9") == "0.6-materialize"
-    assert family_of("0.6.14") == "0.6-materialize"
+    assert family_of("0.6.13") == "0.6-materialize"
+    assert family_of("0.6.14") == "0.6-materialize-d512"  # more boundaries: tests/sizing/test_generations.py
     assert family_of("0.6.15") == FAMILY_06
     assert family_of("0.7.4") == FAMILY_07
     assert family_of("0.8.0rc1") == FAMILY_07

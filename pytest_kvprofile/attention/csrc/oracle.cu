@@ -4,11 +4,14 @@
 // cuda_stubs.cpp (a separate host-only translation unit), so the library links without libcudart
 // and the SM count / compute capability are whatever the caller sets through kvp_set_device().
 //
-// Build-time switches (set by pytest_kvprofile/attention/oracle.py from the installed version):
-//   KVP_HAS_COUNT_ONLY  PrefillPlanWorkspaceSize / DecodePlanWorkspaceSize exist (>= 0.6.15)
-//   KVP_HAS_UNIFORM_Q   PrefillPlan takes (num_colocated_ctas, uniform_q_len, fixed_uniform_q_len)
-//   KVP_HAS_KV_DTYPE_BYTES  PrefillPlan takes a trailing kv_dtype_bytes (sizeof(DTypeKV), as the JIT module passes
-//                       it); without it the planner assumes 2 bytes, and so does this library
+// Build-time switches, read by oracle_build.py from the text of the scheduler.cuh it compiles against (one
+// generation of FlashInfer's planner signatures each; a wrong switch fails the build, never the arithmetic):
+//   KVP_HAS_COUNT_ONLY       PrefillPlanWorkspaceSize / DecodePlanWorkspaceSize exist (>= 0.6.15)
+//   KVP_HAS_UNIFORM_Q        PrefillPlan takes uniform_q_len after num_colocated_ctas (>= 0.6.16)
+//   KVP_HAS_FIXED_UNIFORM_Q  ... and fixed_uniform_q_len after it (>= 0.7.4)
+//   KVP_HAS_KV_DTYPE_BYTES   PrefillPlan takes a trailing kv_dtype_bytes (sizeof(DTypeKV), as the JIT module passes
+//                            it; >= 0.6.18); without it the planner assumes 2 bytes, and so does this library
+// Every generation takes num_colocated_ctas (0 here: no POD co-scheduling).
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -22,6 +25,21 @@
 #endif
 #ifndef KVP_HAS_UNIFORM_Q
 #define KVP_HAS_UNIFORM_Q 1
+#endif
+#ifndef KVP_HAS_FIXED_UNIFORM_Q
+#define KVP_HAS_FIXED_UNIFORM_Q KVP_HAS_UNIFORM_Q
+#endif
+#ifndef KVP_HAS_KV_DTYPE_BYTES
+#define KVP_HAS_KV_DTYPE_BYTES KVP_HAS_UNIFORM_Q
+#endif
+
+// The planner arguments after num_colocated_ctas that only some generations have.
+#if KVP_HAS_FIXED_UNIFORM_Q
+#define KVP_UNIFORM_ARGS(u, fixed) , (u), (fixed)
+#elif KVP_HAS_UNIFORM_Q
+#define KVP_UNIFORM_ARGS(u, fixed) , (u)
+#else
+#define KVP_UNIFORM_ARGS(u, fixed)
 #endif
 
 extern "C" void kvp_stub_set_device(int num_sm, int cc_major, int cc_minor, int smem_optin);
@@ -41,9 +59,12 @@ int fail(const std::string& msg) {
   return 1;
 }
 
+// The planner reads IdType (and, up to 0.6.14, names DTypeO without using its size); bf16-sized types.
 struct HostDecodeParams {
   using IdType = int32_t;
+  using DTypeQ = uint16_t;
   using DTypeKV = uint16_t;
+  using DTypeO = uint16_t;
 };
 
 // The 16-byte-aligned bump allocator only ever advances; offsets of the last two carvings plus
@@ -79,6 +100,12 @@ int kvp_prefill_plan_size(const int32_t* qo_indptr, const int32_t* kv_indptr, in
 #if !KVP_HAS_KV_DTYPE_BYTES
     (void)kv_dtype_bytes;
 #endif
+#if !KVP_HAS_UNIFORM_Q
+    (void)uniform_q_len;
+#endif
+#if !KVP_HAS_FIXED_UNIFORM_Q
+    (void)fixed_uniform_q_len;
+#endif
     std::vector<int32_t> qo(qo_indptr, qo_indptr + batch_size + 1);
     std::vector<int32_t> kv(kv_indptr, kv_indptr + batch_size + 1);
     const uint32_t total_num_rows = static_cast<uint32_t>(qo[batch_size]);
@@ -91,7 +118,8 @@ int kvp_prefill_plan_size(const int32_t* qo_indptr, const int32_t* kv_indptr, in
           fbytes, ibytes, qo.data(), kv.data(), total_num_rows, batch_size, num_qo_heads,
           num_kv_heads, head_dim_qk, head_dim_vo, page_size, enable_cuda_graph != 0,
           /*sizeof_dtype_o=*/2, window_left, fixed_split_size, disable_split_kv != 0,
-          /*num_colocated_ctas=*/0, uniform_q_len, fixed_uniform_q_len != 0, nullptr KVP_KV_BYTES);
+          /*num_colocated_ctas=*/0 KVP_UNIFORM_ARGS(uniform_q_len, fixed_uniform_q_len != 0),
+          nullptr KVP_KV_BYTES);
       if (st != cudaSuccess) return fail("PrefillPlanWorkspaceSize returned a CUDA error");
 #else
       return fail("this FlashInfer has no PrefillPlanWorkspaceSize; use materialize=1");
@@ -102,21 +130,12 @@ int kvp_prefill_plan_size(const int32_t* qo_indptr, const int32_t* kv_indptr, in
       if (float_buf == nullptr) float_buf = kFakeFloatBase;
       // The pinned host mirror and the device int buffer are the same host memory here: the
       // stubbed cudaMemcpyAsync is a no-op when source and destination coincide.
-#if KVP_HAS_UNIFORM_Q
       st = flashinfer::PrefillPlan<int32_t>(
           float_buf, float_buf_size, int_buf, int_buf, int_buf_size, info, qo.data(), kv.data(),
           total_num_rows, batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
           page_size, enable_cuda_graph != 0, 2, window_left, fixed_split_size,
-          disable_split_kv != 0, 0, uniform_q_len, fixed_uniform_q_len != 0, nullptr KVP_KV_BYTES);
-#else
-      (void)uniform_q_len;
-      (void)fixed_uniform_q_len;
-      st = flashinfer::PrefillPlan<int32_t>(
-          float_buf, float_buf_size, int_buf, int_buf, int_buf_size, info, qo.data(), kv.data(),
-          total_num_rows, batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
-          page_size, enable_cuda_graph != 0, 2, window_left, fixed_split_size,
-          disable_split_kv != 0, nullptr);
-#endif
+          disable_split_kv != 0, /*num_colocated_ctas=*/0
+          KVP_UNIFORM_ARGS(uniform_q_len, fixed_uniform_q_len != 0), nullptr KVP_KV_BYTES);
       if (st != cudaSuccess) return fail("PrefillPlan returned a CUDA error");
       if (info.split_kv) {
         // tmp_v starts at offset 0 and tmp_s follows it; tmp_s is tmp_v / head_dim_vo bytes.
@@ -322,22 +341,17 @@ int kvp_host_prefill_plan(void* float_buf, uint64_t float_size, void* int_buf, v
     std::vector<int32_t> qo(qo_indptr, qo_indptr + batch_size + 1);
     std::vector<int32_t> kv(kv_indptr, kv_indptr + batch_size + 1);
     flashinfer::PrefillPlanInfo info;
-#if KVP_HAS_UNIFORM_Q
     cudaError_t st = flashinfer::PrefillPlan<int32_t>(
         float_buf, float_size, int_buf, pinned_buf, int_size, info, qo.data(), kv.data(),
         static_cast<uint32_t>(total_num_rows), static_cast<uint32_t>(batch_size), num_qo_heads,
         num_kv_heads, head_dim_qk, head_dim_vo, page_size, enable_cuda_graph != 0, 2, window_left,
-        fixed_split_size, disable_split_kv != 0, num_colocated_ctas, uniform_q_len,
-        fixed_uniform_q_len != 0, nullptr KVP_KV_BYTES);
-#else
-    (void)num_colocated_ctas;
+        fixed_split_size, disable_split_kv != 0, num_colocated_ctas
+        KVP_UNIFORM_ARGS(uniform_q_len, fixed_uniform_q_len != 0), nullptr KVP_KV_BYTES);
+#if !KVP_HAS_UNIFORM_Q
     (void)uniform_q_len;
+#endif
+#if !KVP_HAS_FIXED_UNIFORM_Q
     (void)fixed_uniform_q_len;
-    cudaError_t st = flashinfer::PrefillPlan<int32_t>(
-        float_buf, float_size, int_buf, pinned_buf, int_size, info, qo.data(), kv.data(),
-        static_cast<uint32_t>(total_num_rows), static_cast<uint32_t>(batch_size), num_qo_heads,
-        num_kv_heads, head_dim_qk, head_dim_vo, page_size, enable_cuda_graph != 0, 2, window_left,
-        fixed_split_size, disable_split_kv != 0, nullptr);
 #endif
     if (st != cudaSuccess) return fail("Failed to plan prefill with error: PrefillPlan returned a CUDA error");
     return copy_info(info.ToVector(), info_out, info_cap, info_len);
