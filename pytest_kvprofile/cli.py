@@ -341,7 +341,40 @@ def _verdict_error(message: str) -> int:
     return 2
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [_add_size, _add_verdict]
+def _add_list(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("list", help="the backends --kvprofile-backend can name, by group",
+                       description="Every registered backend, by group, then the installed entry points.")
+    p.add_argument("--group", help="only this group's backends")
+    p.set_defaults(func=_run_list)
+
+
+def _run_list(args: argparse.Namespace) -> int:
+    from importlib.metadata import entry_points
+
+    from pytest_kvprofile.registry import ENTRY_POINT_GROUP, builtin_registry
+
+    registry = builtin_registry()
+    if args.group is not None and args.group not in registry.groups:
+        print(f"kvprofile list: error: no group {args.group!r} (groups: {', '.join(registry.groups)})", file=sys.stderr)
+        return 2
+    grouped = {name for group in registry.groups for name in (b.name for b in registry.group(group))}
+    sections = [(g, [b.name for b in registry.group(g)]) for g in registry.groups]
+    sections.append(("ungrouped", [n for n in registry.backends if n not in grouped]))
+    for group, names in sections:
+        if names and args.group in (None, group):
+            print(f"{group} ({len(names)}):")
+            for name in names:
+                print(f"  {name}")
+    points = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    if points and args.group is None:
+        print(f"installed entry points ({len(points)}):")
+        for name in points:
+            print(f"  {name}")
+    return 0
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    _add_size, _add_verdict, _add_list]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,10 +154,16 @@ def call_factory(factory: object, origin: str) -> list[Backend]:
         produced = factory()
     except Exception as exc:  # noqa: BLE001
         raise BackendError(f"backend {origin!r}: the factory raised {type(exc).__name__}: {exc}") from None
-    items = produced if isinstance(produced, (list, tuple)) else [produced]
-    if not items:
+    if not isinstance(produced, (list, tuple)):
+        return [coerce_backend(produced, origin)]
+    if not produced:
         raise BackendError(f"backend {origin!r}: the factory returned an empty list")
-    return [coerce_backend(item, origin) for item in items]
+    for i, item in enumerate(produced):
+        if not isinstance(item, (Backend, dict)):
+            raise BackendError(f"backend {origin!r}: item {i} of the {type(produced).__name__} the factory returned is "
+                               f"a {type(item).__name__} ({item!r:.60}), expected a pytest_kvprofile.Backend or a "
+                               "mapping with 'name' and 'make_builders'")
+    return [coerce_backend(item, origin) for item in produced]
 
 
 def entry_point_backends() -> list[Backend]:
@@ -175,7 +181,7 @@ def entry_point_backends() -> list[Backend]:
     return out
 
 
-def _installed(name: str, registry: Registry) -> list[Backend]:
+def _installed(name: str, registry: Registry, hooked: Iterable[str] = ()) -> list[Backend]:
     """An installed backend by name: a backend an entry point makes (that one alone), or an entry point (all it makes,
     e.g. ``vllm-flashinfer-reserving``'s default and exact arenas when no backend has that name)."""
     from importlib.metadata import entry_points
@@ -196,12 +202,24 @@ def _installed(name: str, registry: Registry) -> list[Backend]:
     if name in made:
         return made[name]
     installed = sorted({b.name for backends in made.values() for b in backends} | set(made))
-    raise BackendError(
-        f"--kvprofile-backend {name!r}: not 'package.module:factory', not a registered backend "
-        f"({', '.join(registry.groups)}, or one of: {', '.join(registry.backends)}) and not an installed backend "
-        f"({', '.join(installed) or 'none installed'}: a package registers them under the {ENTRY_POINT_GROUP!r} "
-        "entry point group)"
-    )
+    raise BackendError(unknown_backend(name, registry, installed, hooked))
+
+
+def unknown_backend(name: str, registry: Registry, installed: Iterable[str] = (), hooked: Iterable[str] = ()) -> str:
+    """What ``--kvprofile-backend NAME`` says when nothing has that name: the nearest names, then the groups and
+    where the rest are listed (one short line, not every mutant's name)."""
+    import difflib
+
+    installed, hooked = sorted(installed), sorted(hooked)
+    known = [*registry.groups, *registry.backends, *installed, *hooked]
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f"Did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
+    extra = "".join(f"; {label}: {', '.join(names)}" for label, names in (("installed", installed), ("from the "
+                    "pytest_kvprofile_backends hook", hooked)) if names)
+    return (f"--kvprofile-backend {name!r}: no backend or group has that name. {hint}Groups: "
+            f"{', '.join(registry.groups)} ({len(registry.backends)} registered backends in all: `kvprofile list` "
+            f"names them){extra}. A factory is named 'package.module:factory'; a package registers backends under "
+            f"the {ENTRY_POINT_GROUP!r} entry point group")
 
 
 def builtin_backends() -> dict[str, Backend]:
@@ -211,32 +229,40 @@ def builtin_backends() -> dict[str, Backend]:
 
 def resolve_backends(specs: Iterable[str], hooked: Iterable[object] = (), entry_points: bool = True,
                      registry: Registry | None = None) -> list[Backend]:
-    """Backends from the command line/ini and the hook; entry points only when none are named; the registry's
+    """Backends from the command line/ini; with none named, the hook's and the entry points'; the registry's
     default group (the correct stubs) if none.
 
-    Naming backends explicitly narrows the run to them, so an installed entry-point backend does not
-    join every session.
+    Naming backends explicitly narrows the run to them, so neither an installed entry-point backend nor one the
+    ``pytest_kvprofile_backends`` hook returns joins a session that names others; either is named by its name.
     """
     registry = builtin_registry() if registry is None else registry
-    specs = list(specs)
+    specs = [s.strip() for s in specs]
+    by_hook: dict[str, Backend] = {}
+    for item in hooked:
+        if item is None:
+            continue
+        items = item if isinstance(item, (list, tuple)) else [item]
+        for i, obj in enumerate(items):
+            origin = "the pytest_kvprofile_backends hook" + (f" (item {i} of the list it returned)"
+                                                             if isinstance(item, (list, tuple)) else "")
+            backend = coerce_backend(obj, origin)
+            by_hook.setdefault(backend.name, backend)
     out: list[Backend] = []
     for spec in specs:
-        spec = spec.strip()
-        if spec in registry.groups:
+        if spec in by_hook:
+            out.append(by_hook[spec])
+        elif spec in registry.groups:
             out.extend(registry.group(spec))
         elif spec in registry.backends:
             out.append(registry.backends[spec])
         elif ":" in spec:
             out.extend(load_factory(spec))
         else:
-            out.extend(_installed(spec, registry))
-    for item in hooked:
-        if item is None:
-            continue
-        items = item if isinstance(item, (list, tuple)) else [item]
-        out.extend(coerce_backend(i, "the pytest_kvprofile_backends hook") for i in items)
-    if entry_points and not specs:
-        out.extend(entry_point_backends())
+            out.extend(_installed(spec, registry, by_hook))
+    if not specs:
+        out.extend(by_hook.values())
+        if entry_points:
+            out.extend(entry_point_backends())
     if not out and registry.default_group is not None:
         out = registry.group(registry.default_group)
     seen: dict[str, Backend] = {}
@@ -338,12 +364,9 @@ def _neutral_alone(backend: Backend, neutral: frozenset[str]) -> Backend:
     def make_neutral(case: Case) -> list[Builder]:
         return [b for b in make(case) if builder_name(b) in neutral]
 
-    return Backend(
-        name=f"{backend.name}-neutral-alone", make_builders=make_neutral, policy=backend.policy,
-        version=backend.version, description=f"the NEUTRAL builders of {backend.name} without the rest",
-        origin=backend.origin, torch_mode=backend.torch_mode, make_resources=backend.make_resources,
-        refuses_layout=backend.refuses_layout, requires=backend.requires, install_hint=backend.install_hint,
-    )
+    return dataclasses.replace(backend, name=f"{backend.name}-neutral-alone", make_builders=make_neutral,
+                               description=f"the NEUTRAL builders of {backend.name} without the rest",
+                               expected_failures=())
 
 
 def with_workspace_manager(backend: Backend, kind: str, registry: Registry | None = None) -> Backend:

@@ -61,6 +61,8 @@ def test_impossible_tp_is_skipped_with_its_reason_in_the_id_list(pytester):
         ("def factory():\n    raise RuntimeError('boom')\n", "the factory raised RuntimeError: boom"),
         ("def factory():\n    return None\n", "the factory returned nothing"),
         ("def factory():\n    return object()\n", "the factory returned object"),
+        ("def factory():\n    return ['not a backend']\n",
+         "item 0 of the list the factory returned is a str ('not a backend')"),
         ("def factory():\n    return {'name': 'x'}\n", "lacks the key 'make_builders'"),
         ("class B:\n    pass\n\ndef factory():\n    return {'name': 'nameless', 'make_builders': lambda c: [B()]}\n",
          "builder #0 (B) lacks the protocol attribute name"),
@@ -81,11 +83,37 @@ def test_bad_backend_factory_is_a_one_line_usage_error(pytester, body, message):
     result.stderr.fnmatch_lines([f"ERROR: backend *{literal(message)}*"])
 
 
-def test_unknown_backend_name_lists_the_choices(pytester):
-    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", "--kvprofile-backend", "nope",
+def test_unknown_backend_name_names_the_nearest_and_the_groups_in_one_short_line(pytester):
+    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", "--kvprofile-backend", "stub-flashinfr",
                                 "--kvprofile-matrix", str(pytester.makefile(".yaml", m=BASE)))
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--kvprofile-backend 'nope'*stub-flashinfer*"])
+    result.stderr.fnmatch_lines(["*--kvprofile-backend 'stub-flashinfr'*Did you mean 'stub-flashinfer'*Groups: stubs, "
+                                 "mutants*kvprofile list*"])
+    line = next(ln for ln in result.stderr.lines if "stub-flashinfr" in ln)
+    assert len(line) < 500 and "mutant-01-lazy-workspace" not in line  # not every mutant's name
+
+
+HOOKED = """
+from pytest_kvprofile import Backend
+from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+
+def pytest_kvprofile_backends(config):
+    stub = next(b for b in STUB_BACKENDS if b.name == "stub-flashinfer")
+    return Backend(name="from-the-hook", make_builders=stub.make_builders)
+"""
+
+
+@pytest.mark.parametrize("named, expected", [((), {"from-the-hook"}), (("stub-gdn",), {"stub-gdn"}),
+                                             (("from-the-hook",), {"from-the-hook"}),
+                                             (("stub-gdn", "from-the-hook"), {"stub-gdn", "from-the-hook"})])
+def test_a_backend_from_the_hook_joins_a_run_that_names_none_and_is_named_like_any_other(pytester, named, expected):
+    pytester.makeconftest(HOOKED)
+    args = [a for name in named for a in ("--kvprofile-backend", name)]
+    result = pytester.runpytest("--pyargs", "pytest_kvprofile.suite", *args, "--co", "-q",
+                                "--kvprofile-matrix", str(pytester.makefile(".yaml", m=BASE)))
+    assert result.ret == pytest.ExitCode.OK, result.stderr.str()
+    ran = {line.split("[", 1)[1].split("-m32")[0] for line in result.stdout.lines if "[" in line and "::" in line}
+    assert ran == expected
 
 
 def test_a_matrix_given_as_a_separate_argument_does_not_choose_the_rootdir(pytester):
