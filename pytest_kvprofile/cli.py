@@ -281,13 +281,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(f"kvprofile size: error: {exc}", file=sys.stderr)
         return 1
     if args.plot is not None:
+        from pytest_kvprofile.sizing.plot import plot_requirement
+
         try:
-            from pytest_kvprofile.sizing.plot import plot_requirement
-        except ImportError as exc:
-            print(f"kvprofile size: error: --plot needs matplotlib "
-                  f"(`pip install pytest-kvprofile[plot]`): {exc}", file=sys.stderr)
+            plot_requirement(rows, args.plot)
+        except ModuleNotFoundError as exc:  # matplotlib, imported by the plot alone
+            print(f"kvprofile size: error: --plot needs {exc.name or 'matplotlib'}: pip install "
+                  "'pytest-kvprofile[plot]'", file=sys.stderr)
             return 1
-        plot_requirement(rows, args.plot)
     if args.json:
         print(json.dumps({"rows": rows, "headline": report_headline(rows), "unsized": unsized}))
     else:

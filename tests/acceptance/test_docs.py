@@ -71,3 +71,33 @@ def test_the_readme_is_a_ten_minute_read_that_points_at_every_doc():
     pages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")}
     assert named <= pages, f"the README names missing pages {sorted(named - pages)}"
     assert pages <= named, f"the README's map lacks {sorted(pages - named)}"
+
+
+def test_the_reference_lists_every_option_with_its_ini_twin():
+    """docs/reference.md's option table has a row for every --kvprofile-* option the plugin adds, and every ini key."""
+    import re
+
+    from pytest_kvprofile.plugin import pytest_addoption
+
+    class Recorder:  # what pytest_addoption calls on pytest's parser and its option group
+        def __init__(self) -> None:
+            self.options: list[str] = []
+            self.inis: list[str] = []
+
+        def getgroup(self, *args: object) -> Recorder:
+            return self
+
+        def addoption(self, *names: str, **kwargs: object) -> None:
+            self.options += [n for n in names if n.startswith("--kvprofile")]
+
+        def addini(self, name: str, *args: object, **kwargs: object) -> None:
+            self.inis.append(name)
+
+    parser = Recorder()
+    pytest_addoption(parser)  # type: ignore[arg-type]
+    options, inis = sorted(parser.options), sorted(parser.inis)
+    doc = (ROOT / "docs" / "reference.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `--kvprofile")]
+    missing = [o for o in options if not any(re.match(rf"\| `{re.escape(o)}[ `]", r) for r in rows)]
+    assert not missing, f"docs/reference.md's option table lacks {missing}"
+    assert options and not [k for k in inis if f"`{k}`" not in doc], "an ini key is missing from docs/reference.md"

@@ -137,3 +137,23 @@ def test_the_report_names_the_layouts_it_does_not_size(capsys):
     assert main(["size", "--report", ci, "--no-oracle"]) == 0
     assert "not sized: llama-3.1-8b-tp1-dcp1-mtp0-b200-gmu0.90-kvnvfp4: unsized by the suite: KV dtype nvfp4" in \
         capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    """``--plot`` imports matplotlib when it plots: without it, one line naming the extra, never a traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without matplotlib answers
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(MATRIX)
+    rc = main(["size", "--report", str(matrix), "--no-oracle", "--plot", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--plot needs matplotlib: pip install 'pytest-kvprofile[plot]'" in err
+    assert "Traceback" not in err and not (tmp_path / "x.png").exists()
+
+
+def test_list_names_every_backend_by_group(capsys):
+    rc = main(["list"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("stubs (") and "  stub-flashinfer\n" in out and "mutants (" in out
+    assert main(["list", "--group", "nope"]) == 2 and "groups: stubs, mutants" in capsys.readouterr().err
