@@ -84,7 +84,7 @@ def test_the_reference_lists_every_option_with_its_ini_twin():
             self.options: list[str] = []
             self.inis: list[str] = []
 
-        def getgroup(self, *args: object) -> Recorder:
+        def getgroup(self, *args: object) -> "Recorder":
             return self
 
         def addoption(self, *names: str, **kwargs: object) -> None:
