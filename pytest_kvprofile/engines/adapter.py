@@ -44,7 +44,7 @@ from typing import (
     TypeVar,
 )
 
-from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy
+from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy, Provenance
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.support import ProfilingSupport
 
@@ -109,13 +109,14 @@ def import_engine(load: Callable[[], Loaded], *, what: str, install_hint: str,
 
 def engine_backend(name: str, make_builders: Callable[[Case], Iterable[Builder]], *, engine: str, install_hint: str,
                    description: str = "", refuses_layout: Callable[[Case], str | None] | None = None,
-                   origin: str = "", version: str = "", policy: EnginePolicy | None = None) -> Backend:
+                   origin: str = "", version: str = "", policy: EnginePolicy | None = None,
+                   provenance: Callable[[], Provenance] | None = None) -> Backend:
     """A torch-mode ``Backend`` needing the top-level module ``engine``: without it the run is a usage error
     naming ``install_hint`` before collection; the engine is imported by ``make_builders`` only, never here.
     ``policy``: how the engine's runner integrates the builders (its arena manager, its gate)."""
     return Backend(name=name, make_builders=make_builders, origin=origin, version=version, torch_mode=True,
                    refuses_layout=refuses_layout, requires=(engine,), install_hint=install_hint,
-                   description=description, policy=policy or EnginePolicy())
+                   description=description, policy=policy or EnginePolicy(), provenance=provenance)
 
 
 def device_active() -> bool:

@@ -55,6 +55,7 @@ from pytest_kvprofile.contract.protocol import Batch
 from pytest_kvprofile.engines.adapter import EngineAdapter, EngineBuildError, Patches, device_active, engine_backend
 from pytest_kvprofile.engines.batches import capture_sizes, pad_to_capture, runner_batch
 from pytest_kvprofile.engines.model_config import config_dir, decoder_config
+from pytest_kvprofile.engines.provenance import sglang_provenance
 from pytest_kvprofile.engines.sglang_standins import (
     SGLANG_INSTALL_HINT,
     import_sglang_flashinfer,
@@ -767,7 +768,7 @@ def sglang_backend(name: str, adapter: type[SglangFlashInferAdapter], descriptio
 
     return engine_backend(name, make_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT, origin="builtin",
                           refuses_layout=functools.partial(engine_refusal, attention_backend=attention),
-                          version=_version(), policy=policy, description=description)
+                          version=_version(), policy=policy, description=description, provenance=sglang_provenance)
 
 
 SGLANG_BACKENDS: tuple[Backend, ...] = (

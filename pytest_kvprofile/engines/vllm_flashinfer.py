@@ -45,6 +45,7 @@ from pytest_kvprofile.engines.adapter import (
     map_support,
 )
 from pytest_kvprofile.engines.batches import pad_to_capture, pages_per_request, runner_batch
+from pytest_kvprofile.engines.provenance import vllm_provenance
 from pytest_kvprofile.engines.vllm_config import (
     UnexpressibleCase,
     check_expressible,
@@ -407,11 +408,11 @@ def engine_refusal(case: Case) -> str | None:
 
 VLLM_BACKENDS: tuple[Backend, ...] = (
     engine_backend("vllm-flashinfer", _make_v1, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
-                   refuses_layout=engine_refusal, policy=VLLM_POLICY,
+                   refuses_layout=engine_refusal, policy=VLLM_POLICY, provenance=vllm_provenance("vllm-flashinfer"),
                    description="vLLM's own FlashInferMetadataBuilder (V1 runner: per-builder lazy float workspace), "
                                "unmodified, on the simulated GPU"),
     engine_backend("vllm-flashinfer-v2", _make_v2, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
-                   refuses_layout=engine_refusal, policy=VLLM_POLICY,
+                   refuses_layout=engine_refusal, policy=VLLM_POLICY, provenance=vllm_provenance("vllm-flashinfer-v2"),
                    description="vLLM's own FlashInferMetadataBuilder (V2 runner: one eager float workspace shared "
                                "with set_workspace_buffer), unmodified, on the simulated GPU"),
 )
