@@ -132,7 +132,7 @@ def table_lines(rows: list[JsonObject]) -> list[str]:
             worst = (f"{r['worst_case_kv_tokens']} ({r['worst_case']}; "
                      f"reservation costs {r['worst_case_reservation_tokens']})")
         body.append((r["backend"], str(r["cases"]), str(r["passed"]), str(r["failed"]), str(r["xfailed"]),
-                     r.get("root_cause", r["worst_check"]), worst))
+                     str(r.get("root_cause", r["worst_check"])), worst))
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in body]
