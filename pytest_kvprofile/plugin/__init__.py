@@ -385,7 +385,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from pytest_kvprofile.report.files import write_document
 
     ran = bool(state.records)
-    if state.suite_collected and not ran and exitstatus == pytest.ExitCode.OK and not config.option.collectonly:
+    if (state.suite_collected and not ran and exitstatus == pytest.ExitCode.OK and not config.option.collectonly
+            and not _any_test_ran(config)):
         state.nothing_tested = state.why_nothing_ran()
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
     if state.settings.json_path:
@@ -396,6 +397,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         doc = verdict_document(state)
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
         state.written.append(write_document("verdict", state.settings.verdict_path, doc, checks_ran=ran))
+
+
+def _any_test_ran(config: pytest.Config) -> bool:
+    """Whether any test at all (the project's own beside the suite) passed or failed in this run."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    stats = getattr(reporter, "stats", {}) or {}
+    return any(stats.get(key) for key in ("passed", "failed", "xfailed", "xpassed", "error"))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:

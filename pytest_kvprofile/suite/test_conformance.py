@@ -53,9 +53,9 @@ def _kv_sizing(backend: Backend, case: Case, result: LifecycleResult | None) -> 
     when the engine's own answer raised (the check's outcome says what went wrong)."""
     try:
         mode = result.kv_sizing if result is not None else kv_sizing_mode(backend.policy, case)
+        return kv_sizing_json(str(mode.name), str(mode.rule), str(mode.reason))
     except Exception:  # noqa: BLE001 - the verdict then says the mode was not recorded
         return None
-    return kv_sizing_json(mode.name, mode.rule, mode.reason)
 
 
 def _run(session: KvprofileSession, backend: Backend, case: Case, check: Check) -> tuple[LifecycleResult, list[str]]:

@@ -224,3 +224,12 @@ def test_kvprofile_version(pytester):
     assert result.ret == 0
     result.stdout.fnmatch_lines(["kvprofile (pytest-kvprofile) *"])
     assert "unknown" not in result.stdout.str() or not Path(sys.prefix, "bin", "kvprofile").exists()
+
+
+def test_a_run_whose_own_tests_ran_is_not_said_to_have_tested_nothing(pytester):
+    """The project's own tests beside a suite that has nothing to check: they were tested, the exit code is theirs."""
+    matrix = pytester.makefile(".yaml", impossible=IMPOSSIBLE_MATRIX)
+    pytester.makepyfile(test_own="def test_own():\n    pass\n")
+    result = pytester.runpytest("test_own.py", "--kvprofile", "--kvprofile-matrix", str(matrix),
+                                "-p", "no:cacheprovider", *STUB, "-q")
+    assert result.ret == 0 and "nothing was tested" not in result.stdout.str()
