@@ -66,3 +66,21 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
     kept = write_document("verdict", target, {"empty": True}, checks_ran=False)
     assert not kept.written and json.loads(target.read_text()) == {"old": True}
     assert write_document("verdict", tmp_path / "new.json", {"empty": True}, checks_ran=False).written
+
+
+def test_the_verdict_line_of_a_legacy_backend_names_its_worst_cost_and_of_an_opted_in_one_its_waste():
+    from pytest_kvprofile.report.summary import verdict_line
+
+    legacy = {"name": "b", "may_opt_in": False, "results": [{"check": "c", "case": "x", "outcome": "passed"}],
+              "reasons": ["legacy path: nothing to opt in (a builder declares UNSUPPORTED)"],
+              "legacy_cost": [{"case": "x", "bytes": 3128, "kv_tokens": 1}]}
+    assert verdict_line(legacy) == "b: may NOT opt in: legacy path; worst x: 3,128 bytes (1 KV tokens) appear after " \
+                                   "KV sizing"
+    opted = {"name": "b", "may_opt_in": True, "waste": [{"case": "y", "bytes": 2 ** 20, "kv_tokens": 7}]}
+    assert verdict_line(opted) == "b: may opt in; worst y: 1,048,576 bytes wasted (7 KV tokens)"
+    failed = {"name": "b", "may_opt_in": False, "reasons": ["2 check results failed"], "results": [
+        {"check": "no_post_kv_overrun", "case": "x", "outcome": "failed", "message": "over by 10 bytes"},
+        {"check": "persistent_memory_visible_at_closing", "case": "y", "outcome": "failed",
+         "message": "3,128 bytes invisible to KV sizing (2 KV tokens)"}]}
+    assert verdict_line(failed, ORDER) == ("b: may NOT opt in: persistent_memory_visible_at_closing fails on 1 cases; "
+                                           "worst y: 3,128 bytes, 2 KV tokens")
