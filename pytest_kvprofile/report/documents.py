@@ -74,7 +74,7 @@ def json_document(session: Session) -> JsonObject:
         "backends": [dict({"name": b.name, "origin": b.origin, "version": b.version, "description": b.description},
                           **facts[b.name]) for b in session.backends],
         "skipped_cases": [{"case": c.id, "reason": c.skip_reason} for c in session.skipped_cases],
-        "summary": summarize(session.records),
+        "summary": summarize(session.records, getattr(session, "check_order", ())),
         "results": [r.to_json() for r in sorted(session.records, key=lambda r: r.nodeid or "")],
         "sizing_report": _sizing_report(session),
     }

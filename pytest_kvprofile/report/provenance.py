@@ -239,6 +239,9 @@ def sizing_line(sizing: Mapping[str, object] | None) -> str:
     reasons = sizing.get("analytic_reasons") or []
     assert isinstance(reasons, list)
     why = "; ".join(str(r["reason"]) for r in reasons[:2]) or "no reason given"
+    if method == "oracle" and not sizing.get("counts"):  # expected, before any case is sized (the header)
+        return (f"sizing: FlashInfer {version} host oracle (its own planner; should its build fail, the analytic model "
+                "sizes and the last lines say so)")
     if method == "oracle":
         return f"sizing: FlashInfer {version} host oracle (its own planner)"
     if method == "analytic":
