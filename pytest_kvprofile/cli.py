@@ -333,10 +333,13 @@ def _cmd_verdict_merge(args: argparse.Namespace) -> int:
         out = write_json_atomic(args.output, merged)
     except OSError as exc:
         return _verdict_error(f"cannot write {args.output}: {exc}")
+    from pytest_kvprofile.checks.catalog import CHECKS
+    from pytest_kvprofile.report.summary import verdict_line
+
     print(f"merged verdict written to {out}")
+    order = [c.name for c in CHECKS]
     for b in merged["backends"]:
-        verdict = "may opt in" if b["may_opt_in"] else "may NOT opt in"
-        print(f"{b['name']}: {verdict}" + "".join(f"\n    - {r}" for r in b["reasons"]))
+        print(verdict_line(b, order) + "".join(f"\n    - {r}" for r in [*b["reasons"], *b.get("notices", [])]))
     return 0
 
 
