@@ -135,12 +135,13 @@ def merge_kv_sizing(found: Iterable[Mapping[str, object] | None]) -> JsonObject 
 
 
 def kv_sizing_line(kv: Mapping[str, object] | None) -> str:
-    """``profile window (3 cases); 1 case differs: <case> post-capture (<reason>)`` for the terminal."""
+    """``KV sizing profile window (2 cases), post-capture (1 cases); differs from profile window on <case>
+    (post-capture: <reason>)`` for the terminal."""
     if not kv or not kv.get("modes"):
-        return "KV sizing: not recorded (no check ran)"
+        return "KV sizing not recorded (no check ran)"
     modes = kv["modes"]
     assert isinstance(modes, dict)
-    text = "KV sizing: " + ", ".join(f"{name} ({n} cases)" for name, n in modes.items())
+    text = "KV sizing " + ", ".join(f"{name} ({n} cases)" for name, n in modes.items())
     differing = kv.get("differing") or []
     assert isinstance(differing, list)
     if differing and len(modes) > 1:
@@ -295,17 +296,18 @@ def header_lines(session: object) -> list[str]:
 
     groups: dict[tuple[str, str], list[str]] = {}
     for backend in getattr(session, "backends", []):
-        modes: Counter[str] = Counter()
+        by_case: dict[str, JsonObject] = {}
         for case in session.accepted_cases(backend):  # type: ignore[attr-defined]
             try:
-                modes[kv_sizing_mode(backend.policy, case).name] += 1
+                mode = kv_sizing_mode(backend.policy, case)
+                by_case[case.id] = kv_sizing_json(str(mode.name), str(mode.rule), str(mode.reason))
             except Exception:  # noqa: BLE001 - the engine's own answer raised: the verdict says it per case
-                modes[UNKNOWN] += 1
-        kv = ", ".join(f"{name} ({n} cases)" for name, n in sorted(modes.items())) or "no case"
+                by_case[case.id] = kv_sizing_json(UNKNOWN, "", "")
+        kv = kv_sizing_line(kv_sizing_summary(by_case)) if by_case else "KV sizing: no case in its matrix"
         groups.setdefault((backend_provenance(backend)["described"], kv), []).append(backend.name)
     lines = []
     for (described, kv), names in groups.items():
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        lines.append(f"kvprofile: {shown}: {described}; KV sizing {kv}")
+        lines.append(f"kvprofile: {shown}: {described}; {kv}")
     lines.append(f"kvprofile: {sizing_line(expected_sizing())}")
     return lines

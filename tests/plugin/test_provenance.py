@@ -111,7 +111,9 @@ def test_an_engines_provenance_and_per_case_kv_sizing_cross_xdist(pytester, suit
     assert kv["differing"] == [{"case": "qwen3-8b-tp2-dcp2-mtp0-l40s-gmu0.98", "mode": "profile window (forced)",
                                 "rule": "profile", "reason": "the engine turns its cache off under DCP"}]
     result.stdout.fnmatch_lines(["kvprofile: engine-stub: fakeengine 0.33.0, runner V2, FlashInfer *; KV sizing "
-                                 "profile window (2 cases), profile window (forced) (1 cases)"])
+                                 "profile window (2 cases), profile window (forced) (1 cases); differs from profile "
+                                 "window on qwen3-8b-tp2-dcp2-mtp0-l40s-gmu0.98 (profile window (forced): the engine "
+                                 "turns its cache off under DCP)"])
 
 
 def test_verdicts_of_two_engine_versions_or_two_flashinfers_do_not_merge(pytester, suite_args, monkeypatch, capsys):
