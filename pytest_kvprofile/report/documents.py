@@ -52,7 +52,7 @@ def provenance_facts(session: Session) -> dict[str, JsonObject]:
     """Per backend: the engine it ran on (``provenance``), the KV sizing mode of each case its records carry
     (``kv_sizing``) and how the workspace need of the cases it ran was sized (``sizing``)."""
     kv = kv_sizing_of_records(session.records)
-    cases = {c.id: c for c in session.cases}
+    cases = {c.id: c for c in getattr(session, "cases", ())}  # a session made by hand may carry none
     ran: dict[str, set[str]] = defaultdict(set)
     for rec in session.records:
         if rec.backend:
