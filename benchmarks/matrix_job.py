@@ -115,7 +115,8 @@ def run_shard(shard: Shard, backend: str, matrix: str, out: Path, workers: int) 
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=os.environ.copy())
     wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
     tail = [ln for ln in proc.stdout.splitlines() if " in " in ln and ("passed" in ln or "failed" in ln)]
-    if proc.returncode not in (0, 1) or not verdict.is_file():  # 1: some check failed, which a verdict records
+    # 1: some check failed; 5: no check ran (the engine refuses every case of the shard); the verdict records both
+    if proc.returncode not in (0, 1, 5) or not verdict.is_file():
         raise SystemExit(f"shard {shard.name} did not run (rc {proc.returncode}):\n{proc.stdout[-2000:]}"
                          f"{proc.stderr[-2000:]}")
     return ShardRun(shard.name, shard.cases, round(wall, 1), round(cpu, 1), proc.returncode,

@@ -306,7 +306,8 @@ def _add_verdict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "merge", help="merge the verdicts of several runners of one matrix digest and backend version",
         description="One verdict from several runners of one matrix (xdist shards, the CPU tier, each GPU "
                     "runner). A backend may opt in only when the union of the runners' results covers every case "
-                    "of its matrix and nothing failed. Different matrix digests or backend versions are an error.")
+                    "of its matrix and nothing failed. Different matrix digests, backend versions, engine versions "
+                    "(vLLM 0.33 and 0.34) or FlashInfer versions are an error (exit code 2).")
     merge.add_argument("verdicts", nargs="+", metavar="VERDICT.json")
     merge.add_argument("-o", "--output", required=True, metavar="OUT.json", help="where to write the merged verdict")
     merge.set_defaults(func=_cmd_verdict_merge)
@@ -328,12 +329,19 @@ def _cmd_verdict_merge(args: argparse.Namespace) -> int:
         merged = merge_verdicts(docs)
     except MergeError as exc:
         return _verdict_error(str(exc))
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(merged, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    from pytest_kvprofile.report.files import write_json_atomic
+
+    try:
+        out = write_json_atomic(args.output, merged)
+    except OSError as exc:
+        return _verdict_error(f"cannot write {args.output}: {exc}")
+    from pytest_kvprofile.checks.catalog import CHECKS
+    from pytest_kvprofile.report.summary import verdict_line
+
+    print(f"merged verdict written to {out}")
+    order = [c.name for c in CHECKS]
     for b in merged["backends"]:
-        verdict = "may opt in" if b["may_opt_in"] else "may NOT opt in"
-        print(f"{b['name']}: {verdict}" + "".join(f"\n    - {r}" for r in b["reasons"]))
+        print(verdict_line(b, order) + "".join(f"\n    - {r}" for r in [*b["reasons"], *b.get("notices", [])]))
     return 0
 
 
@@ -378,8 +386,19 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
     _add_size, _add_verdict, _add_list]
 
 
+def package_version() -> str:
+    """The installed pytest-kvprofile's version (its metadata), or ``unknown`` for a source tree not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pytest-kvprofile")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvprofile", description="pytest-kvprofile tools")
+    parser.add_argument("--version", action="version", version=f"kvprofile (pytest-kvprofile) {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _SUBCOMMANDS:
         add(sub)

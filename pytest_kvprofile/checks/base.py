@@ -108,6 +108,9 @@ class CheckOutcome:
 
     ``to_json``/``from_json`` are what crosses xdist (``user_properties``) and what the JSON report's
     ``results`` hold: a flat object whose absent fields are left out.
+
+    ``kv_sizing``: where the engine sized the KV cache on the case (``LifecycleResult.kv_sizing`` as
+    ``{name, rule, reason}``), which the verdict aggregates per backend; None when the worker could not tell.
     """
 
     check: str
@@ -117,11 +120,13 @@ class CheckOutcome:
     message: str | None = None
     nodeid: str | None = None
     outcome: str | None = None
+    kv_sizing: JsonObject | None = None
 
     def to_json(self) -> JsonObject:
         out: JsonObject = {"check": self.check, "backend": self.backend, "case": self.case}
         fields = [(key, getattr(self.details, key)) for key in _DETAIL_KEYS]
-        fields += [("message", self.message), ("nodeid", self.nodeid), ("outcome", self.outcome)]
+        fields += [("message", self.message), ("nodeid", self.nodeid), ("outcome", self.outcome),
+                   ("kv_sizing", self.kv_sizing)]
         out.update((key, value) for key, value in fields if value is not None)
         return out
 
@@ -131,6 +136,7 @@ class CheckOutcome:
             check=data["check"], backend=data["backend"], case=data["case"],
             details=CheckDetails(**{key: data[key] for key in _DETAIL_KEYS if data.get(key) is not None}),
             message=data.get("message"), nodeid=data.get("nodeid"), outcome=data.get("outcome"),
+            kv_sizing=data.get("kv_sizing") if isinstance(data.get("kv_sizing"), dict) else None,
         )
 
 

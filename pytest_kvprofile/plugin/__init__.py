@@ -6,8 +6,6 @@ GPU tier's hooks :mod:`.gpu`, the plugin's own hook specifications :mod:`.hooksp
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
@@ -256,15 +254,18 @@ def _is_controller(config: pytest.Config) -> bool:
     return not hasattr(config, "workerinput")
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
     session = _session(config)
     if session is None:
         return None
+    from pytest_kvprofile.report.provenance import header_lines
+
     names = ", ".join(Path(m.path).name for m in session.matrices)
-    return (
+    return [
         f"kvprofile: tier {session.tier}, matrices {names} ({len(session.runnable_cases)} cases, "
-        f"{len(session.skipped_cases)} impossible), {len(session.backends)} backends"
-    )
+        f"{len(session.skipped_cases)} impossible), {len(session.backends)} backends",
+        *header_lines(session),
+    ]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -308,6 +309,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(skip_gpu)
     if state is None or not any(_is_suite_item(it) for it in items):
         return
+    state.suite_collected = True
     has_impossible = bool(state.skipped_cases)
     has_refused = bool(state.refused_pairs())
     nonempty = {c.name for c in state.checks if state.pairs_for(c)}
@@ -373,36 +375,48 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The controller writes the JSON report and the verdict (atomically; a run that ran no check keeps the files
+    already there), and a run that collected the suite but ran no check exits 5, pytest's "no tests ran"."""
     config = session.config
     state = _session(config)
     if state is None or not _is_controller(config):
         return
     from pytest_kvprofile.report.documents import json_document, verdict_document
+    from pytest_kvprofile.report.files import write_document
 
+    ran = bool(state.records)
+    if (state.suite_collected and not ran and exitstatus == pytest.ExitCode.OK and not config.option.collectonly
+            and not _any_test_ran(config)):
+        state.nothing_tested = state.why_nothing_ran()
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
     if state.settings.json_path:
         doc = json_document(state)
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
-        _write_json(state.settings.json_path, doc)
+        state.written.append(write_document("JSON report", state.settings.json_path, doc, checks_ran=ran))
     if state.settings.verdict_path:
         doc = verdict_document(state)
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
-        _write_json(state.settings.verdict_path, doc)
+        state.written.append(write_document("verdict", state.settings.verdict_path, doc, checks_ran=ran))
 
 
-def _write_json(path: str, doc: JsonObject) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
+def _any_test_ran(config: pytest.Config) -> bool:
+    """Whether any test at all (the project's own beside the suite) passed or failed in this run."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    stats = getattr(reporter, "stats", {}) or {}
+    return any(stats.get(key) for key in ("passed", "failed", "xfailed", "xpassed", "error"))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     state = _session(config)
-    if state is None or not _is_controller(config) or not state.records:
+    if state is None or not _is_controller(config):
+        return
+    if not state.records:
+        if state.written or state.nothing_tested:
+            _final_lines(terminalreporter, state, [])
         return
     from pytest_kvprofile.report.documents import verdict_document
     from pytest_kvprofile.report.summary import (
+        final_lines,
         legacy_cost_lines,
         partial_lines,
         summarize,
@@ -411,8 +425,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         waste_lines,
     )
 
+    rows = summarize(state.records, state.check_order)
     terminalreporter.section("kvprofile summary")
-    for line in table_lines(summarize(state.records)):
+    for line in table_lines(rows):
         terminalreporter.write_line(line)
     if state.skipped_cases:
         terminalreporter.write_line(f"{len(state.skipped_cases)} impossible layouts skipped (reasons in the id list)")
@@ -438,6 +453,30 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         for line in partial:
             terminalreporter.write_line(line)
     if state.settings.verdict_path:
-        terminalreporter.section("kvprofile verdict")
+        terminalreporter.section("kvprofile verdict reasons")
         for line in verdict_lines(verdict):
             terminalreporter.write_line(line)
+    _final_lines(terminalreporter, state, final_lines(verdict, state.records, state.check_order)
+                 + _sizing_lines(verdict))
+
+
+def _sizing_lines(verdict: JsonObject) -> list[str]:
+    """``sizing: analytic model (why)`` once for the run when any backend's workspace was sized without FlashInfer's
+    planner (each backend's verdict says it too)."""
+    from pytest_kvprofile.report.provenance import sizing_line
+
+    seen = [sizing_line(b["sizing"]) for b in verdict["backends"]
+            if (b.get("sizing") or {}).get("method") in ("analytic", "mixed", "error")]
+    return list(dict.fromkeys(seen))
+
+
+def _final_lines(terminalreporter: pytest.TerminalReporter, state: KvprofileSession, lines: list[str]) -> None:
+    """The run's last lines: what was written where, why nothing was tested, then one verdict line per backend."""
+    terminalreporter.section("kvprofile verdict")
+    for written in state.written:
+        terminalreporter.write_line(written.line())
+    if state.nothing_tested:
+        terminalreporter.write_line(f"kvprofile: no conformance check ran, nothing was tested (exit code 5): "
+                                    f"{state.nothing_tested}", red=True)
+    for line in lines:
+        terminalreporter.write_line(line)

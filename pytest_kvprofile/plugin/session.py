@@ -43,6 +43,7 @@ from pytest_kvprofile.registry import (
     resolve_backends,
     with_workspace_manager,
 )
+from pytest_kvprofile.report.files import Written
 
 if TYPE_CHECKING:
     from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
@@ -102,6 +103,24 @@ class KvprofileSession:
         self.skipped_cases: list[Case] = [c for c in self.cases if c.skip_reason is not None]
         self._pairs: dict[str, list[tuple[Backend, Case]]] | None = None
         self._refused: list[tuple[Backend, Case, str]] | None = None
+        self.suite_collected = False  # the packaged suite's items were collected (a run that can test nothing)
+        self.nothing_tested: str | None = None  # why a run that collected the suite ran no check (exit code 5)
+        self.written: list[Written] = []  # what the controller wrote (or kept) at the end, for "written to" lines
+
+    @property
+    def check_order(self) -> list[str]:
+        """The checks in the order the suite runs them on a case (the lifecycle's): a verdict's root cause is the
+        first failing one."""
+        return [c.name for c in self.checks]
+
+    def why_nothing_ran(self) -> str:
+        """Why a run that collected the suite ran no check: no case to run, or every check deselected or skipped."""
+        refused = len(self.refused_pairs())
+        if not any(self.pairs_for(c) for c in self.checks):
+            return (f"no (backend, case) pair to check: {len(self.skipped_cases)} of {len(self.cases)} cases are "
+                    f"impossible layouts and {refused} (backend, case) layouts are refused by their engine or "
+                    "unsized; fix the matrix (docs/matrices.md) or the backend's refusals")
+        return "every conformance check was deselected or skipped (-k, -m, --deselect, skip marks)"
 
     def matrix_digest(self) -> str:
         h = hashlib.sha256()

@@ -11,6 +11,15 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pytest_kvprofile.checks.base import CheckOutcome, JsonObject
+from pytest_kvprofile.report.provenance import (
+    REFERENCE_ENGINE,
+    backend_provenance,
+    kv_sizing_of_records,
+    merge_kv_sizing,
+    merge_sizing,
+    sizing_line,
+    sizing_of_cases,
+)
 from pytest_kvprofile.report.summary import legacy_costs, summarize, waste_costs, waste_reason
 
 if TYPE_CHECKING:
@@ -39,7 +48,22 @@ def versions() -> dict[str, str | None]:
     }
 
 
+def provenance_facts(session: Session) -> dict[str, JsonObject]:
+    """Per backend: the engine it ran on (``provenance``), the KV sizing mode of each case its records carry
+    (``kv_sizing``) and how the workspace need of the cases it ran was sized (``sizing``)."""
+    kv = kv_sizing_of_records(session.records)
+    cases = {c.id: c for c in getattr(session, "cases", ())}  # a session made by hand may carry none
+    ran: dict[str, set[str]] = defaultdict(set)
+    for rec in session.records:
+        if rec.backend:
+            ran[rec.backend].add(rec.case)
+    return {b.name: {"provenance": backend_provenance(b), "kv_sizing": kv.get(b.name),
+                     "sizing": sizing_of_cases(cases[c] for c in sorted(ran.get(b.name, ())) if c in cases)}
+            for b in session.backends}
+
+
 def json_document(session: Session) -> JsonObject:
+    facts = provenance_facts(session)
     return {
         "schema": SCHEMA_VERSION,
         "tier": session.tier,
@@ -47,10 +71,10 @@ def json_document(session: Session) -> JsonObject:
         "hardware": session.hardware,
         "matrices": [{"path": m.path, "name": m.name, "cases": len(m.cases)} for m in session.matrices],
         "matrix_digest": session.matrix_digest(),
-        "backends": [{"name": b.name, "origin": b.origin, "version": b.version, "description": b.description}
-                     for b in session.backends],
+        "backends": [dict({"name": b.name, "origin": b.origin, "version": b.version, "description": b.description},
+                          **facts[b.name]) for b in session.backends],
         "skipped_cases": [{"case": c.id, "reason": c.skip_reason} for c in session.skipped_cases],
-        "summary": summarize(session.records),
+        "summary": summarize(session.records, getattr(session, "check_order", ())),
         "results": [r.to_json() for r in sorted(session.records, key=lambda r: r.nodeid or "")],
         "sizing_report": _sizing_report(session),
     }
@@ -112,6 +136,7 @@ def verdict_document(session: Session) -> JsonObject:
         if rec.backend:
             by_backend[rec.backend].append(rec)
     costs = legacy_costs(session.records)
+    facts = provenance_facts(session)
     refused_pairs = session.refused_pairs()
     wastes = waste_costs(session.records)
     for backend in session.backends:
@@ -134,6 +159,7 @@ def verdict_document(session: Session) -> JsonObject:
             "refused_layouts": refused,
             "legacy_cost": costs.get(backend.name, []),
             "waste": wastes.get(backend.name, []),
+            **facts[backend.name],
         }))
     doc["partial"] = any(b["partial"] for b in doc["backends"])
     return doc
@@ -188,6 +214,7 @@ def backend_verdict(entry: JsonObject) -> JsonObject:
     return dict(
         entry,
         cost_reasons=[waste] if waste else [],
+        notices=notices(entry),
         results=recs,
         refused_layouts=sorted(entry["refused_layouts"], key=lambda r: r["case"]),
         counts=dict(Counter(r["outcome"] for r in recs)),
@@ -196,6 +223,19 @@ def backend_verdict(entry: JsonObject) -> JsonObject:
         may_opt_in=not reasons,
         reasons=reasons,
     )
+
+
+def notices(entry: JsonObject) -> list[str]:
+    """What the reviewer must know to read the verdict, which blocks nothing: a sizing by the analytic model
+    (FlashInfer's planner did not judge the workspace) and the engine the backend ran on."""
+    out = []
+    sizing = entry.get("sizing")
+    if sizing and sizing.get("method") in ("analytic", "mixed", "error"):
+        out.append(sizing_line(sizing))
+    prov = entry.get("provenance")
+    if prov and prov.get("notes"):
+        out += [f"provenance: {n}" for n in prov["notes"]]
+    return out
 
 
 class MergeError(ValueError):
@@ -224,10 +264,12 @@ def merge_verdicts(docs: dict[str, JsonObject]) -> JsonObject:
         values = {name: doc.get(key) for name, doc in docs.items()}
         if len(set(map(str, values.values()))) > 1:
             raise MergeError(f"the verdicts differ in {key}: " + ", ".join(f"{n}: {v}" for n, v in values.items()))
+    _same_flashinfer(docs)
     entries: dict[str, list[tuple[str, JsonObject]]] = defaultdict(list)
     for name, doc in docs.items():
         for b in doc.get("backends", []):
             entries[b["name"]].append((name, b))
+    _same_engine(entries)
     for backend, found in entries.items():
         unplanned = [name for name, b in found if not isinstance(b.get("planned"), dict)]
         if unplanned:
@@ -253,6 +295,44 @@ def merge_verdicts(docs: dict[str, JsonObject]) -> JsonObject:
         "backends": backends,
         "partial": any(b["partial"] for b in backends),
     }
+
+
+NO_PROVENANCE = "not recorded (written before pytest-kvprofile named engines)"
+
+
+def _same_flashinfer(docs: dict[str, JsonObject]) -> None:
+    """Verdicts judged against different FlashInfer releases do not merge: their planners carve different workspaces
+    (the document's installed ``flashinfer-python``, and each backend's own FlashInfer where its engine names one)."""
+    seen = {name: str((doc.get("versions") or {}).get("flashinfer-python")) for name, doc in docs.items()}
+    for name, doc in docs.items():
+        for b in doc.get("backends") or []:
+            prov = b.get("provenance") or {}
+            if prov.get("flashinfer") and prov["flashinfer"] != seen[name]:
+                seen[name] = f"{seen[name]} ({b['name']} ran {prov['flashinfer']})"
+    if len(set(seen.values())) > 1:
+        raise MergeError("the verdicts were judged against different FlashInfer versions: "
+                         + ", ".join(f"{n}: {v}" for n, v in seen.items())
+                         + "; merge only verdicts of one FlashInfer (run each runner with the same one)")
+
+
+def _same_engine(entries: dict[str, list[tuple[str, JsonObject]]]) -> None:
+    """A backend judged on different engines or engine versions (vLLM 0.33 and 0.34) does not merge: the engines
+    size KV differently. Verdicts that all predate provenance merge as before; a mix is refused (it cannot be told)."""
+    for backend, found in sorted(entries.items()):
+        engines = {name: _engine_text(b) for name, b in found}
+        if len(set(engines.values())) > 1:
+            raise MergeError(f"backend {backend!r} was judged on different engine versions: "
+                             + ", ".join(f"{n}: {v}" for n, v in engines.items())
+                             + "; merge only verdicts of one engine version")
+
+
+def _engine_text(b: JsonObject) -> str:
+    prov = b.get("provenance")
+    if not isinstance(prov, dict):
+        return NO_PROVENANCE
+    if not prov.get("engine"):
+        return REFERENCE_ENGINE
+    return f"{prov['engine']} {prov.get('engine_version') or 'unknown'}"
 
 
 def _budget_key(doc: JsonObject) -> str:
@@ -299,6 +379,9 @@ def _merge_backend(found: list[tuple[str, JsonObject]]) -> JsonObject:
         "refused_layouts": [{"case": c, "reason": r} for c, r in refused.items()],
         "legacy_cost": sorted(costs, key=lambda c: (-c["bytes"], c["case"])),
         "waste": sorted({w["case"]: w for w in wastes}.values(), key=lambda c: (-c["bytes"], c["case"])),
+        "provenance": first.get("provenance"),
+        "kv_sizing": merge_kv_sizing(b.get("kv_sizing") for _, b in found),
+        "sizing": merge_sizing(b.get("sizing") for _, b in found),
     })
     if disagreements:
         entry["reasons"].append(f"the runners disagree on declared support ({name} vs {', '.join(disagreements)})")

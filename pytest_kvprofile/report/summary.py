@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 
 from pytest_kvprofile.checks.base import CheckOutcome, JsonObject
 from pytest_kvprofile.units import MiB
 
 
-def summarize(records: list[CheckOutcome]) -> list[JsonObject]:
-    """Per backend: cases, checks passed/failed/xfailed, the most failed check and the worst budget."""
+def root_cause(failed: Counter[str], order: Sequence[str] = ()) -> str | None:
+    """The check a reviewer should read first: the failing check the suite runs first on a case (``order``, the
+    catalog's, which follows the lifecycle: declaration, leases, reservation, warmup, arena, ...), not the one that
+    fails most often (a lease released too early fails many later checks too). Checks ``order`` does not know come
+    after it, most failed first, ties by name."""
+    if not failed:
+        return None
+    index = {name: i for i, name in enumerate(order)}
+    return min(failed, key=lambda c: (index.get(c, len(index)), -failed[c], c))
+
+
+def summarize(records: list[CheckOutcome], order: Sequence[str] = ()) -> list[JsonObject]:
+    """Per backend: cases, checks passed/failed/xfailed, the most failed check, the root cause (:func:`root_cause`)
+    and the worst budget."""
     by_backend: dict[str, list[CheckOutcome]] = defaultdict(list)
     for rec in records:
         if rec.backend:
@@ -20,6 +33,7 @@ def summarize(records: list[CheckOutcome]) -> list[JsonObject]:
         failed = Counter(r.check for r in recs if r.outcome == "failed")
         # ties broken by name, so every case order gives the same summary
         worst_check = min(failed.items(), key=lambda kv: (-kv[1], kv[0])) if failed else None
+        cause = root_cause(failed, order)
         budgets = [r.details.budget for r in recs if r.details.budget]
         worst_budget = min(budgets, key=lambda b: (b["kv_tokens"], b["case"]), default=None)
         rows.append({
@@ -30,9 +44,11 @@ def summarize(records: list[CheckOutcome]) -> list[JsonObject]:
             "xfailed": outcomes.get("xfailed", 0),
             "skipped": outcomes.get("skipped", 0),
             "worst_check": f"{worst_check[0]} ({worst_check[1]})" if worst_check else "-",
+            "root_cause": f"{cause} ({failed[cause]})" if cause else "-",
             "worst_case": worst_budget["case"] if worst_budget else None,
             "worst_case_kv_tokens": worst_budget["kv_tokens"] if worst_budget else None,
             "worst_case_reservation_tokens": worst_budget["reservation_kv_tokens"] if worst_budget else None,
+            "worst_case_reservation_bytes": worst_budget.get("persistent_reserved") if worst_budget else None,
         })
     return rows
 
@@ -108,7 +124,7 @@ def waste_lines(records: list[CheckOutcome]) -> list[str]:
 
 
 def table_lines(rows: list[JsonObject]) -> list[str]:
-    header = ("backend", "cases", "passed", "failed", "xfailed", "worst check", "fewest KV tokens (case)")
+    header = ("backend", "cases", "passed", "failed", "xfailed", "root cause", "fewest KV tokens (case)")
     body = []
     for r in rows:
         worst = "-"
@@ -116,7 +132,7 @@ def table_lines(rows: list[JsonObject]) -> list[str]:
             worst = (f"{r['worst_case_kv_tokens']} ({r['worst_case']}; "
                      f"reservation costs {r['worst_case_reservation_tokens']})")
         body.append((r["backend"], str(r["cases"]), str(r["passed"]), str(r["failed"]), str(r["xfailed"]),
-                     r["worst_check"], worst))
+                     str(r.get("root_cause", r["worst_check"])), worst))
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in body]
@@ -147,3 +163,63 @@ def partial_lines(doc: JsonObject) -> list[str]:
         lines.append("only a run over the whole matrix may opt in; merge several runners' verdicts with "
                      "`kvprofile verdict merge A.json B.json -o OUT.json`")
     return lines
+
+
+def final_lines(verdict: JsonObject, records: list[CheckOutcome], order: Sequence[str] = ()) -> list[str]:
+    """The run's last lines: one :func:`verdict_line` per backend of ``verdict``."""
+    rows = {r["backend"]: r for r in summarize(records, order)}
+    per_token: dict[str, dict[str, int]] = defaultdict(dict)
+    for rec in records:
+        if rec.backend and rec.details.budget and rec.details.budget.get("kv_bytes_per_token"):
+            per_token[rec.backend][rec.case] = int(rec.details.budget["kv_bytes_per_token"])
+    return [verdict_line(b, order, rows.get(b["name"]), per_token.get(b["name"])) for b in verdict["backends"]]
+
+
+def verdict_line(b: JsonObject, order: Sequence[str] = (), row: JsonObject | None = None,
+                 per_token: dict[str, int] | None = None) -> str:
+    """One backend's verdict in one line: ``may opt in`` or the root cause, with the worst case, its bytes and its
+    KV tokens (what the run's last lines say, with or without ``--kvprofile-verdict``). ``row``: the backend's
+    summary row (its fewest-KV-tokens case); ``per_token``: each case's KV bytes per token, which turns the bytes a
+    failure names into KV tokens where the message names none."""
+    from pytest_kvprofile.report.provenance import message_amounts
+
+    name = b["name"]
+    failed = [r for r in b.get("results") or [] if r.get("outcome") == "failed"]
+    if b.get("may_opt_in"):
+        return f"{name}: may opt in{_opt_in_worst(b, row)}"
+    if failed:
+        cause = root_cause(Counter(r["check"] for r in failed), order)
+        mine = [r for r in failed if r["check"] == cause]
+        amounts = {r["case"]: message_amounts(r.get("message")) for r in mine}
+        worst = max(sorted(amounts), key=lambda c: (amounts[c][0] or -1, amounts[c][1] or -1))
+        nbytes, tokens = amounts[worst]
+        if tokens is None and nbytes is not None and (per_token or {}).get(worst):
+            tokens = -(-nbytes // (per_token or {})[worst])
+        figures = ", ".join(x for x in (f"{nbytes:,} bytes" if nbytes is not None else "",
+                                          f"{tokens:,} KV tokens" if tokens is not None else "") if x)
+        return (f"{name}: may NOT opt in: {cause} fails on {len(mine)} cases; worst {worst}"
+                + (f": {figures}" if figures else ""))
+    reasons = b.get("reasons") or ["no reason recorded"]
+    cost = b.get("legacy_cost") or []
+    first = str(reasons[0])
+    if first.startswith("partial run:"):
+        c = b["coverage"]
+        return (f"{name}: may NOT opt in: partial run, {c['cases_run']} of {c['cases_in_matrix']} cases ran "
+                "(merge every runner's verdict)")
+    if first.startswith("legacy path") and cost and cost[0]["bytes"]:
+        return (f"{name}: may NOT opt in: legacy path; worst {cost[0]['case']}: {cost[0]['bytes']:,} bytes "
+                f"({cost[0]['kv_tokens']:,} KV tokens) appear after KV sizing")
+    return f"{name}: may NOT opt in: {first.split('; ')[0]}"
+
+
+def _opt_in_worst(b: JsonObject, row: JsonObject | None) -> str:
+    """The worst case of an opted-in backend: its largest workspace waste, else (``row``, the summary's) what its
+    reservation costs where KV tokens are fewest."""
+    waste = b.get("waste") or []
+    if waste and waste[0]["bytes"]:
+        w = waste[0]
+        return f"; worst {w['case']}: {w['bytes']:,} bytes wasted ({w['kv_tokens']:,} KV tokens)"
+    if row and row.get("worst_case") and row.get("worst_case_reservation_bytes") is not None:
+        return (f"; worst {row['worst_case']}: reserves {row['worst_case_reservation_bytes']:,} bytes "
+                f"({row['worst_case_reservation_tokens']:,} KV tokens)")
+    return ""

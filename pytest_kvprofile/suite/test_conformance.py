@@ -11,13 +11,14 @@ from typing import Callable
 
 import pytest
 
-from pytest_kvprofile.checks.base import Check, CheckOutcome
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.checks.base import Check, CheckOutcome, JsonObject
+from pytest_kvprofile.contract.backends import Backend, kv_sizing_mode
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.plugin.recorder import RECORD_KEY
 from pytest_kvprofile.plugin.session import SESSION_KEY, KvprofileSession, suite_checks
 from pytest_kvprofile.plugin.timeouts import call_with_timeout
+from pytest_kvprofile.report.provenance import kv_sizing_json
 
 
 def _make_test(check: Check) -> Callable[..., None]:
@@ -25,6 +26,7 @@ def _make_test(check: Check) -> Callable[..., None]:
         backend, case = kvprofile_pair
         session: KvprofileSession = request.config.stash[SESSION_KEY]  # not a fixture: one lookup less per item
         record = CheckOutcome(check=check.name, backend=backend.name, case=case.id)
+        result: LifecycleResult | None = None
         try:
             result, violations = call_with_timeout(
                 session.settings.timeout, f"{backend.name} / {check.name} / {case.id}",
@@ -37,12 +39,23 @@ def _make_test(check: Check) -> Callable[..., None]:
                 pytest.fail(f"[{check.name}] {check.rule}\nbackend {backend.name}, case {case.id}:\n{text}",
                             pytrace=False)
         finally:  # a failure, a timeout or an error is recorded too
+            record = dataclasses.replace(record, kv_sizing=_kv_sizing(backend, case, result))
             request.node.user_properties.append((RECORD_KEY, record.to_json()))
 
     test.__name__ = test.__qualname__ = f"test_{check.name}"
     test.__doc__ = check.rule
     test.kvprofile_check = check.name  # type: ignore[attr-defined]
     return pytest.mark.kvprofile_check(check.name)(test)
+
+
+def _kv_sizing(backend: Backend, case: Case, result: LifecycleResult | None) -> JsonObject | None:
+    """Where the engine sized KV on the case (the run's record, else the backend's policy), for the verdict; None
+    when the engine's own answer raised (the check's outcome says what went wrong)."""
+    try:
+        mode = result.kv_sizing if result is not None else kv_sizing_mode(backend.policy, case)
+        return kv_sizing_json(str(mode.name), str(mode.rule), str(mode.reason))
+    except Exception:  # noqa: BLE001 - the verdict then says the mode was not recorded
+        return None
 
 
 def _run(session: KvprofileSession, backend: Backend, case: Case, check: Check) -> tuple[LifecycleResult, list[str]]:

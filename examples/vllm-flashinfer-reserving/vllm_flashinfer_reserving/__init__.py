@@ -31,6 +31,7 @@ from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES, VLL
 from pytest_kvprofile.engines.batches import window_batches
 from pytest_kvprofile.engines.vllm.flashinfer import VllmFlashInferBuilder, engine_refusal
 from pytest_kvprofile.engines.vllm.gdn import VllmGdnBuilder
+from pytest_kvprofile.engines.vllm.release import vllm_provenance
 from pytest_kvprofile.engines.vllm.standins import VLLM_INSTALL_HINT
 from pytest_kvprofile.sizing import for_case
 
@@ -142,11 +143,12 @@ def backends() -> list[Backend]:
     return [
         Backend(name="vllm-flashinfer-reserving", make_builders=_make(vllm_default_arena, "vllm-flashinfer-reserving"),
                 version=__version__, torch_mode=True, refuses_layout=engine_refusal, requires=("vllm",),
-                install_hint=VLLM_INSTALL_HINT,
+                install_hint=VLLM_INSTALL_HINT, provenance=vllm_provenance("vllm-flashinfer-reserving"),
                 description="vLLM's FlashInferMetadataBuilder reserving vLLM's default arena inside the window"),
         Backend(name="vllm-flashinfer-reserving-exact",
                 make_builders=_make(exact_arena, "vllm-flashinfer-reserving-exact"), version=__version__,
                 torch_mode=True, refuses_layout=engine_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
+                provenance=vllm_provenance("vllm-flashinfer-reserving-exact"),
                 description="the same, reserving exactly what FlashInfer's planner carves for the case"),
     ]
 
@@ -157,6 +159,7 @@ def hybrid_backends() -> list[Backend]:
     return [
         Backend(name="vllm-hybrid-gdn", make_builders=_make_hybrid, version=__version__, torch_mode=True,
                 refuses_layout=hybrid_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
+                provenance=vllm_provenance("vllm-hybrid-gdn"),
                 description="a hybrid model's builders: the reserving FlashInfer builder (REQUIRED) and vLLM's "
                             "GDNAttentionMetadataBuilder declared NEUTRAL, as the pull request declares it"),
     ]

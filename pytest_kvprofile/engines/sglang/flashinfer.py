@@ -50,7 +50,7 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from pytest_kvprofile.contract.backends import Backend, EnginePolicy
+from pytest_kvprofile.contract.backends import Backend, EnginePolicy, Provenance
 from pytest_kvprofile.contract.protocol import Batch
 from pytest_kvprofile.engines.adapter import EngineAdapter, EngineBuildError, Patches, device_active, engine_backend
 from pytest_kvprofile.engines.batches import capture_sizes, pad_to_capture, runner_batch
@@ -740,6 +740,20 @@ def engine_refusal(case: Case, attention_backend: str = "flashinfer") -> str | N
     return None
 
 
+def sglang_provenance() -> Provenance:
+    """``Backend.provenance`` of an SGLang backend: the installed SGLang (read from its metadata) and its
+    ``ModelRunner``, with the FlashInfer SGLang pins beside the one that ran."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    try:
+        installed = version("sglang")
+        pins = [r for r in requires("sglang") or [] if r.replace("_", "-").startswith("flashinfer-python")]
+    except PackageNotFoundError:
+        return Provenance(engine="sglang", runner="ModelRunner")
+    notes = (f"SGLang pins {pins[0].split(';')[0].strip()}",) if pins else ()
+    return Provenance(engine="sglang", engine_version=installed, runner="ModelRunner", notes=notes)
+
+
 def _version() -> str:
     """The installed SGLang and the FlashInfer its backend binds (SGLang 0.5.23 pins 0.7.2; the project's is used)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -767,7 +781,7 @@ def sglang_backend(name: str, adapter: type[SglangFlashInferAdapter], descriptio
 
     return engine_backend(name, make_builders, engine="sglang", install_hint=SGLANG_INSTALL_HINT, origin="builtin",
                           refuses_layout=functools.partial(engine_refusal, attention_backend=attention),
-                          version=_version(), policy=policy, description=description)
+                          version=_version(), policy=policy, description=description, provenance=sglang_provenance)
 
 
 SGLANG_BACKENDS: tuple[Backend, ...] = (

@@ -28,7 +28,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
-from pytest_kvprofile.contract.backends import Backend, EnginePolicy, KvSizingMode, Provenance
+from pytest_kvprofile.contract.backends import Backend, EnginePolicy, KvSizingMode
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
@@ -56,7 +56,7 @@ from pytest_kvprofile.engines.vllm.config import (
     resolve_kv_cache_layout,
     standin_layers,
 )
-from pytest_kvprofile.engines.vllm.release import EXTENSIBLE, has_v1_runner, kv_sizing_mode, provenance
+from pytest_kvprofile.engines.vllm.release import EXTENSIBLE, has_v1_runner, kv_sizing_mode, vllm_provenance
 from pytest_kvprofile.engines.vllm.standins import (
     _BACKEND_MODULE,
     VLLM_INSTALL_HINT,
@@ -483,14 +483,6 @@ def _make_v2(case: Case) -> list[Builder]:
     return make_vllm_builders(case, v2=True)
 
 
-def _v1_provenance() -> Provenance:
-    return provenance(v2=False)
-
-
-def _v2_provenance() -> Provenance:
-    return provenance(v2=True)
-
-
 def engine_refusal(case: Case) -> str | None:
     """Why vLLM (or this adapter, for MLA and other layouts ``FlashInferMetadataBuilder`` does not serve) refuses
     ``case``, from vLLM's own config validation on the stand-in platform; None when it accepts the layout."""
@@ -505,12 +497,12 @@ def engine_refusal(case: Case) -> str | None:
 
 VLLM_BACKENDS: tuple[Backend, ...] = (
     engine_backend("vllm-flashinfer", _make_v1, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
-                   refuses_layout=engine_refusal, policy=VLLM_POLICY, provenance=_v1_provenance,
+                   refuses_layout=engine_refusal, policy=VLLM_POLICY, provenance=vllm_provenance("vllm-flashinfer"),
                    description="vLLM's own FlashInferMetadataBuilder (V1 runner: per-builder lazy float workspace; "
                                "the V2 runner where the installed vLLM has no V1, from 0.34), unmodified, on the "
                                "simulated GPU, sized where the installed vLLM sizes KV"),
     engine_backend("vllm-flashinfer-v2", _make_v2, engine="vllm", install_hint=VLLM_INSTALL_HINT, origin="builtin",
-                   refuses_layout=engine_refusal, policy=VLLM_POLICY, provenance=_v2_provenance,
+                   refuses_layout=engine_refusal, policy=VLLM_POLICY, provenance=vllm_provenance("vllm-flashinfer-v2"),
                    description="vLLM's own FlashInferMetadataBuilder (V2 runner: one eager float workspace shared "
                                "with set_workspace_buffer), unmodified, on the simulated GPU, sized where the "
                                "installed vLLM sizes KV"),

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.engines.vllm.flashinfer import VLLM_POLICY, engine_refusal, make_vllm_builders
+from pytest_kvprofile.engines.vllm.release import vllm_provenance
 from pytest_kvprofile.engines.vllm.standins import VLLM_INSTALL_HINT, import_vllm_flashinfer
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ def backends() -> list[Backend]:
     """``vllm-pr-planned`` (plans each wrapper once in the window: opts in) and ``vllm-pr-unplanned`` (the pull
     request's own choice: FlashInfer's plan-time buffers are invisible to KV sizing)."""
     common = dict(torch_mode=True, refuses_layout=engine_refusal, requires=("vllm",), install_hint=VLLM_INSTALL_HINT,
-                  policy=VLLM_POLICY, origin="builtin")
+                  policy=VLLM_POLICY, origin="builtin", provenance=vllm_provenance("vllm-pr"))
     return [
         Backend(name="vllm-pr-planned", make_builders=_make(True),
                 description="vLLM's FlashInferMetadataBuilder with the pull request's current API, planning each "

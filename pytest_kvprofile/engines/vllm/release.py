@@ -15,7 +15,7 @@ import functools
 import importlib.util
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pytest_kvprofile.contract.backends import KvSizingMode, Provenance
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["EXTENSIBLE", "PROFILE_WINDOW", "extensible_kv_cache_request", "has_v1_runner", "has_extensible_kv_cache",
-           "kv_sizing_mode", "provenance", "runner_name", "vllm_version"]
+           "kv_sizing_mode", "provenance", "runner_name", "vllm_provenance", "vllm_version"]
 
 EXTENSIBLE = "extensible KV cache (after warmup and capture)"
 PROFILE_WINDOW = "profile window"
@@ -117,6 +117,12 @@ def _off_reason(case: Case, config: VllmConfig) -> str:
     if config.parallel_config.enable_elastic_ep:
         return "elastic EP reuses the profiled KV cache size"
     return "vLLM's _resolve_extensible_kv_cache turned it off on this config"
+
+
+def vllm_provenance(backend_name: str) -> Callable[[], Provenance]:
+    """``Backend.provenance`` of a vLLM backend: the installed vLLM and the runner it drives (``-v2`` backends ask for
+    the V2 runner; the others for V1, which is V2 where the installed vLLM has no V1)."""
+    return functools.partial(provenance, v2=backend_name.endswith("-v2"))
 
 
 def provenance(v2: bool) -> Provenance:
