@@ -216,10 +216,11 @@ def unknown_backend(name: str, registry: Registry, installed: Iterable[str] = ()
     hint = f"Did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
     extra = "".join(f"; {label}: {', '.join(names)}" for label, names in (("installed", installed), ("from the "
                     "pytest_kvprofile_backends hook", hooked)) if names)
-    return (f"--kvprofile-backend {name!r}: no backend or group has that name. {hint}Groups: "
-            f"{', '.join(registry.groups)} ({len(registry.backends)} registered backends in all: `kvprofile list` "
-            f"names them){extra}. A factory is named 'package.module:factory'; a package registers backends under "
-            f"the {ENTRY_POINT_GROUP!r} entry point group")
+    groups = ", ".join(registry.groups) or "none"
+    return (f"--kvprofile-backend {name!r}: no backend or group has that name. {hint}Groups: {groups} "
+            f"({len(registry.backends)} registered backends in all: `kvprofile list` names them){extra}. A factory "
+            f"is named 'package.module:factory'; a package registers backends under the {ENTRY_POINT_GROUP!r} entry "
+            "point group")
 
 
 def builtin_backends() -> dict[str, Backend]:

@@ -76,7 +76,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("lifecycle",),  # the reference engine (and the resources a matrix names)
     ("checks",),
     ("builtin", "engines", "gpu", "report"),  # backends and devices plugged in through contract and memory; reports
-    ("registry", "cli"),  # finding backends (the built-in catalogs included); the command line
+    ("registry",),  # finding backends (the built-in catalogs included)
+    ("cli",),  # the command line (its `list` reads the registry)
     ("plugin",),
     ("suite", "gpu_suite"),  # the packaged test modules
     ("pytest_kvprofile",),

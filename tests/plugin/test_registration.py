@@ -115,7 +115,7 @@ def test_names_are_registered_once():
 def test_an_empty_registry_names_nothing_and_runs_no_default():
     reg = Registry()
     assert resolve_backends([], entry_points=False, registry=reg) == []
-    with pytest.raises(BackendError, match="not a registered backend"):
+    with pytest.raises(BackendError, match="no backend or group has that name"):
         resolve_backends(["stubs"], entry_points=False, registry=reg)
 
 
@@ -126,8 +126,9 @@ def test_the_registry_keeps_no_list_of_built_ins():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     inner = {m for m in imported if m.startswith(("pytest_kvprofile.builtin.", "pytest_kvprofile.engines."))}
     assert not inner, inner
-    assert [p.__name__ for p in builtin_plugins()] == ["pytest_kvprofile.checks.catalog", "pytest_kvprofile.builtin",
-                                                      "pytest_kvprofile.engines"]
+    assert [p.__name__ for p in builtin_plugins()] == [
+        "pytest_kvprofile.checks.catalog", "pytest_kvprofile.builtin", "pytest_kvprofile.engines.sglang",
+        "pytest_kvprofile.engines.vllm"]
     assert all(callable(getattr(p, "pytest_kvprofile_register", None)) for p in builtin_plugins())
 
 
