@@ -418,7 +418,8 @@ class VllmWorkspaceManager:
     def _in_slot(self, explicit: int | None = None) -> Iterator[int]:
         """vLLM's current ubatch id set to the micro-batch asked for (or being built), on a simulated device; yields
         the slot vLLM's manager resolves, as it resolves it: an ``ubatch_id`` passed to the call (the pull request's
-        manager takes one), else its ``use_workspace_ubatch_id`` override where it has one, else the DBO id."""
+        manager takes one), else its ``use_workspace_ubatch_id`` override where it has one, else the DBO id. A
+        micro-batch the adapter's call names is set as that override too, so the call lands in its slot."""
         table = self._ubatching._THREAD_ID_TO_CONTEXT
         tid = threading.get_ident()
         ubatch = self._ubatch
@@ -428,12 +429,15 @@ class VllmWorkspaceManager:
         if ubatch is not None:
             table[tid] = ubatch
         override = getattr(self._workspace_module, "_workspace_ubatch_id", None)
+        token = override.set(self._ubatch) if override is not None and self._ubatch is not None else None
         try:
             with self._simulation():
                 resolved = override.get() if override is not None else None
                 yield int(explicit if explicit is not None else
                           resolved if resolved is not None else self._ubatching.dbo_current_ubatch_id())
         finally:
+            if token is not None:
+                override.reset(token)
             if ubatch is not None:
                 if previous is _MISSING:
                     table.pop(tid, None)

@@ -192,6 +192,9 @@ def test_the_pull_requests_own_workspace_module_is_driven(vllm_workspace, monkey
         with manager.ubatch_scope(1):  # the pull request's use_workspace_ubatch_id reaches its own slot
             (tensor,) = module.current_workspace_manager().get_simultaneous(((8192,), torch.uint8))
         assert manager.size(1) == 8192 and manager.size(0) == 4096
+        with manager.ubatch_scope(0):  # a call naming its micro-batch lands there, whatever the override says
+            view = manager.get_workspace("b", 16384, 1)
+        assert manager.size(1) == 16384 and manager.size(0) == 4096 and view.arena_size == 16384
         manager.lock()
         with pytest.raises(vw.VllmWorkspaceRefusal):
             manager.get_workspace("b", 1 << 20, 0)
