@@ -200,7 +200,7 @@ class ReservationApi:
     """The names one revision of an engine's reservation API gives a builder class, and how its runner calls them.
 
     ``calls``: the reservation method's calls, in order, by their arguments; each call goes to every builder before
-    the next (vLLM's earlier revision: ``prepare_workspace_for_profiling(False)`` on all, then ``(True)``).
+    the next (the pull request's two-pass API: ``prepare_workspace_for_profiling(False)`` on all, then ``(True)``).
     ``rebind``: called on every builder after all of them reserved. ``capture_reservation``: what the runner calls
     again before CUDA-graph capture (vLLM's ``reserve_workspace_for_cudagraph_capture``). ``revision``: its name in
     the verdict."""
