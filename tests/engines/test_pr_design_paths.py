@@ -237,3 +237,39 @@ def test_the_backend_class_driven_refuses_its_own_layouts(vllm_flashinfer):
     assert refusal is not None and "kv_cache_dtype not supported" in refusal and "Nvfp4OnSm100Backend" in refusal
     assert "'nvfp4'" in refusal and "SM89" in refusal
     assert engine_refusal(CASES[MTP1], builder) is None  # its bf16 layouts stay accepted
+
+
+class _PredicatesOnly:
+    """A backend class without ``validate_configuration``: the selector's predicates are asked one by one."""
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size in (64, 128)
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
+        return kv_cache_dtype != "nvfp4"
+
+
+class _ValidatesWithAnUnknownParameter(_PredicatesOnly):
+    @classmethod
+    def validate_configuration(cls, head_size: int, quantum_mode: bool) -> list[str]:
+        raise AssertionError("a parameter the selector does not fill: the predicates are asked instead")
+
+
+class _Validates:
+    @classmethod
+    def validate_configuration(cls, head_size: int, kv_cache_dtype: Any, *, use_dcp: bool = False) -> list[str]:
+        return ["DCP not supported"] if use_dcp else []
+
+
+def test_the_selector_asks_what_the_class_has():
+    from pytest_kvprofile.engines.vllm_selector import _ask
+
+    values = {"head_size": 256, "kv_cache_dtype": "nvfp4", "dtype": None, "block_size": 16, "device_capability": None,
+              "use_dcp": True}
+    assert _ask(_PredicatesOnly, values) == ["head_size not supported", "kv_cache_dtype not supported"]
+    assert _ask(_ValidatesWithAnUnknownParameter, values) == _ask(_PredicatesOnly, values)
+    assert _ask(_Validates, values) == ["DCP not supported"]  # by its own parameter names, keyword-only too
+    assert _ask(_Validates, {**values, "use_dcp": False}) == []
+    assert backend_class_of(_PredicatesOnly) is None  # no backend class names it as its builder: nothing to ask
