@@ -428,7 +428,8 @@ class VllmWorkspaceManager:
         previous = table.get(tid, _MISSING)
         if ubatch is not None:
             table[tid] = ubatch
-        override = getattr(self._workspace_module, "_workspace_ubatch_id", None)
+        # Any: vLLM's ContextVar of the override, in the revisions that have one
+        override: Any = getattr(self._workspace_module, "_workspace_ubatch_id", None)
         token = override.set(self._ubatch) if override is not None and self._ubatch is not None else None
         try:
             with self._simulation():
@@ -436,7 +437,7 @@ class VllmWorkspaceManager:
                 yield int(explicit if explicit is not None else
                           resolved if resolved is not None else self._ubatching.dbo_current_ubatch_id())
         finally:
-            if token is not None:
+            if token is not None and override is not None:
                 override.reset(token)
             if ubatch is not None:
                 if previous is _MISSING:
