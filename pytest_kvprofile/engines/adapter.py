@@ -128,6 +128,15 @@ def device_active() -> bool:
     return active_simulation() is not None
 
 
+def _in_window() -> bool:
+    """The run's simulated device is inside the profiling window (its phase is a window phase)."""
+    from pytest_kvprofile.lifecycle.phases import WINDOW_PHASES
+    from pytest_kvprofile.memory.torch_mode import active_simulation
+
+    sim = active_simulation()
+    return sim is not None and getattr(sim.device, "phase", None) in WINDOW_PHASES
+
+
 # -- stand-ins ------------------------------------------------------------------------------------------------
 
 class Patches:
@@ -193,7 +202,7 @@ class ReservationApi:
     """The names one revision of an engine's reservation API gives a builder class, and how its runner calls them.
 
     ``calls``: the reservation method's calls, in order, by their arguments; each call goes to every builder before
-    the next (vLLM's earlier revision: ``prepare_workspace_for_profiling(False)`` on all, then ``(True)``).
+    the next (the pull request's two-pass API: ``prepare_workspace_for_profiling(False)`` on all, then ``(True)``).
     ``rebind``: called on every builder after all of them reserved. ``capture_reservation``: what the runner calls
     again before CUDA-graph capture (vLLM's ``reserve_workspace_for_cudagraph_capture``). ``revision``: its name in
     the verdict."""
@@ -303,6 +312,8 @@ class EngineAdapter:
         self.builders: dict[BuilderKey, EngineObject] = {}  # builder key -> the engine's builder
         self.built: dict[str, int] = {}  # batches built per kind, for reports and tests
         self.last_metadata: EngineObject = None  # what the engine's last build returned
+        self.kernel_warmed = False  # the engine's kernel warmup ran (EngineAdapter.kernel_warmup)
+        self.made_in_window = False  # builders were made inside the profiling window (a reservation: not legacy)
 
     # -- what an engine's module provides ------------------------------------------------------------------
     def make_engine_config(self) -> EngineObject:
@@ -373,6 +384,12 @@ class EngineAdapter:
     def after_build(self, batch: Batch) -> None:
         """After every build of ``batch``."""
 
+    def kernel_warmup_metadata(self) -> EngineObject:
+        """The engine metadata of the dummy batch the engine's own kernel warmup builds on micro-batch 0 before it
+        captures and locks its arena (vLLM's ``kernel_warmup``: a mixed prefill and decode batch), or None when the
+        engine builds none (inside :meth:`engine_scope`)."""
+        return None
+
     # -- the engine ------------------------------------------------------------------------------------------
     def config(self) -> EngineObject:
         """The engine's config of the case, made once."""
@@ -383,6 +400,7 @@ class EngineAdapter:
     def make_engine_builders(self, num_ubatches: int) -> list[EngineObject]:
         """The runner's builders for every micro-batch (as the runner makes them); returns the new ones."""
         made: list[EngineObject] = []
+        self.made_in_window = self.made_in_window or _in_window()
         with self.construction_scope():
             for ub in range(num_ubatches):
                 for key in self.builder_keys(ub):
@@ -423,6 +441,39 @@ class EngineAdapter:
                                            f"{self.case.gpu.name}: {type(exc).__name__}: {exc}") from exc
         self.built[batch.kind] = self.built.get(batch.kind, 0) + 1
         self.after_build(batch)
+
+    def kernel_warmup(self, ctx: BuilderContext) -> None:
+        """The engine's own kernel warmup after KV sizing, before capture and the lock, once: its dummy batch
+        (:meth:`kernel_warmup_metadata`) built eagerly on micro-batch 0's builders, in micro-batch 0's arena slot.
+        What the builders make there lazily (an arena taken from the engine's manager) exists before the lock, as in
+        the engine; a failed build is named with the case, as any build. Modelled on the legacy path only: builders
+        made inside the profiling window (a reservation) are judged on what that reservation made, and the engine's
+        reservation after kernel warmup re-sizes their arena anyway."""
+        if self.kernel_warmed or self.made_in_window or ctx.phase != "warmup":
+            return
+        if not self.builders_of(0):
+            self.make_engine_builders(ctx.num_ubatches)
+        self.ensure_inputs()
+        with self.engine_scope(), self._in_ubatch(ctx, 0):
+            metadata = self.kernel_warmup_metadata()
+            if metadata is None:
+                self.kernel_warmed = True
+                return
+            for key, builder in self.builders_of(0):
+                try:
+                    self.last_metadata = self.build_serving(builder, metadata)
+                except Exception as exc:  # noqa: BLE001 - named with the case; the driver records it
+                    raise self.build_error(f"case {self.case.id}: {self.builder_label}.build() of the engine's "
+                                           f"kernel-warmup batch ({self.describe_key(key)}) failed on the simulated "
+                                           f"{self.case.gpu.name}: {type(exc).__name__}: {exc}") from exc
+        self.built["kernel_warmup"] = self.built.get("kernel_warmup", 0) + 1
+        self.kernel_warmed = True  # only once it succeeded: a failed warmup is retried whole
+
+    def _in_ubatch(self, ctx: BuilderContext, ubatch: int) -> ContextManager[object]:
+        """The engine's workspace slot of ``ubatch`` current (vLLM's ``use_workspace_ubatch_id``), where the run's
+        arena manager has slots the engine's code reaches by itself."""
+        scope = getattr(ctx.workspace, "ubatch_scope", None)
+        return scope(ubatch) if callable(scope) else contextlib.nullcontext()
 
     def close(self) -> None:
         self.builders.clear()
@@ -466,12 +517,6 @@ class ReservingAdapter(EngineAdapter):
             return map_support(declare(*self.declaration_args()))
 
     # -- the runner's steps ----------------------------------------------------------------------------
-    def _in_ubatch(self, ctx: BuilderContext, ubatch: int) -> ContextManager[object]:
-        """The engine's workspace slot of ``ubatch`` current (vLLM's ``use_workspace_ubatch_id``), where the run's
-        arena manager has slots the engine's code reaches by itself."""
-        scope = getattr(ctx.workspace, "ubatch_scope", None)
-        return scope(ubatch) if callable(scope) else contextlib.nullcontext()
-
     def _reserve_all(self, ctx: BuilderContext, method: str | None = None) -> None:
         """Every builder's reservation under its micro-batch id (each call of the revision on all builders before
         the next), then every builder's rebind under the same id."""
@@ -531,8 +576,13 @@ class ReservingAdapter(EngineAdapter):
         self._within_profile(ctx, "during persistent workspace finalization")
 
     def warmup(self, ctx: BuilderContext) -> None:
-        """After kernel warmup, once: reserve and rebind again, then the reservation for CUDA-graph capture."""
-        if self.warmed or ctx.phase != "warmup" or self.profiled is None:
+        """After kernel warmup, once: reserve and rebind again, then the reservation for CUDA-graph capture. On the
+        legacy path the engine's own kernel warmup alone (:meth:`EngineAdapter.kernel_warmup`): the builder's lazy
+        arena is sized there, before the lock, as in the engine."""
+        if self.profiled is None:
+            self.kernel_warmup(ctx)
+            return
+        if self.warmed or ctx.phase != "warmup":
             return
         self._reserve_all(ctx)
         self._within_profile(ctx, "after kernel warmup")

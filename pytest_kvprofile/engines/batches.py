@@ -22,8 +22,8 @@ from typing import Sequence
 from pytest_kvprofile.contract.protocol import Batch
 from pytest_kvprofile.matrix.cases import Case
 
-__all__ = ["RunnerBatch", "block_table", "capture_batches", "capture_sizes", "pad_to_capture", "pages_per_request",
-           "query_lens", "runner_batch", "window_batches"]
+__all__ = ["RunnerBatch", "block_table", "capture_batches", "capture_sizes", "mixed_warmup_batch", "pad_to_capture",
+           "pages_per_request", "query_lens", "runner_batch", "window_batches"]
 
 
 def pages_per_request(case: Case) -> int:
@@ -114,6 +114,21 @@ def runner_batch(case: Case, batch: Batch, max_reqs: int | None = None) -> Runne
     qlens = query_lens(case, batch, max_reqs)
     seq = tuple(max(case.envelope.max_model_len, q) for q in qlens)
     return RunnerBatch(tuple(qlens), seq, pages_per_request(case))
+
+
+def mixed_warmup_batch(case: Case, num_tokens: int = 16, dcp_interleave: int = 1) -> RunnerBatch:
+    """The dummy batch a runner's kernel warmup builds to load both attention paths (vLLM's V1
+    ``_dummy_run(num_tokens, create_mixed_batch=True)``): ``min(num_tokens, batched tokens, model length)`` tokens,
+    single-token decodes first (at most half of them, one request fewer than ``max_num_seqs``) at a context of one
+    token, then one prefill of the rest with one token already computed; under DCP every context grows by the DCP
+    size times its interleave (vLLM's ``get_dcp_dummy_context_len``)."""
+    env = case.envelope
+    n = min(num_tokens, env.max_num_batched_tokens, env.max_model_len)
+    decodes = min(env.max_num_seqs - 1, n // 2)
+    context = case.dcp * dcp_interleave if case.dcp > 1 else 0
+    prefill = n - decodes
+    seq = (1 + context,) * decodes + (prefill + (context or 1),)
+    return RunnerBatch((1,) * decodes + (prefill,), seq, pages_per_request(case))
 
 
 def block_table(pages: int, rows: int) -> list[range]:

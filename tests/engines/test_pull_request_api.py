@@ -13,8 +13,8 @@ from pytest_kvprofile import Backend, run_lifecycle
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.engines.adapter import UnusableContract
 from pytest_kvprofile.engines.vllm.flashinfer import (
-    CURRENT,
-    EARLIER,
+    TRI_STATE,
+    TWO_PASS,
     VLLM_POLICY,
     ReservingVllmBuilder,
     engine_refusal,
@@ -45,11 +45,13 @@ def unplanned(vllm_flashinfer: Any) -> Any:
     close_parts(result)
 
 
-def test_the_current_api_is_recognized_and_named(vllm_flashinfer):
+def test_the_tri_state_api_is_recognized_and_named_by_its_methods(vllm_flashinfer):
     cls = pull_request_builder(True)
-    assert reservation_api(cls, CASES[MTP0]) == CURRENT
+    assert reservation_api(cls, CASES[MTP0]) == TRI_STATE
     part, = make_vllm_builders(CASES[MTP0], builder_cls=cls)
-    assert isinstance(part, ReservingVllmBuilder) and "pull request, current" in part.contract_api
+    assert isinstance(part, ReservingVllmBuilder) and "tri-state API (get_persistent_workspace_memory_profiling_" \
+        "support / reserve_workspace_for_memory_profiling)" in part.contract_api
+    assert "current" not in part.contract_api
     assert "reserve_workspace_for_memory_profiling()" in part.contract_api
 
 
@@ -92,8 +94,8 @@ def test_a_speculative_decoding_case_is_a_legacy_case_with_the_runners_reason(vl
     assert VLLM_POLICY.gate is not None and VLLM_POLICY.gate(CASES[MTP0]) is None
 
 
-def test_the_earlier_revision_is_driven_too(vllm_flashinfer):
-    class EarlierRevision(vllm_flashinfer.FlashInferMetadataBuilder):
+def test_the_two_pass_revision_is_driven_too(vllm_flashinfer):
+    class TwoPassRevision(vllm_flashinfer.FlashInferMetadataBuilder):
         @classmethod
         def persistent_workspace_profiling_support(cls, vllm_config: Any, kv_cache_spec: Any) -> bool:
             return True
@@ -103,9 +105,10 @@ def test_the_earlier_revision_is_driven_too(vllm_flashinfer):
             if materialize:
                 self._get_prefill_wrapper()
 
-    assert reservation_api(EarlierRevision, CASES[MTP0]) == EARLIER
-    part, = make_vllm_builders(CASES[MTP0], builder_cls=EarlierRevision)
-    assert "earlier" in part.contract_api
+    assert reservation_api(TwoPassRevision, CASES[MTP0]) == TWO_PASS
+    part, = make_vllm_builders(CASES[MTP0], builder_cls=TwoPassRevision)
+    assert "two-pass API (persistent_workspace_profiling_support / prepare_workspace_for_profiling)" \
+        in part.contract_api and "earlier" not in part.contract_api
 
 
 def _contract_error(vllm_flashinfer: Any, attrs: dict[str, Any]) -> str:
@@ -171,7 +174,7 @@ def test_the_verdict_names_the_revision_driven_and_the_gated_cases(pytester, vll
         str(verdict), "-p", "no:cacheprovider", "-q")
     assert result.ret == 0, result.stdout.str()[-3000:]
     doc = {b["name"]: b for b in json.loads(verdict.read_text())["backends"]}["vllm-pr-planned"]
-    assert "pull request, current" in doc["contract_api"]["vllm-flashinfer"]
+    assert "pull request, tri-state API" in doc["contract_api"]["vllm-flashinfer"]
     gated, = doc["engine_gated"]
     assert "mtp1" in gated["case"] and "speculative decoding" in gated["reason"]
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy, KvSizingMode
-from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
+from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.adapter import (
@@ -44,7 +44,14 @@ from pytest_kvprofile.engines.adapter import (
     find_revision,
     map_support,
 )
-from pytest_kvprofile.engines.batches import capture_batches, pad_to_capture, pages_per_request, runner_batch
+from pytest_kvprofile.engines.batches import (
+    RunnerBatch,
+    capture_batches,
+    mixed_warmup_batch,
+    pad_to_capture,
+    pages_per_request,
+    runner_batch,
+)
 from pytest_kvprofile.engines.vllm import _vllm_for_run
 from pytest_kvprofile.engines.vllm.config import (
     UnexpressibleCase,
@@ -57,6 +64,7 @@ from pytest_kvprofile.engines.vllm.config import (
     standin_layers,
 )
 from pytest_kvprofile.engines.vllm.release import EXTENSIBLE, has_v1_runner, kv_sizing_mode, vllm_provenance
+from pytest_kvprofile.engines.vllm.selector import backend_class_of, selector_refusal
 from pytest_kvprofile.engines.vllm.standins import (
     _BACKEND_MODULE,
     VLLM_INSTALL_HINT,
@@ -76,22 +84,27 @@ if TYPE_CHECKING:
     from pytest_kvprofile.engines.adapter import BuilderKey, EngineObject
     from pytest_kvprofile.matrix.cases import Case
 
-__all__ = ["DECLARATION_NAMES", "REVISIONS", "VLLM_BACKENDS", "VLLM_POLICY", "ExtensibleVllmAdapter", "ReservationApi",
+__all__ = ["DECLARATION_NAMES", "REVISIONS", "TRI_STATE", "TWO_PASS", "VLLM_BACKENDS", "VLLM_POLICY",
+           "ExtensibleVllmAdapter", "ReservationApi",
            "ReservingVllmBuilder",
            "VllmAdapter", "VllmBuildError", "VllmFlashInferBuilder", "VllmFlashInferV2Builder", "engine_refusal",
            "make_vllm_builders", "map_support", "reservation_api", "speculative_gate"]
 
-CURRENT = ReservationApi(
+TRI_STATE = ReservationApi(
     CONTRACT_DECLARATION, "reserve_workspace_for_memory_profiling", "rebind_workspace_after_reservation", ((),),
-    revision="vLLM pull request, current (PersistentWorkspaceProfilingSupport)",
+    revision="vLLM pull request, tri-state API (get_persistent_workspace_memory_profiling_support / "
+             "reserve_workspace_for_memory_profiling)",
     capture_reservation="reserve_workspace_for_cudagraph_capture")
-EARLIER = ReservationApi(
+TWO_PASS = ReservationApi(
     "persistent_workspace_profiling_support", "prepare_workspace_for_profiling", None, ((False,), (True,)),
-    revision="vLLM pull request, earlier (True/False/None; reserve the arena, then materialize)")
+    revision="vLLM pull request, two-pass API (persistent_workspace_profiling_support / "
+             "prepare_workspace_for_profiling)")
 HARNESS_NAMES = ReservationApi(CONTRACT_DECLARATION, CONTRACT_RESERVATION, "rebind_workspace_after_reservation",
-                               ((),), revision="the contract's own names")
-REVISIONS = (CURRENT, EARLIER, HARNESS_NAMES)
-"""Every revision of the reservation API a vLLM builder class may carry, newest first (docs/vllm.md)."""
+                               ((),), revision="the contract's own names (get_persistent_workspace_memory_profiling_"
+                                               "support / reserve_persistent_workspace)")
+REVISIONS = (TRI_STATE, TWO_PASS, HARNESS_NAMES)
+"""Every revision of the reservation API a vLLM builder class may carry, in the order the adapter looks for them, each
+named by its methods (which revision is newer is not known; docs/vllm.md)."""
 DECLARATION_NAMES = tuple(dict.fromkeys(r.declaration for r in REVISIONS))
 
 
@@ -170,6 +183,12 @@ class VllmAdapter(EngineAdapter):
             stack.enter_context(set_current_vllm_config(self.config()))
             yield module
 
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        """vLLM's runner builds every micro-batch's metadata on its main thread, outside the DBO threads: vLLM code
+        that reaches the manager by itself there resolves micro-batch 0's slot, as in vLLM."""
+        with self._in_ubatch(ctx, 0):
+            super().build(ctx, batch)
+
     def build_for_capture(self, builder: EngineObject, metadata: EngineObject) -> EngineObject:
         return builder.build_for_cudagraph_capture(metadata)
 
@@ -241,6 +260,15 @@ class VllmFlashInferBuilder(VllmAdapter):
     def after_build(self, batch: Batch) -> None:
         _role_trtllm_workspace()
 
+    def warmup(self, ctx: BuilderContext) -> None:
+        """vLLM's ``kernel_warmup`` before ``capture_model()`` locks the arena (docs/vllm.md, "Kernel warmup")."""
+        self.kernel_warmup(ctx)
+
+    def kernel_warmup_metadata(self) -> EngineObject:
+        """The V1 runner's FlashInfer warmup batch (``mixed_batch_attention_warmup``: ``_dummy_run(16,
+        create_mixed_batch=True)``), eager."""
+        return self.inputs.metadata_of(mixed_warmup_batch(self.case))
+
     def wrappers(self) -> Iterator[tuple[int, str, object]]:
         """Every FlashInfer wrapper vLLM's builders hold: (ubatch, role, wrapper)."""
         for ub, b in sorted(self.builders.items()):
@@ -261,6 +289,15 @@ class VllmFlashInferV2Builder(VllmFlashInferBuilder):
 
     name = "vllm-flashinfer-v2"
     shares_workspace = True
+
+    def kernel_warmup_metadata(self) -> EngineObject:
+        """The V2 runner's mixed warmup step (``run_mixed_prefill_decode_warmup``): one decode of a 2-token prompt and
+        one prefill of the other 15 tokens; none below 2 requests or 3 tokens."""
+        env = self.case.envelope
+        n = min(16, env.max_num_batched_tokens, env.max_model_len)
+        if env.max_num_seqs < 2 or n < 3:
+            return None
+        return self.inputs.metadata_of(RunnerBatch((1, n - 1), (3, n - 1), pages_per_request(self.case)))
 
     def after_make(self, made: list[EngineObject]) -> None:
         first = self.builders[min(self.builders)]
@@ -316,30 +353,13 @@ class ExtensibleVllmAdapter(VllmFlashInferV2Builder):
             self.make_engine_builders(ctx.num_ubatches)
             for batch in self.warmup_batches():
                 for ub in range(ctx.num_ubatches):
-                    self._build_in_window(ctx, dataclasses.replace(batch, ubatch=ub))
+                    self.build(ctx, dataclasses.replace(batch, ubatch=ub))
         except BaseException:
             self.builders.clear()
             self.last_metadata = None
             raise
         self.measured = True
         return ctx.lease(list(self.builders.values()))
-
-    def _build_in_window(self, ctx: BuilderContext, batch: Batch) -> None:
-        self.ensure_inputs()
-        with self.engine_scope():
-            metadata = self.engine_metadata(batch)
-            for key, builder in self.builders_of(batch.ubatch):
-                try:
-                    if self.is_capture(batch):
-                        self.last_metadata = self.build_for_capture(builder, metadata)
-                    else:
-                        self.last_metadata = self.build_serving(builder, metadata)
-                except Exception as exc:  # noqa: BLE001 - named with the case and batch; the driver records it
-                    raise self.build_error(f"case {self.case.id}: {self.builder_label}.build() of {batch.label} "
-                                           f"({self.describe_key(key)}) failed before vLLM's KV sizing on the "
-                                           f"simulated {self.case.gpu.name}: {type(exc).__name__}: {exc}") from exc
-        self.built[batch.kind] = self.built.get(batch.kind, 0) + 1
-        self.after_build(batch)
 
     def build(self, ctx: BuilderContext, batch: Batch) -> None:
         """After the sizing point vLLM captures nothing again: the harness's capture replays the graphs the window
@@ -413,10 +433,12 @@ class RunnerInputs:
         return list(runner_batch(self.case, batch, self.max_reqs).query_lens)
 
     def metadata(self, batch: Batch) -> CommonAttentionMetadata:
+        return self.metadata_of(runner_batch(self.case, batch, self.max_reqs))
+
+    def metadata_of(self, rb: RunnerBatch) -> CommonAttentionMetadata:
         import numpy as np
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        rb = runner_batch(self.case, batch, self.max_reqs)
         n, tokens = rb.num_reqs, rb.num_tokens
         self.query_start_loc.np[:n + 1] = rb.query_start_loc
         self.seq_lens.np[:n] = rb.seq_lens
@@ -483,16 +505,18 @@ def _make_v2(case: Case) -> list[Builder]:
     return make_vllm_builders(case, v2=True)
 
 
-def engine_refusal(case: Case) -> str | None:
+def engine_refusal(case: Case, builder_cls: type | None = None) -> str | None:
     """Why vLLM (or this adapter, for MLA and other layouts ``FlashInferMetadataBuilder`` does not serve) refuses
-    ``case``, from vLLM's own config validation on the stand-in platform; None when it accepts the layout."""
+    ``case``, from vLLM's own config validation on the stand-in platform, then from the attention selector's questions
+    to the backend class of the builder driven (``builder_cls``, the installed module's by default;
+    ``engines/vllm/selector.py``); None when it accepts the layout."""
     try:
         check_expressible(case)
-        with vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp):
+        with vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp) as module:
             make_vllm_config(case)
+            return selector_refusal(case, backend_class_of(builder_cls or module.FlashInferMetadataBuilder))
     except UnexpressibleCase as exc:
         return str(exc)
-    return None
 
 
 VLLM_BACKENDS: tuple[Backend, ...] = (

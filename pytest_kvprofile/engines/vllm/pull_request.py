@@ -1,4 +1,4 @@
-"""vLLM's released ``FlashInferMetadataBuilder`` taught the open vLLM pull request's current reservation API, written
+"""vLLM's released ``FlashInferMetadataBuilder`` taught the open vLLM pull request's tri-state reservation API, written
 here from the pull request's facts (docs/vllm.md, "The pull request's API"), so the suite can be run on that API
 with any installed vLLM, and the adapter's recognition and runner order are tested on it.
 
@@ -12,6 +12,8 @@ with any installed vLLM, and the adapter's recognition and runner order are test
 - ``rebind_workspace_after_reservation()`` hands the wrappers the micro-batch's arena again when its pointer or size
   moved (the pull request compares ``data_ptr()``, which is metadata, not a use of the old arena).
 - ``reserve_workspace_for_cudagraph_capture() -> int`` makes the CUDA-graph wrappers again before capture.
+- Off the profiling path (an MTP case) the builder still takes its arena from vLLM's manager, lazily on its first
+  wrapper; vLLM's kernel warmup sizes it before the lock (docs/vllm.md, "Kernel warmup").
 
 Two backends (``--kvprofile-backend pytest_kvprofile.engines.vllm.pull_request:backends``): ``vllm-pr-planned``
 plans each wrapper once inside the window (one batch of every shape the engine runs, the largest last), so
@@ -65,7 +67,7 @@ def _workspace_module() -> ModuleType:
 
 @functools.cache
 def pull_request_builder(plan: bool) -> type:
-    """The installed vLLM's ``FlashInferMetadataBuilder`` with the pull request's current API; ``plan``: plan each
+    """The installed vLLM's ``FlashInferMetadataBuilder`` with the pull request's tri-state API; ``plan``: plan each
     wrapper once inside the window."""
     # Any: vLLM's builder class, read from the module imported now: mypy takes no base class from a variable
     base: Any = import_vllm_flashinfer().FlashInferMetadataBuilder
@@ -81,6 +83,22 @@ def pull_request_builder(plan: bool) -> type:
             if getattr(kv_cache_spec, "non_causal", False):
                 return PersistentWorkspaceProfilingSupport.UNSUPPORTED
             return PersistentWorkspaceProfilingSupport.REQUIRED
+
+        @classmethod
+        def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any) -> Any:
+            """The pull request's base: uniform (speculative) decode batches are graphed only where trtllm-gen or
+            XQA decodes them; FA2's native decode graphs single-token decodes only, so an MTP case off trtllm-gen
+            falls back to piecewise graphs and captures no attention."""
+            from vllm.v1.attention.backend import AttentionCGSupport
+
+            module = import_vllm_flashinfer()
+            if vllm_config.parallel_config.decode_context_parallel_size > 1:
+                return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+            heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+            if module.can_use_trtllm_attention(num_qo_heads=heads, num_kv_heads=kv_cache_spec.num_kv_heads,
+                                               is_prefill=False):
+                return AttentionCGSupport.UNIFORM_BATCH
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
         # -- the arena ---------------------------------------------------------------------------------
         def _default_arena_bytes(self) -> int:
@@ -101,6 +119,15 @@ def pull_request_builder(plan: bool) -> type:
             (arena,) = workspace.current_workspace_manager().get_simultaneous(
                 ((self._default_arena_bytes(),), torch.uint8))
             return arena
+
+        def _get_workspace_buffer(self, *args: Any, **kwargs: Any) -> Any:  # Any: vLLM's untyped tensor
+            """The pull request's builder takes its float arena from vLLM's manager whenever one is initialised, on
+            the legacy path too, lazily on its first wrapper (``_allocate_workspace_buffer``)."""
+            if getattr(self, "_workspace_buffer", None) is None:
+                arena = self._manager_arena()
+                if arena is not None:
+                    self.set_workspace_buffer(arena)
+            return super()._get_workspace_buffer(*args, **kwargs)
 
         def _wrappers(self) -> list[PagedWrapper]:
             found = [self._prefill_wrapper, self._decode_wrapper,
@@ -243,7 +270,7 @@ def backends() -> list[Backend]:
                   policy=VLLM_POLICY, origin="builtin", provenance=vllm_provenance("vllm-pr"))
     return [
         Backend(name="vllm-pr-planned", make_builders=_make(True),
-                description="vLLM's FlashInferMetadataBuilder with the pull request's current API, planning each "
+                description="vLLM's FlashInferMetadataBuilder with the pull request's tri-state API, planning each "
                             "wrapper once inside the window", **common),  # type: ignore[arg-type]
         Backend(name="vllm-pr-unplanned", make_builders=_make(False),
                 description="the same, building its wrappers without planning them, as the pull request does",

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Iterator, TypeAlias, TypeVar
 
+from pytest_kvprofile.contract.backends import BackendError
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import (
     OWNER,
@@ -111,6 +113,42 @@ def _load() -> ModuleType:
     with cuda_version(), standin_platform(platform.gpu, platform.ranks):
         importlib.import_module(_UBATCHING_MODULE)
         return importlib.import_module(_WORKSPACE_MODULE)
+
+
+class UnusableWorkspaceManager(BackendError):
+    """vLLM's ``WorkspaceManager`` has a constructor the adapter cannot fill: a usage error naming its signature."""
+
+
+def make_manager(cls: type, named: type | None = None, **known: Any) -> tuple[Any, bool]:  # Any: of the class given
+    """``cls`` built from its own signature, every argument passed by name (``device``, ``num_ubatches``,
+    ``num_lanes``, ``alloc_context``: whichever of them it takes), and whether it took ``alloc_context``.
+
+    Raises :class:`UnusableWorkspaceManager` naming the signature when it requires an argument the adapter does not
+    know, or when it takes no ``num_ubatches`` (``num_lanes``) but more than one is needed. ``named``: the class the
+    message names."""
+    sig = inspect.signature(cls)
+    params = sig.parameters
+    label = named or cls  # the class a message names (vLLM's, not the adapter's observing subclass)
+    where = f"vLLM's WorkspaceManager {label.__module__}.{label.__qualname__}{sig}"
+    unknown = [p.name for p in params.values()
+               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in known and p.default is p.empty]
+    if unknown:
+        raise UnusableWorkspaceManager(
+            f"{where} requires {', '.join(unknown)}, which the adapter cannot pass (it passes "
+            f"{', '.join(known)} by name, whichever the constructor takes); adapt engines/vllm/workspace.py "
+            "make_manager to this revision")
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    for name, floor in (("num_ubatches", 1), ("num_lanes", 1)):
+        if name not in params and not takes_any and int(known.get(name) or 1) > floor:
+            raise UnusableWorkspaceManager(f"{where} takes no {name}, and the run needs {known[name]}")
+    args = [known[p.name] for p in params.values() if p.kind is p.POSITIONAL_ONLY and p.name in known]
+    kwargs = {n: v for n, v in known.items()
+              if (n in params and params[n].kind is not params[n].POSITIONAL_ONLY) or (takes_any and n not in params)}
+    try:
+        manager = cls(*args, **kwargs)
+    except TypeError as exc:
+        raise UnusableWorkspaceManager(f"{where} refused the arguments {', '.join(kwargs)}: {exc}") from None
+    return manager, "alloc_context" in params or takes_any
 
 
 class VllmWorkspaceRefusal(WorkspaceLockedError, AssertionError):
@@ -195,7 +233,9 @@ class VllmWorkspaceManager:
         self._requester: str | None = None
         self._tag = ""
         self._private_sim: SimulatedCuda | None = None
-        self.inner = _observed_class(workspace)(torch.device("cuda"), num_ubatches, num_lanes, self._alloc_scope)
+        self.inner, self.has_alloc_context = make_manager(
+            _observed_class(workspace), workspace.WorkspaceManager, device=torch.device("cuda"),
+            num_ubatches=num_ubatches, num_lanes=num_lanes, alloc_context=self._alloc_scope)
         self.inner.adapter = self
         self._workspace_module = workspace
         self._previous_global: object = _MISSING
@@ -375,8 +415,11 @@ class VllmWorkspaceManager:
             self._ubatch, self._requester, self._tag = saved
 
     @contextlib.contextmanager
-    def _in_slot(self) -> Iterator[int]:
-        """vLLM's current ubatch id set to the micro-batch asked for (or being built), on a simulated device."""
+    def _in_slot(self, explicit: int | None = None) -> Iterator[int]:
+        """vLLM's current ubatch id set to the micro-batch asked for (or being built), on a simulated device; yields
+        the slot vLLM's manager resolves, as it resolves it: an ``ubatch_id`` passed to the call (the pull request's
+        manager takes one), else its ``use_workspace_ubatch_id`` override where it has one, else the DBO id. A
+        micro-batch the adapter's call names is set as that override too, so the call lands in its slot."""
         table = self._ubatching._THREAD_ID_TO_CONTEXT
         tid = threading.get_ident()
         ubatch = self._ubatch
@@ -385,10 +428,17 @@ class VllmWorkspaceManager:
         previous = table.get(tid, _MISSING)
         if ubatch is not None:
             table[tid] = ubatch
+        # Any: vLLM's ContextVar of the override, in the revisions that have one
+        override: Any = getattr(self._workspace_module, "_workspace_ubatch_id", None)
+        token = override.set(self._ubatch) if override is not None and self._ubatch is not None else None
         try:
             with self._simulation():
-                yield self._ubatching.dbo_current_ubatch_id()
+                resolved = override.get() if override is not None else None
+                yield int(explicit if explicit is not None else
+                          resolved if resolved is not None else self._ubatching.dbo_current_ubatch_id())
         finally:
+            if token is not None and override is not None:
+                override.reset(token)
             if ubatch is not None:
                 if previous is _MISSING:
                     table.pop(tid, None)
@@ -413,9 +463,10 @@ class VllmWorkspaceManager:
         sim = self._run_simulation() or self._private_sim
         return sim.owner_scope(OWNER, self._tag or "float-arena") if sim is not None else contextlib.nullcontext()
 
-    def _ensured(self, ensure: Callable[[int], VllmTensor], required: int) -> VllmTensor:
-        """vLLM's ``_ensure_workspace_size`` in the right slot: growth counted, a refusal recorded."""
-        with self._in_slot() as ubatch:
+    def _ensured(self, ensure: Callable[[int], VllmTensor], required: int, explicit: int | None = None) -> VllmTensor:
+        """vLLM's ``_ensure_workspace_size`` in the right slot: growth counted, a refusal recorded. A manager without
+        ``alloc_context`` makes its arena inside the owner scope the adapter would have passed."""
+        with self._in_slot(explicit) as ubatch:
             lane = self._workspace_module._workspace_lane.get()
             sim = self._run_simulation() or self._private_sim
             slot = self._slots[ubatch][lane] if lane < self.num_lanes and ubatch < self.num_ubatches else None
@@ -425,7 +476,8 @@ class VllmWorkspaceManager:
             if not self._tag:
                 self._tag = f"float-arena[ubatch {ubatch}] for {requester}"
             try:
-                workspace = ensure(required)
+                with contextlib.nullcontext() if self.has_alloc_context else self._alloc_scope():
+                    workspace = ensure(required)
             except AssertionError as exc:
                 current = before.nbytes if before is not None and before.alive else 0
                 refusal = VllmWorkspaceRefusal(requester, ubatch, required, current, str(exc))
@@ -472,17 +524,24 @@ def _observed_class(workspace: VllmModule) -> type:
     if cached is not None:
         return cached
 
-    class ObservedWorkspaceManager(workspace.WorkspaceManager):  # type: ignore[misc]
+    base = workspace.WorkspaceManager
+
+    class ObservedWorkspaceManager(base):  # type: ignore[misc,valid-type]
         adapter: VllmWorkspaceManager
 
         def _ensure_workspace_size(self, required_bytes: int, *args: object, **kwargs: object) -> VllmTensor:
-            # the pull request's manager also takes the ubatch id
+            # the pull request's manager also takes the ubatch id (positional or by name)
+            explicit = kwargs.get("ubatch_id", args[0] if args else None)
             return self.adapter._ensured(lambda n: super(ObservedWorkspaceManager, self)._ensure_workspace_size(
-                n, *args, **kwargs), required_bytes)
+                n, *args, **kwargs), required_bytes, explicit if isinstance(explicit, int) else None)
 
+    if callable(getattr(base, "get_persistent_resource", None)):  # a revision without keyed resources gets none
         # Any: what factory made, passed through vLLM's untyped get_persistent_resource
-        def get_persistent_resource(self, key: Hashable, factory: Callable[[], Any]) -> Any:
-            return self.adapter._resource(super().get_persistent_resource, key, factory)
+        def get_persistent_resource(self: Any, key: Hashable, factory: Callable[[], Any]) -> Any:
+            return self.adapter._resource(super(ObservedWorkspaceManager, self).get_persistent_resource, key,
+                                          factory)
+
+        ObservedWorkspaceManager.get_persistent_resource = get_persistent_resource
 
     _OBSERVED[id(workspace.WorkspaceManager)] = ObservedWorkspaceManager
     return ObservedWorkspaceManager
