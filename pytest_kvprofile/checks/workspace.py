@@ -343,7 +343,8 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
             f"builder {name!r}: its {route} wrappers plan() into {bytes_text(nbytes)} of float "
             f"workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, but FlashInfer "
             f"{need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
-            f"{', '.join(subs)}: short by {size_text((route_need - nbytes))} (Buffer overflow ... Increase the "
+            f"{', '.join(subs)} ({_deciding_text(need, subs)}): short by {size_text((route_need - nbytes))} "
+            "(Buffer overflow ... Increase the "
             "workspace buffer size)")
     return out
 

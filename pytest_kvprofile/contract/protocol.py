@@ -218,7 +218,10 @@ class BuilderContext:
         (``no_use_after_free``); a view of another micro-batch's arena while building a batch is aliasing
         (``ubatch_arenas_disjoint``). Torch mode observes tensor reads and writes without this call.
         """
-        self._run.note_plan(self.owner, target, part)
+        if part is None:  # a host written before ``part`` takes two arguments
+            self._run.note_plan(self.owner, target)
+        else:
+            self._run.note_plan(self.owner, target, part)
 
     def lease(self, resources: Iterable[object] = (), on_release: Callable[[], None] | None = None) -> Lease:
         return Lease(self.owner, resources, on_release)
