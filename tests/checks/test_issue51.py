@@ -8,15 +8,24 @@ from typing import Any
 
 import pytest
 
-from pytest_kvprofile import Backend
-from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_BACKENDS, REAL_FLASHINFER_MUTANTS
+from pytest_kvprofile import Backend, Role
+from pytest_kvprofile.builtin.flashinfer_real import (
+    REAL_FLASHINFER_BACKENDS,
+    REAL_FLASHINFER_MUTANTS,
+    RealFlashInferBuilder,
+    _ledger_range,
+)
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, SMALL_INT_WORKSPACE_BYTES
 from pytest_kvprofile.builtin.stubs import (
     ROUTE_STUB_BACKENDS,
     STUB_BACKENDS,
+    TORCH_STUB_BACKENDS,
     FlashInferLikeBuilder,
     NativeDecodeBuilder,
     SplitMixedTrtllmPrefillBuilder,
+    TorchFlashInferLikeBuilder,
+    Wrapper,
+    with_role,
 )
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.evidence import fmt_batch
@@ -27,8 +36,8 @@ from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.sizing.case import for_case, need_for_routes, sizable_refusal
 
-BACKENDS = {b.name: b for b in (*MUTANT_BACKENDS, *STUB_BACKENDS, *ROUTE_STUB_BACKENDS, *REAL_FLASHINFER_BACKENDS,
-                                 *REAL_FLASHINFER_MUTANTS)}
+BACKENDS = {b.name: b for b in (*MUTANT_BACKENDS, *STUB_BACKENDS, *ROUTE_STUB_BACKENDS, *TORCH_STUB_BACKENDS,
+                                 *REAL_FLASHINFER_BACKENDS, *REAL_FLASHINFER_MUTANTS)}
 ALONE = "glm-4-9b-32q2kv-tp1-dcp1-mtp0-b200-gmu0.90"  # prefill's need far above decode's: the split matters
 
 
@@ -72,6 +81,61 @@ def test_an_int_workspace_slice_is_refused_alone_with_the_bytes_and_the_routes_n
     assert f"({SMALL_INT_WORKSPACE_BYTES} bytes)" in message and f"({need} bytes)" in message, message
     assert "int workspace slab [ubatch 0]" in message and "Give each wrapper at least" in message
     assert _failed(BACKENDS["stub-flashinfer"], case) == {}
+
+
+class TorchSlicedInt(TorchFlashInferLikeBuilder):
+    """17 in torch mode: one 16 MiB int slab tensor per micro-batch, each wrapper a 32 KiB slice of it (reported)."""
+
+    name = "torch-sliced-int"
+
+    def __init__(self, case: Any) -> None:
+        super().__init__(case)
+        self.slabs: dict[int, Any] = {}
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        import torch
+
+        slab = self.slabs.get(ubatch)
+        if slab is None:
+            slab = self.slabs[ubatch] = torch.empty(2 * self.int_bytes(), dtype=torch.uint8, device="cuda")
+            with_role(slab, Role.INT_WORKSPACE)
+        view = self._float_view(ctx, ubatch)
+        offset = self.routes().index(route) * SMALL_INT_WORKSPACE_BYTES
+        piece = slab[offset:offset + SMALL_INT_WORKSPACE_BYTES]
+        mirror = torch.empty(self.int_bytes(), dtype=torch.uint8, pin_memory=True)
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, piece, mirror, *_ledger_range(piece), view)
+
+    def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
+        super()._drop(ctx, wrappers)
+        for ub in [u for u in self.slabs if not any(w.ubatch == u for w in self.wrappers.values())]:
+            del self.slabs[ub]
+
+
+class RealSmallInt(RealFlashInferBuilder):
+    """17 with FlashInfer's own wrappers: each handed a 32 KiB int workspace (``reset_workspace_buffer``)."""
+
+    name = "real-small-int"
+
+    def _give_int_workspaces(self, ctx: BuilderContext, slot: Any) -> None:
+        import torch
+
+        ws = self._arena_tensor(ctx, slot.arena)
+        for _, w in slot.wrappers():
+            w.reset_workspace_buffer(ws, torch.empty(SMALL_INT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_small_int_workspaces_in_torch_mode_are_refused_naming_the_source_line():
+    case = _case(REAL_CASE)
+    sliced = Backend(name="sliced", make_builders=lambda c: [TorchSlicedInt(c)], torch_mode=True)
+    message = " ".join(_failed(sliced, case)["int_workspace_per_wrapper"])
+    assert "(32768 bytes)" in message and "test_issue51.py" in message and "in _new_wrapper" in message, message
+    real = Backend(name="real", make_builders=lambda c: [RealSmallInt(c)], torch_mode=True)
+    failed = _failed(real, case)
+    assert set(failed) == {"int_workspace_per_wrapper"}, failed
+    message = " ".join(failed["int_workspace_per_wrapper"])
+    assert "(32768 bytes)" in message and "in _give_int_workspaces" in message, message
+    assert _failed(BACKENDS["stub-flashinfer-torch"], case) == {}
 
 
 # -- 13: two wrappers planning into one int workspace, seen from the plans ------------------------------------
