@@ -304,6 +304,7 @@ def _short_for_what_is_planned(result: LifecycleResult, name: str) -> list[str]:
         key = (vp.route, planned)
         if key not in worst or vp.nbytes < worst[key].nbytes:
             worst[key] = vp
+
     def what(vp: ViewPlan) -> str:
         return f"the {vp.part} part of {vp.batch_kind} batches" if vp.part else f"{vp.batch_kind} batches"
 
