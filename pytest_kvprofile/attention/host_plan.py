@@ -153,16 +153,17 @@ def get_host_planner() -> HostPlanner:
     return planner
 
 
-# (the device planned on, route, float workspace, graph)
-PlanObserver = Callable[[PlanDevice, str, "Tensor", bool], None]
+# (the device planned on, route, float workspace, graph, int workspace, the wrapper whose plan() it is or None)
+PlanObserver = Callable[[PlanDevice, str, "Tensor", bool, "Tensor", object], None]
 _plan_observers: list[PlanObserver] = []
 
 
 def observe_plans(callback: PlanObserver) -> Callable[[], None]:
-    """Call ``callback(device, route, float_workspace, cuda_graph)`` for every ``plan()`` served from now on; the
-    returned function stops it. ``route`` is the wrapper's (``prefill``, ``decode``, ``mla``): a tensor-core decode
-    wrapper plans with the prefill module but is a decode route. Why: the workspace check sizes the routes a
-    builder's wrappers really plan, into the buffers they really plan into."""
+    """Call ``callback(device, route, float_workspace, cuda_graph, int_workspace, wrapper)`` for every ``plan()``
+    served from now on; the returned function stops it. ``route`` is the wrapper's (``prefill``, ``decode``, ``mla``):
+    a tensor-core decode wrapper plans with the prefill module but is a decode route; ``wrapper`` is the FlashInfer
+    wrapper object whose ``plan()`` it is (None when none is found). Why: the workspace checks size the routes a
+    builder's wrappers really plan, into the float and int buffers they really plan into, wrapper by wrapper."""
     _plan_observers.append(callback)
 
     def stop() -> None:
@@ -172,10 +173,11 @@ def observe_plans(callback: PlanObserver) -> Callable[[], None]:
     return stop
 
 
-def _note_plan(device: PlanDevice, module_route: str, float_ws: Tensor, cuda_graph: bool) -> None:
+def _note_plan(device: PlanDevice, module_route: str, float_ws: Tensor, cuda_graph: bool, int_ws: Tensor) -> None:
     if not _plan_observers:
         return
     frame: FrameType | None
+    wrapper: object = None
     route, frame = module_route, sys._getframe(2)
     for _ in range(8):  # the wrapper whose plan() called the module: its class names the route
         if frame is None:
@@ -183,10 +185,11 @@ def _note_plan(device: PlanDevice, module_route: str, float_ws: Tensor, cuda_gra
         kind = type(frame.f_locals.get("self")).__name__
         if "Decode" in kind or "Prefill" in kind or "MLA" in kind:
             route = "decode" if "Decode" in kind else "mla" if "MLA" in kind else "prefill"
+            wrapper = frame.f_locals.get("self")
             break
         frame = frame.f_back
     for callback in tuple(_plan_observers):
-        callback(device, route, float_ws, bool(cuda_graph))
+        callback(device, route, float_ws, bool(cuda_graph), int_ws, wrapper)
 
 
 def _device_tuple(device: PlanDevice) -> tuple[int, int, int, int]:
@@ -261,7 +264,7 @@ def _mla_module(device: PlanDevice, backend: str) -> object:
         if qo.numel() < lens.numel() + 1 or kv.numel() < lens.numel() + 1:
             raise ValueError("MLA plan needs qo_indptr and kv_indptr of at least len(kv_len) + 1 entries")
         try:
-            _note_plan(device, "mla", float_ws, True)
+            _note_plan(device, "mla", float_ws, True, int_ws)
             return get_host_planner().mla(
                 float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
                 qo.data_ptr(), kv.data_ptr(), lens.data_ptr(), int(lens.numel()), int(num_heads), int(head_dim_o),
@@ -297,7 +300,7 @@ def _prefill_module(device: PlanDevice, module_args: Sequence[ModuleArg]) -> Sim
         qo = _host_int32(qo_indptr, "qo_indptr")
         kv = _host_int32(kv_indptr, "kv_indptr")
         try:
-            _note_plan(device, "prefill", float_ws, cuda_graph)
+            _note_plan(device, "prefill", float_ws, cuda_graph, int_ws)
             return get_host_planner().prefill(
                 float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
                 qo.data_ptr(), kv.data_ptr(), int(total_num_rows), int(batch_size), int(heads_q), int(heads_kv),
@@ -359,7 +362,7 @@ def _decode_module(device: PlanDevice, module_args: Sequence[ModuleArg]) -> Simp
         group = int(heads_q) // max(int(heads_kv), 1)
         blocks = decode_blocks_per_sm_bound(int(head_dim_qk), group, dev[1], kv_bytes)
         try:
-            _note_plan(device, "decode", float_ws, cuda_graph)
+            _note_plan(device, "decode", float_ws, cuda_graph, int_ws)
             return get_host_planner().decode(
                 float_ws.data_ptr(), _nbytes(float_ws), int_ws.data_ptr(), pinned_ws.data_ptr(), _nbytes(int_ws),
                 kv.data_ptr(), int(batch_size), int(heads_q), int(heads_kv), int(page_size), bool(cuda_graph),

@@ -66,6 +66,7 @@ __all__ = [
     "REAL_FLASHINFER_MUTANTS",
     "LazyRealFlashInferBuilder",
     "RealFlashInferBuilder",
+    "DecodeIntIntoPrefillRealBuilder",
     "SharedIntWorkspaceRealBuilder",
 ]
 
@@ -406,6 +407,33 @@ class SharedIntWorkspaceRealBuilder(RealFlashInferBuilder):
         return slot
 
 
+class DecodeIntIntoPrefillRealBuilder(RealFlashInferBuilder):
+    """Bug 15 with FlashInfer's own wrappers: the eager decode wrapper plans into the prefill wrapper's int workspace
+    (its ``_int_workspace_buffer`` pointed there after construction), while ``bound_workspaces()`` reports every
+    wrapper's own int workspace, the decode wrapper's kept alive and never planned into."""
+
+    name = "flashinfer-decode-into-prefill-int"
+
+    def __init__(self, case: Case) -> None:
+        super().__init__(case)
+        self._own_decode_int: dict[int, Tensor] = {}  # ubatch -> the decode wrapper's own int workspace, reported
+
+    def _new_slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
+        slot = super()._new_slot(ctx, ubatch)
+        self._own_decode_int[ubatch] = slot.decode._int_workspace_buffer
+        slot.decode._int_workspace_buffer = slot.prefill._int_workspace_buffer
+        return slot
+
+    def bound_workspaces(self) -> list[BoundWorkspace]:
+        out = []
+        for w in super().bound_workspaces():
+            own = self._own_decode_int.get(w.ubatch)
+            if w.role == "decode float workspace" and own is not None:
+                w = BoundWorkspace(w.ubatch, w.role, w.ptr, w.nbytes, *_ledger_range(own))
+            out.append(w)
+        return out
+
+
 def _cumsum(values: list[int]) -> list[int]:
     out, total = [], 0
     for v in values:
@@ -454,4 +482,6 @@ REAL_FLASHINFER_MUTANTS: tuple[Backend, ...] = (
              .split("\n")[0], "mutant", bug=1),
     _backend("mutant-15i-flashinfer-shared-int-workspace", SharedIntWorkspaceRealBuilder,
              (SharedIntWorkspaceRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),
+    _backend("mutant-15k-flashinfer-decode-plans-into-prefill-int", DecodeIntIntoPrefillRealBuilder,
+             (DecodeIntIntoPrefillRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),
 )

@@ -498,6 +498,37 @@ class RemadeIntWorkspaceBuilder(FlashInferLikeBuilder):
             w.int_ptr, w.int_nbytes = w.int_workspace.ptr, w.int_workspace.nbytes
 
 
+class SlicedIntWorkspaceBuilder(FlashInferLikeBuilder):
+    """Bug 15j: declares and allocates FlashInfer's 8 MiB int workspace per wrapper, as one slab per micro-batch
+    (``Role.INT_WORKSPACE``), but hands each wrapper a 32 KiB slice of it, below what the planner writes for one
+    plan; ``bound_workspaces()`` reports each slice honestly."""
+
+    def __init__(self, case: Case):
+        super().__init__(case)
+        self.slabs: dict[int, Allocation] = {}
+
+    def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
+        slab = self.slabs.get(ubatch)
+        if slab is None or not slab.alive:
+            slab = self.slabs[ubatch] = ctx.allocate(self.int_bytes() * len(self.routes()),
+                                                     f"int workspace slab [ubatch {ubatch}]", role=Role.INT_WORKSPACE)
+        view = self._float_view(ctx, ubatch)
+        mirror = ctx.allocate(self.int_bytes(), f"{route} int workspace pinned mirror [ubatch {ubatch}]",
+                              pinned_host=True, role=Role.PINNED_MIRROR)
+        offset = self.routes().index(route) * SMALL_INT_WORKSPACE_BYTES
+        return Wrapper(route, ubatch, view.ptr, view.nbytes, slab, mirror, slab.ptr + offset,
+                       SMALL_INT_WORKSPACE_BYTES, view)
+
+    def _drop(self, ctx: BuilderContext, wrappers: list[Wrapper]) -> None:
+        for w in wrappers:
+            ctx.free(w.pinned_mirror)
+        for key in [k for k, v in self.wrappers.items() if any(v is w for w in wrappers)]:
+            del self.wrappers[key]
+        for ub, slab in list(self.slabs.items()):
+            if slab.alive and not any(w.ubatch == ub for w in self.wrappers.values()):
+                ctx.free(slab)
+
+
 class TorchSmallIntWorkspaceBuilder(TorchFlashInferLikeBuilder):
     """Bug 15e (torch mode): the torch-mode builder's wrappers get 32 KiB int workspaces against 8 MiB declared."""
 
@@ -798,6 +829,8 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-10-graph-gross-minus-retained", 10, _PlainFlashInfer,
             EnginePolicy(graph_estimate="gross_minus_retained"),
             catches=("graph_pool_full_high_water", "no_post_kv_overrun")),
+    _mutant("mutant-10b-graph-pool-not-accounted", 10, _PlainFlashInfer, EnginePolicy(graph_estimate="none"),
+            catches=("graph_pool_full_high_water", "no_post_kv_overrun")),
     _mutant("mutant-11-decode-heuristic-sizing", 11, DecodeHeuristicSizingBuilder,
             catches=(
                 "arena_not_grown_after_lock", "arena_stable_after_closing", "captured_memory_stays",
@@ -842,6 +875,8 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
             catches=("int_workspace_per_wrapper", "no_post_kv_overrun", "no_use_after_free")),
     _mutant("mutant-15d-int-workspace-remade-after-capture", 15, RemadeIntWorkspaceBuilder,
             catches=("captured_memory_stays", "int_workspace_per_wrapper")),
+    _mutant("mutant-15j-int-workspace-slices-too-small", 15, SlicedIntWorkspaceBuilder,
+            catches=("int_workspace_per_wrapper",)),
     _mutant("mutant-15e-torch-int-workspace-too-small", 15, TorchSmallIntWorkspaceBuilder,
             catches=("int_workspace_per_wrapper",)),
     _mutant("mutant-15f-torch-int-workspace-shared-by-ubatches", 15, TorchSharedIntWorkspaceBuilder,

@@ -425,6 +425,54 @@ class NativeDecodeBuilder(TrtllmGenRoutesBuilder):
     NATIVE = ("decode",)
 
 
+class SplitMixedBuilder(TrtllmGenRoutesBuilder):
+    """REQUIRED, correct under every README (issue 51, item 15): both routes native, each in views named for its
+    route and sized for that route alone (the decode view for decode); a mixed batch is split, its decode part
+    planned into the decode view and its prefill part into the prefill view, in one build."""
+
+    name = "flashinfer-split-mixed"
+    NATIVE = ("prefill", "decode")
+
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
+        return ctx.get_workspace(need_for_routes(self.case, (self._planning or "prefill",))[0], ubatch,
+                                 route=self._planning)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        if batch.kind == "mixed" and "decode" in self.routes():  # (an MLA case plans no decode route here)
+            self._plan(ctx, self.wrappers[("decode", batch.ubatch)])
+            self._plan(ctx, self.wrappers[("prefill", batch.ubatch)])
+        else:
+            self._plan(ctx, self._wrapper_for(ctx, batch))
+
+
+class SplitMixedTrtllmPrefillBuilder(NativeDecodeBuilder):
+    """REQUIRED, correct (issue 51, item 15), Blackwell's split: decode native in views named ``route="decode"``, sized
+    for decode alone; prefill on trtllm-gen. A mixed batch's decode part goes into the decode view, its prefill part
+    to trtllm-gen, and the build says so (``ctx.plan_into(trtllm workspace)``)."""
+
+    name = "flashinfer-split-mixed-trtllm"
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        if batch.kind == "mixed" and "decode" in self.routes():
+            self._plan(ctx, self.wrappers[("decode", batch.ubatch)])
+            if self.trtllm_workspace is not None:
+                ctx.plan_into(self.trtllm_workspace)
+        else:
+            super().build(ctx, batch)
+
+
+class AsksEveryUbatchBuilder(FlashInferLikeBuilder):
+    """REQUIRED, correct (issue 51, item 14): every build asks for every micro-batch's arena view at the arena's own
+    size, and plans only into its own micro-batch's (a request is not a use)."""
+
+    name = "flashinfer-asks-every-ubatch"
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        for ub in range(ctx.num_ubatches):
+            ctx.get_workspace(self.float_bytes(), ub)
+        super().build(ctx, batch)
+
+
 # Correct builders for the routes-and-waste rules, by name only (``--kvprofile-backend stub-trtllm-gen``): not
 # in ``STUB_BACKENDS``, so the default run and ``stubs`` keep their backends.
 ROUTE_STUB_BACKENDS: tuple[Backend, ...] = (
@@ -434,4 +482,10 @@ ROUTE_STUB_BACKENDS: tuple[Backend, ...] = (
              "(REQUIRED)", TrtllmGenRoutesBuilder),
     _builtin("stub-native-decode", "decode native, sized for decode alone; prefill on trtllm-gen (REQUIRED)",
              NativeDecodeBuilder),
+    _builtin("stub-split-mixed", "both routes native, each view sized for its route; a mixed batch split between "
+             "them (REQUIRED)", SplitMixedBuilder),
+    _builtin("stub-split-mixed-trtllm", "decode native, sized for decode alone; a mixed batch's prefill part on "
+             "trtllm-gen (REQUIRED)", SplitMixedTrtllmPrefillBuilder),
+    _builtin("stub-asks-every-ubatch", "asks every micro-batch's arena view in each build, plans into its own "
+             "(REQUIRED)", AsksEveryUbatchBuilder),
 )

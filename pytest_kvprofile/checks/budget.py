@@ -63,6 +63,13 @@ def check_graph_pool_full_high_water(result: LifecycleResult, options: CheckOpti
     assert budget is not None, "the check needs KV sizing, which makes the budget"
     if budget.graph_pool_estimate < result.graph_pool_high_water:
         missing = result.graph_pool_high_water - budget.graph_pool_estimate
+        if result.policy.graph_estimate == "none":
+            return [
+                f"the engine does not account CUDA graphs in KV sizing (EnginePolicy(graph_estimate='none'), an old "
+                f"vLLM default): the graph pool's high-water mark, {size_text(missing)}, is invisible to KV "
+                f"sizing, which overstates the KV cache by {tokens_for(missing, budget.kv_bytes_per_token)} tokens "
+                "per rank; the pool is made after KV allocation and runs past total x gmu. Account it at its full "
+                "high-water mark (graph_estimate='high_water')"]
         return [
             f"the CUDA-graph pool was estimated at {size_text(budget.graph_pool_estimate)} but its high-water mark "
             f"is {size_text(result.graph_pool_high_water)} ({size_text(result.graph_pool_retained)} retained): "

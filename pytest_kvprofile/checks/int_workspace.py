@@ -19,7 +19,7 @@ from pytest_kvprofile.contract.support import ProfilingSupport, declared_support
 from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.memory.device import Allocation
-from pytest_kvprofile.units import bytes_text, size_text
+from pytest_kvprofile.units import bytes_text
 
 # Phases at whose end the serving wrappers exist and plan: from the rebind after KV sizing to the end. (Between
 # the lease release and the rebind a builder may legally hold wrappers it has dropped the int workspaces of.)
@@ -46,9 +46,7 @@ def _within(ptr: int, nbytes: int, start: int, size: int) -> bool:
 
 
 def check_int_workspace_per_wrapper(result: LifecycleResult, options: CheckOptions) -> list[str]:
-    from pytest_kvprofile.sizing.case import for_case
 
-    need = for_case(result.case).int_bytes
     resources = resource_names(result)
     out: list[str] = []
     for b in result.builders:
@@ -56,9 +54,13 @@ def check_int_workspace_per_wrapper(result: LifecycleResult, options: CheckOptio
         decl = result.declared.get(name)
         if name in resources or decl is None or declared_support(b) is not ProfilingSupport.REQUIRED:
             continue
+        need, sized = int_need(result, name)
         mine = [a for a in result.allocations if a.owner == name and a.kind == "device"]
         ints = [a for a in mine if a.role is Role.INT_WORKSPACE]
-        out.extend(_sizes(result, name, decl, need, [a for a in ints if held(result, a)]))
+        out.extend(_sizes(result, name, decl, need, [a for a in ints if held(result, a)], sized))
+        out.extend(_short_reported(result, name, mine, need, sized))
+        out.extend(_short_int_plans(result, name))
+        out.extend(_shared_by_plans(result, name, mine))
         # Its wrappers have int workspaces if it declares or makes any; with no memory of the builder attributed
         # (torch-mode code on a real GPU) there is nothing to count.
         if (decl.int_bytes > 0 or ints) and mine:
@@ -70,16 +72,42 @@ def check_int_workspace_per_wrapper(result: LifecycleResult, options: CheckOptio
     return out
 
 
+def int_need(result: LifecycleResult, name: str) -> tuple[int, tuple[str, ...]]:
+    """The int bytes FlashInfer's planner writes for one plan of the routes the builder plans natively (the
+    sub-routes ``workspace_covers_planner`` sizes its float workspace for), with those sub-routes; a builder whose
+    routes are all trtllm-gen plans none (0 bytes)."""
+    from pytest_kvprofile.checks.workspace import builder_waste
+    from pytest_kvprofile.sizing.case import for_case
+
+    sized = builder_waste(result, name).sized
+    routes = for_case(result.case).routes
+    return max((routes[s].int_bytes for s in sized), default=0), sized
+
+
+def route_int_need(result: LifecycleResult, route: str) -> tuple[int, tuple[str, ...]]:
+    """The planner's int bytes for one case route's worst plan (its sub-routes', with and without CUDA graphs)."""
+    from pytest_kvprofile.sizing.case import for_case, route_of
+
+    routes = for_case(result.case).routes
+    subs = tuple(s for s in routes if route_of(s) == route)
+    return max((routes[s].int_bytes for s in subs), default=0), subs
+
+
+def _need_text(need: int, sized: tuple[str, ...]) -> str:
+    return (f"{bytes_text(need)} for one plan of {', '.join(sized) or 'no route'} "
+            "(pytest_kvprofile.sizing.for_case(case).routes[...].int_bytes)")
+
+
 def _sizes(result: LifecycleResult, name: str, decl: WorkspaceDeclaration, need: int,
-           kept: list[Allocation]) -> list[str]:
+           kept: list[Allocation], sized: tuple[str, ...] = ()) -> list[str]:
     """Each int workspace a builder keeps covers the planner's int bytes and what the builder declared."""
     out = []
     short = [a for a in kept if a.nbytes < need]
     if short:
         out.append(
             f"builder {name!r} keeps int workspaces smaller than FlashInfer's planner writes for one wrapper's plan "
-            f"({size_text(need)}, {need} bytes: pytest_kvprofile.sizing.for_case(case).int_bytes): "
-            f"{grouped(result, short)}; plan() overflows them. Give each wrapper at least that many bytes")
+            f"({_need_text(need, sized)}): {grouped(result, short)}; plan() overflows them. Give each wrapper at "
+            "least that many bytes")
     under = [a for a in kept if a.nbytes < decl.int_bytes]
     if under:
         out.append(
@@ -87,6 +115,69 @@ def _sizes(result: LifecycleResult, name: str, decl: WorkspaceDeclaration, need:
             f"per wrapper but allocates less: {grouped(result, under)}; allocate what you declare (or declare what "
             "your wrappers really get)")
     return out
+
+
+def _short_reported(result: LifecycleResult, name: str, mine: list[Allocation], need: int,
+                    sized: tuple[str, ...]) -> list[str]:
+    """Each wrapper's int workspace as reported (``bound_workspaces()``: ``int_ptr``, ``int_nbytes``, located in the
+    builder's device memory) covers the planner's int need: a slice of a large slab is judged by the slice."""
+    if not need:
+        return []
+    own_floats = [a for a in mine if a.role is Role.FLOAT_WORKSPACE]
+    short: dict[tuple[int, int], tuple[BoundWorkspace, Allocation, Phase]] = {}
+    for phase in SERVING_STATE:
+        for w in _wrappers(result, name, phase, own_floats):
+            if not w.int_nbytes or w.int_nbytes >= need:
+                continue
+            behind = _behind(w, phase, mine)
+            if behind is not None and behind.nbytes >= need and (w.int_ptr, w.int_nbytes) not in short:
+                short[(w.int_ptr, w.int_nbytes)] = (w, behind, phase)
+    if not short:
+        return []
+    w, behind, phase = next(iter(short.values()))
+    return [f"builder {name!r}: {len(short)} wrapper(s) plan into int workspaces smaller than FlashInfer's planner "
+            f"writes ({_need_text(need, sized)}), first {w.role!r} (ubatch {w.ubatch}) with {bytes_text(w.int_nbytes)}"
+            f" at the end of phase {phase!r}, inside {fmt_alloc(behind)} (bound_workspaces()); plan() overflows it. "
+            "Give each wrapper at least that many bytes (FlashInfer's default is 8 MiB)"]
+
+
+def _short_int_plans(result: LifecycleResult, name: str) -> list[str]:
+    """Torch mode: a FlashInfer ``plan()`` of the builder handed an int workspace below its route's int need."""
+    short: dict[tuple[str, int], list[str]] = {}
+    needs: dict[str, tuple[int, tuple[str, ...]]] = {}
+    for p in result.plans:
+        if p.builder != name or not p.int_nbytes:
+            continue
+        if p.route not in needs:
+            needs[p.route] = route_int_need(result, p.route)
+        if p.int_nbytes < needs[p.route][0]:
+            short.setdefault((p.route, p.int_nbytes), []).append(p.phase)
+    allocs = {a.id: a for a in result.allocations} if short else {}
+    out = []
+    for (route, nbytes), phases in sorted(short.items()):
+        plan = next(p for p in result.plans if p.builder == name and p.route == route and p.int_nbytes == nbytes)
+        alloc = allocs.get(plan.int_alloc_id) if plan.int_alloc_id is not None else None
+        into = f" of {fmt_alloc(alloc)}" if alloc is not None else ""
+        out.append(
+            f"builder {name!r}: its {route} wrapper {plan.wrapper or ''} plan()s into {bytes_text(nbytes)} of int "
+            f"workspace{into} x {len(phases)}, first in phase {phases[0]!r}, but FlashInfer's planner writes "
+            f"{_need_text(*needs[route])}: plan() overflows it. Give each wrapper at least that many bytes")
+    return out
+
+
+def _shared_by_plans(result: LifecycleResult, name: str, mine: list[Allocation]) -> list[str]:
+    """Torch mode: two live wrappers whose ``plan()`` calls wrote overlapping bytes of one int workspace (observed
+    plans, whatever ``bound_workspaces()`` reports)."""
+    by_id = {a.id: a for a in mine}
+    shares = [s for s in result.int_plan_shares if s.alloc_id in by_id]
+    if not shares:
+        return []
+    s = shares[0]
+    return [f"builder {name!r}: wrapper {s.planner} plan()s into the int workspace wrapper {s.holder} planned into "
+            f"and still holds, {fmt_alloc(by_id[s.alloc_id])}, in phase {s.phase!r} ("
+            f"{'' if s.ubatch is None else f'building ubatch {s.ubatch}; '}{len(shares)} such pair(s); seen from "
+            "the plans, whatever bound_workspaces() reports): each plan "
+            "overwrites the other's plan info. Give every wrapper its own int workspace"]
 
 
 def _wrappers(result: LifecycleResult, name: str, phase: Phase, own_floats: list[Allocation]) -> list[BoundWorkspace]:

@@ -36,6 +36,7 @@ from pytest_kvprofile.units import MiB, bytes_text, size_text
 if TYPE_CHECKING:
     from pytest_kvprofile.checks.base import JsonObject
     from pytest_kvprofile.lifecycle.record import ViewPlan
+    from pytest_kvprofile.sizing.requirement import SizingResult
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
         out.append(
             f"builder {name!r} declares {bytes_text(declared)} of float workspace but FlashInfer "
             f"{need.flashinfer_version}'s planner carves {size_text(arena_need)} ({need.method}) on "
-            f"{case.gpu.num_sm} SMs for routes {_routes_text(subs)} (worst batch {fmt_batch(need.worst_batch)}): "
+            f"{case.gpu.num_sm} SMs for routes {_routes_text(subs)} ({_deciding_text(need, subs)}): "
             f"short by {size_text((arena_need - declared))} (Buffer overflow ... Increase the workspace "
             "buffer size); declare what `kvprofile size` says for those routes")
     by_route: dict[str | None, ViewGrant] = {}
@@ -252,34 +253,73 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
         out.append(
             f"builder {name!r} plans {what} into arena views of at most {size_text(g.nbytes)} ({g.nbytes} bytes, "
             f"from {via} in phase {g.phase!r}, ubatch {g.ubatch}) but FlashInfer {need.flashinfer_version}'s planner "
-            f"carves {size_text(route_need)} for {', '.join(subs)}: "
+            f"carves {size_text(route_need)} for {', '.join(subs)} ({_deciding_text(need, subs)}): "
             f"short by {size_text((route_need - g.nbytes))} "
             "(Buffer overflow ... Increase the workspace buffer size)")
     return out
 
 
+def _deciding_text(need: SizingResult, subs: tuple[str, ...]) -> str:
+    """The sub-route whose need decides among ``subs`` and its worst batch (not the case's overall worst batch)."""
+    decides = max(subs, key=lambda r: need.routes[r].float_bytes, default=None)
+    if decides is None:
+        return "no route planned"
+    return f"decided by {decides}, worst batch {fmt_batch(need.routes[decides].worst_batch)}"
+
+
+def _split_builds(plans: list[ViewPlan]) -> set[int]:
+    """The builds that split their batch: they planned into views named for both routes, or into a view and their
+    trtllm-gen or own float workspace (the prefill part of a mixed batch on trtllm-gen, say)."""
+    by_build: dict[int, set[str]] = {}
+    for vp in plans:
+        by_build.setdefault(vp.build, set()).add(vp.target if vp.target != "view" else f"view:{vp.route}")
+    return {b for b, targets in by_build.items()
+            if "view:decode" in targets and len(targets) > 1}
+
+
+def planned_kind(vp: ViewPlan, split: set[int]) -> str:
+    """The case route whose need a view plan is judged by: the part the builder named, else the decode part of a
+    split mixed batch in a view named ``decode``, else the whole batch (a mixed batch plans prefill)."""
+    if vp.part is not None:
+        return "decode" if vp.part == "decode" else "prefill"
+    if vp.batch_kind == "mixed" and vp.route == "decode" and vp.build in split:
+        return "decode"
+    return "decode" if vp.batch_kind == "decode" else "prefill"
+
+
 def _short_for_what_is_planned(result: LifecycleResult, name: str) -> list[str]:
-    """Ctx mode: a view named for one route that a build plans a batch of the other route into (the prefill part of
-    a mixed batch sent into a view named ``route="decode"``), sized by what is planned, not by the name."""
+    """Ctx mode: a view named for one route that a build plans a batch (part) of the other route into (a prefill
+    fallback into a view named ``route="decode"``), sized by what is planned, not by the name nor by the kind of
+    the whole batch: a build that splits a mixed batch plans its decode part into the decode view."""
     case_routes = routes(result.case)
     worst: dict[tuple[str, str], ViewPlan] = {}
-    for vp in result.view_plans:
-        planned = "decode" if vp.batch_kind == "decode" else "prefill"
-        if vp.builder != name or vp.route is None or vp.route == planned or planned not in case_routes:
+    mine = [vp for vp in result.view_plans if vp.builder == name]
+    split = _split_builds(mine)
+    for vp in mine:
+        if vp.target != "view":
+            continue
+        planned = planned_kind(vp, split)
+        if vp.route is None or vp.route == planned or planned not in case_routes:
             continue
         key = (vp.route, planned)
         if key not in worst or vp.nbytes < worst[key].nbytes:
             worst[key] = vp
+
+    def what(vp: ViewPlan) -> str:
+        return f"the {vp.part} part of {vp.batch_kind} batches" if vp.part else f"{vp.batch_kind} batches"
+
     out = []
     for (named, planned), vp in sorted(worst.items()):
         need, subs = need_for_routes(result.case, (planned,))
         if vp.nbytes < need:
             out.append(
-                f"builder {name!r} plans {vp.batch_kind} batches ({planned}) into an arena view named "
+                f"builder {name!r} plans {what(vp)} ({planned}) into an arena view named "
                 f"route={named!r} of {bytes_text(vp.nbytes)} (phase {vp.phase!r}, ubatch {vp.ubatch}), but "
-                f"FlashInfer's planner carves {bytes_text(need)} for {', '.join(subs)}: short by "
+                f"FlashInfer's planner carves {bytes_text(need)} for {', '.join(subs)} "
+                f"({_deciding_text(for_case(result.case), subs)}): short by "
                 f"{bytes_text(need - vp.nbytes)} (Buffer overflow ... Increase the workspace buffer size). A view is "
-                "sized for what is planned into it; ask for one per route")
+                "sized for what is planned into it; ask for one per route. If the build splits a mixed batch, say "
+                "which part goes where: ctx.plan_into(view, part=Batch('decode', ...))")
     return out
 
 
@@ -304,7 +344,8 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
             f"builder {name!r}: its {route} wrappers plan() into {bytes_text(nbytes)} of float "
             f"workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, but FlashInfer "
             f"{need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
-            f"{', '.join(subs)}: short by {size_text((route_need - nbytes))} (Buffer overflow ... Increase the "
+            f"{', '.join(subs)} ({_deciding_text(need, subs)}): short by {size_text((route_need - nbytes))} "
+            "(Buffer overflow ... Increase the "
             "workspace buffer size)")
     return out
 

@@ -75,8 +75,10 @@ class EnginePolicy:
     """How the engine integrates the backend; the correct values are the defaults.
 
     ``warmup_in_window``: None means "when any builder says its warmup materializes persistent
-    resources". ``graph_estimate``: "high_water" (the pool's full high-water mark) or
-    "gross_minus_retained" (the older accounting that omits live reserved pages). ``profile_max_split_mib``:
+    resources". ``graph_estimate`` (one of ``GRAPH_ESTIMATES``): "high_water" (the pool's full high-water mark),
+    "gross_minus_retained" (the older accounting that omits live reserved pages) or "none" (CUDA graphs not
+    accounted at all: an old vLLM default; the whole pool is invisible to KV sizing, a cost the checks report);
+    any other value is a usage error (``BackendError``). ``profile_max_split_mib``:
     the caching allocator's ``max_split_size_mb`` while weights load and the profile runs (vLLM 0.33 scopes it to
     20, so large freed blocks stay releasable at the closing measurement); None leaves the allocator unlimited.
     ``workspace_manager``: the shared arena's manager, "harness" (``contract/workspace.py``) or "vllm" (vLLM's own
@@ -99,6 +101,18 @@ class EnginePolicy:
     gate: Callable[[Case], str | None] | None = None
     kv_sizing: KvSizingRule = "profile"
     kv_sizing_for: Callable[[Case], KvSizingMode] | None = None
+
+    def __post_init__(self) -> None:
+        if self.graph_estimate not in GRAPH_ESTIMATES:
+            raise BackendError(
+                f"EnginePolicy(graph_estimate={self.graph_estimate!r}): unknown CUDA-graph pool accounting; the "
+                f"known ones are {', '.join(repr(g) for g in GRAPH_ESTIMATES)} (pytest_kvprofile.contract.backends."
+                "GRAPH_ESTIMATES). Name the one the engine uses")
+
+
+GRAPH_ESTIMATES: tuple[str, ...] = ("high_water", "gross_minus_retained", "none")
+"""How an engine accounts the CUDA-graph pool in KV sizing (``EnginePolicy.graph_estimate``): its full high-water
+mark (correct), gross minus retained (omits live reserved pages), or not at all (an old vLLM default)."""
 
 
 def kv_sizing_mode(policy: EnginePolicy, case: Case) -> KvSizingMode:

@@ -144,7 +144,7 @@ class BuilderHost(Protocol):
     @property
     def in_dummy_forward(self) -> bool:
         """A dummy forward (profile run, graph profiling or capture) rather than real traffic."""
-    def note_plan(self, owner: str, target: ArenaView | Allocation) -> None:
+    def note_plan(self, owner: str, target: ArenaView | Allocation, part: Batch | None = None) -> None:
         """The builder ``owner`` plans into, writes or reads ``target`` now (``ctx.plan_into``)."""
 
 
@@ -205,15 +205,23 @@ class BuilderContext:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
         return self._run.arena_view(self.owner, int(nbytes), ubatch, route)
 
-    def plan_into(self, target: ArenaView | Allocation) -> None:
+    def plan_into(self, target: ArenaView | Allocation, part: Batch | None = None) -> None:
         """Say that the current call plans into, writes or reads ``target`` (an arena view or an allocation).
+
+        ``part``: the part of the batch being built that is planned into ``target``, when a build splits a batch
+        (the decode requests of a mixed batch into a decode view, say): ``workspace_covers_planner`` sizes the view
+        for that part's route. Without it a view is sized for the whole batch, unless the build plans into views of
+        both routes (or into its trtllm-gen workspace) too: then a view named ``route="decode"`` holds the decode part.
 
         The harness judges the use from what it knows, not from the builder: a view whose arena grew or was
         released since it was handed out, or an allocation already freed, is a use after free
         (``no_use_after_free``); a view of another micro-batch's arena while building a batch is aliasing
         (``ubatch_arenas_disjoint``). Torch mode observes tensor reads and writes without this call.
         """
-        self._run.note_plan(self.owner, target)
+        if part is None:  # a host written before ``part`` takes two arguments
+            self._run.note_plan(self.owner, target)
+        else:
+            self._run.note_plan(self.owner, target, part)
 
     def lease(self, resources: Iterable[object] = (), on_release: Callable[[], None] | None = None) -> Lease:
         return Lease(self.owner, resources, on_release)

@@ -71,6 +71,7 @@ from pytest_kvprofile.lifecycle.record import (
     PROFILING,
     BoundRecord,
     CallRecord,
+    IntPlanShare,
     LeaseRecord,
     LifecycleResult,
     MemoryUse,
@@ -194,8 +195,12 @@ class LifecycleRun:
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
         self._current_batch: Batch | None = None
+        self._build_serial = 0  # numbers the build calls (ViewPlan.build)
         # int workspace id -> weak references to the wrappers on it
         self._int_holders: dict[int, list[weakref.ref[object]]] = {}
+        # torch mode: int workspace id -> (wrapper, its label, the bytes [start, end) its plan() wrote), and labels
+        self._int_planners: dict[int, list[tuple[weakref.ref[object], str, int, int]]] = {}
+        self._wrapper_labels: dict[int, tuple[weakref.ref[object], str]] = {}
         self._torch: SimulatedCuda | None = None
         # torch mode's SimulatedCuda: one per run, re-entered for the parts' close()
         self._sim: SimulatedCuda | None = None
@@ -264,6 +269,7 @@ class LifecycleRun:
         self.result.calls.append(CallRecord(self.device.phase, name, method))
         self._current_call = method
         batch = args[1] if method == "build" and len(args) > 1 else None
+        self._build_serial += batch is not None
         self._current_ubatch = batch.ubatch if isinstance(batch, Batch) else None
         self._current_batch = batch if isinstance(batch, Batch) else None
         try:
@@ -295,22 +301,32 @@ class LifecycleRun:
         return self.manager.get_workspace(owner, nbytes, ubatch, route=route)
 
     # -- memory uses (no_use_after_free, ubatch_arenas_disjoint) ------------------------------------
-    def note_plan(self, owner: str, target: object) -> None:
-        """``ctx.plan_into(target)``: judge the use from the manager's generations and the ledger."""
+    def note_plan(self, owner: str, target: object, part: Batch | None = None) -> None:
+        """``ctx.plan_into(target, part)``: judge the use from the manager's generations and the ledger."""
+        if part is not None and not isinstance(part, Batch):
+            raise TypeError(f"ctx.plan_into(part=) takes the Batch part planned into the target, not "
+                            f"{type(part).__name__}")
+        batch = self._current_batch
+        tokens = part.num_tokens if part is not None else batch.num_tokens if batch is not None else 0
         if isinstance(target, ArenaView):
-            batch = self._current_batch
             if batch is not None:
                 grant = next((g for g in reversed(self.result.grants)
                               if g.requester == owner and g.ubatch == target.ubatch and g.ptr == target.ptr
                               and g.nbytes == target.nbytes), None)
                 self.result.view_plans.append(ViewPlan(self.device.phase, owner, target.ubatch, target.nbytes,
-                                                       grant.route if grant is not None else None, batch.kind))
+                                                       grant.route if grant is not None else None, batch.kind,
+                                                       self._build_serial, part.kind if part else None, "view",
+                                                       tokens))
             freed = None if self.manager.is_current(target) else self.manager.retired.get(
                 (target.ubatch, target.generation), "?")
             self._note_use(owner, self._current_call, target.ubatch, target.nbytes, freed, "ctx.plan_into",
                            lambda: f"its view of micro-batch {target.ubatch}'s float arena (generation "
                                    f"{target.generation})", _caller_site)
         elif isinstance(target, Allocation):
+            if batch is not None and target.role in (Role.TRTLLM_WORKSPACE, Role.FLOAT_WORKSPACE):
+                self.result.view_plans.append(ViewPlan(self.device.phase, owner, batch.ubatch, target.nbytes, None,
+                                                       batch.kind, self._build_serial, part.kind if part else None,
+                                                       target.role.name, tokens))
             self._note_int_use(target)
             if target.alive and self.device.capturing:
                 self.result.captured_reads.add(target.id)
@@ -469,15 +485,59 @@ class LifecycleRun:
                 self.result.foreign_uses.extend(list(sim.foreign.values())[noted:])
                 self._torch = None
 
-    def _on_plan(self, device: object, route: str, float_ws: Tensor, cuda_graph: bool) -> None:
-        """Record a FlashInfer ``plan()`` of this run: the route, the builder being called, the buffer planned into."""
+    def _on_plan(self, device: object, route: str, float_ws: Tensor, cuda_graph: bool, int_ws: Tensor | None = None,
+                 wrapper: object = None) -> None:
+        """Record a FlashInfer ``plan()`` of this run: the route, the builder being called, the float and int buffers
+        planned into and the wrapper planning; a plan into int-workspace bytes another live wrapper planned into
+        is recorded too (``IntPlanShare``)."""
         if device is not self.device or self._torch is None:
             return
         alloc = self._torch.memory_of(float_ws)
         builder = self.result.calls[-1].builder if self.result.calls else None
+        int_alloc = self._torch.memory_of(int_ws) if int_ws is not None else None
+        int_nbytes = int(int_ws.numel()) * int(int_ws.element_size()) if int_ws is not None else 0
+        label = self._wrapper_label(wrapper, route) if wrapper is not None else ""
         self.result.plans.append(PlanRecord(self.device.phase, builder, route, alloc.id if alloc else None,
                                             int(float_ws.numel()) * int(float_ws.element_size()), cuda_graph,
-                                            self._current_ubatch))
+                                            self._current_ubatch, int_alloc.id if int_alloc else None, int_nbytes,
+                                            label))
+        if int_alloc is not None and wrapper is not None and int_ws is not None:
+            start = self._torch.simulated_ptr(int_ws.data_ptr(), int_nbytes) or int_alloc.ptr
+            self._note_int_plan(int_alloc, wrapper, label, start, start + int_nbytes)
+
+    def _wrapper_label(self, wrapper: object, route: str) -> str:
+        """``ClassName#n (route)``: the wrapper's class and its number among the wrappers that planned in this run."""
+        known = self._wrapper_labels.get(id(wrapper))
+        if known is not None and known[0]() is wrapper:
+            return known[1]
+        label = f"{type(wrapper).__name__}#{len(self._wrapper_labels) + 1} ({route})"
+        try:
+            self._wrapper_labels[id(wrapper)] = (weakref.ref(wrapper), label)
+        except TypeError:  # no weak references: label it afresh each time
+            pass
+        return label
+
+    def _note_int_plan(self, alloc: Allocation, wrapper: object, label: str, start: int, end: int) -> None:
+        """A wrapper's plan() wrote ``[start, end)`` of int workspace ``alloc``: another wrapper, alive and still
+        holding that int workspace, that planned into overlapping bytes shares it with this one."""
+        planners = self._int_planners.setdefault(alloc.id, [])
+        for ref, other_label, s, e in planners:
+            other = ref()
+            if other is None or other is wrapper or not (s < end and start < e):
+                continue
+            held = getattr(other, "_int_workspace_buffer", None)
+            if held is not None and self._torch is not None and self._torch.memory_of(held) is not alloc:
+                continue  # it moved to another int workspace since (a rebind): not shared any more
+            if not any(x.alloc_id == alloc.id and {x.holder, x.planner} == {other_label, label}
+                       for x in self.result.int_plan_shares):  # once per pair: serving re-plans every step
+                self.result.int_plan_shares.append(IntPlanShare(self.device.phase, alloc.id, other_label, label,
+                                                                self._current_ubatch))
+            break
+        planners[:] = [p for p in planners if p[0]() is not None and p[0]() is not wrapper]
+        try:
+            planners.append((weakref.ref(wrapper), label, start, end))
+        except TypeError:
+            pass
 
     def construct(self) -> list[Builder]:
         """The backend's parts for the case, made from a fresh view of process-wide state; raises what the
@@ -851,6 +911,8 @@ class LifecycleRun:
         assert window is not None
         if self.policy.graph_estimate == "gross_minus_retained":
             estimate = self.result.graph_pool_high_water - self.result.graph_pool_retained
+        elif self.policy.graph_estimate == "none":  # CUDA graphs not accounted at all
+            estimate = 0
         else:
             estimate = self.result.graph_pool_high_water
         per_token = kv_bytes_per_token(case.model, case.tp, case.dcp)

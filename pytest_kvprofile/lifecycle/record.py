@@ -131,8 +131,10 @@ class SharedInt:
 @dataclass(frozen=True)
 class ViewPlan:
     """``ctx.plan_into(view)`` while a batch is built: the view's bytes and the route it was asked for (None: every
-    route), and the kind of batch planned into it, which decides the planner's need (a mixed batch plans its prefill
-    part)."""
+    route), and the kind of batch planned into it, which decides the planner's need: the part the builder names
+    (``plan_into(view, part=)``), else the whole batch, unless the build split a mixed batch (it planned into
+    views of both routes, or into its trtllm-gen or own float workspace too): then a view named ``decode`` got the
+    decode part. Also recorded: a build's plan into a trtllm-gen or own float workspace allocation (``target``)."""
 
     phase: str
     builder: str
@@ -140,6 +142,10 @@ class ViewPlan:
     nbytes: int
     route: str | None
     batch_kind: str
+    build: int = 0  # the build call it was made in (plans of one build share it)
+    part: str | None = None  # the kind of the batch part the builder said it planned there (``plan_into(part=)``)
+    target: str = "view"  # "view", or the role of an allocation planned into (the trtllm-gen workspace, say)
+    num_tokens: int = 0  # the part's tokens when given, else the whole batch's
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,22 @@ class PlanRecord:
     nbytes: int
     cuda_graph: bool
     ubatch: int | None = None
+    int_alloc_id: int | None = None  # the ledger entry behind the int workspace the plan was handed
+    int_nbytes: int = 0  # the bytes of that int workspace tensor (a slice of a slab: the slice's bytes)
+    wrapper: str = ""  # the wrapper object whose plan() it is: its class and its number in the run
+
+
+@dataclass(frozen=True)
+class IntPlanShare:
+    """Torch mode: a wrapper's ``plan()`` wrote into int-workspace bytes that another live wrapper, still holding
+    that int workspace, planned into before: two wrappers' plans in one buffer, whatever ``bound_workspaces()``
+    reports."""
+
+    phase: str
+    alloc_id: int
+    holder: str  # the wrapper that planned there first (class#number, route)
+    planner: str  # the wrapper whose plan() now lands there
+    ubatch: int | None
 
 
 @dataclass(frozen=True)
@@ -233,6 +255,7 @@ class LifecycleResult:
     view_plans: list[ViewPlan] = field(default_factory=list)  # ctx mode: plan_into(view) in a build, by batch kind
     int_ubatches: dict[int, set[int]] = field(default_factory=dict)  # int workspace id -> micro-batches built into it
     shared_ints: list[SharedInt] = field(default_factory=list)  # torch mode: live wrappers on one int workspace
+    int_plan_shares: list[IntPlanShare] = field(default_factory=list)  # torch mode: two wrappers planned into one
     captured_reads: set[int] = field(default_factory=set)  # ids of live memory read or written while capturing
     arena_alignment: int = 256  # the manager rounds every view up to it
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used

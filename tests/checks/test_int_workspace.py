@@ -50,7 +50,8 @@ def _roles(result: Any) -> Counter:
 
 @pytest.mark.parametrize("mutant, words", [
     ("mutant-15a-int-workspace-too-small", ["'prefill int workspace [ubatch 0]' 0.03 MiB (32768 bytes)",
-                                            "for_case(case).int_bytes", "declares 8.00 MiB (8388608 bytes)"]),
+                                            "for_case(case).routes[...].int_bytes",
+                                            "declares 8.00 MiB (8388608 bytes)"]),
     ("mutant-15b-int-workspace-shared-by-wrappers", ["phase 'rebind'", "overlapping bytes of one int workspace",
                                                      "'prefill float workspace' (ubatch 1)"]),
     ("mutant-15c-int-workspace-freed-early", ["plans into an int workspace that is gone",

@@ -81,8 +81,9 @@ def test_the_engine_lock_probe_is_not_a_refusal_and_still_names_requester(case):
     assert all(r.requester != LOCK_PROBE for r in result.refusals)
 
 
-class WrongUbatchBuild(FlashInferLikeBuilder):
-    """Reports nothing wrong, but plans micro-batch 1's batches into micro-batch 0's arena."""
+class AsksOtherUbatchBuild(FlashInferLikeBuilder):
+    """Correct (issue 51, item 14): every build also asks for micro-batch 0's view, but plans only into its own
+    micro-batch's (``ctx.plan_into``); a request is not a use."""
 
     bound_workspaces = None
 
@@ -91,10 +92,19 @@ class WrongUbatchBuild(FlashInferLikeBuilder):
         ctx.get_workspace(self.float_bytes(), 0)
 
 
-def test_a_build_that_asks_another_ubatchs_arena_fails_whatever_it_reports(case):
+class WrongUbatchBuild(AsksOtherUbatchBuild):
+    """Reports nothing, but plans micro-batch 1's batches into micro-batch 0's arena view it asked for."""
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        ctx.plan_into(ctx.get_workspace(self.float_bytes(), 0))
+
+
+def test_a_build_that_plans_into_another_ubatchs_arena_fails_whatever_it_reports(case):
     failed = _only(_backend("wrong-ubatch", WrongUbatchBuild), case)
     message = "\n".join(failed["ubatch_arenas_disjoint"])
-    assert "flashinfer build() for micro-batch 1 asked for" in message and "micro-batch 0's arena" in message
+    assert "micro-batch 1's plan lands in the arena micro-batch 0 uses" in message, message
+    assert "ubatch_arenas_disjoint" not in failing_checks(run_lifecycle(_backend("asks", AsksOtherUbatchBuild), case))
 
 
 class TransientPlanScratch(FlashInferLikeBuilder):
