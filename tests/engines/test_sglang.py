@@ -57,7 +57,7 @@ def test_naming_the_backend_without_sglang_is_one_usage_error_naming_the_script(
 def test_the_modules_import_neither_sglang_nor_a_standin():
     program = ("import sys, importlib\n"
                "for name in ('flashinfer', 'post_capture', 'trtllm_mha', 'trtllm_mla'):\n"
-               "    importlib.import_module('pytest_kvprofile.engines.sglang_' + name).backends()\n"
+               "    importlib.import_module('pytest_kvprofile.engines.sglang.' + name).backends()\n"
                "print(sorted(n for n in sys.modules if n.split('.')[0] in ('sglang', 'triton', 'torchvision')))")
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
