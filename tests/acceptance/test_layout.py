@@ -96,6 +96,7 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.builtin.stubs": "torch-mode stubs allocate with torch when built, not when listed",
     "pytest_kvprofile.contract.workspace": "an arena is a torch tensor only on a device in torch mode",
     "pytest_kvprofile.engines.vllm.config": "vLLM is imported by make_builders only, never at plugin import",
+    "pytest_kvprofile.engines.vllm.selector": "vLLM's backend classes are asked by refuses_layout only",
     "pytest_kvprofile.engines.vllm.release": "the installed vLLM's config fields, asked by a worker's run only",
     "pytest_kvprofile.engines.vllm.flashinfer": "vLLM is imported by make_builders only, never at plugin import",
     "pytest_kvprofile.engines.vllm.pull_request": "vLLM's builder class is subclassed when a backend first makes "

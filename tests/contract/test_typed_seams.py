@@ -109,7 +109,7 @@ def test_both_arena_managers_answer_everything_the_protocol_names():
     harness = RecordingWorkspaceManager.__new__(RecordingWorkspaceManager)
     harness.__dict__.update(num_ubatches=1, alignment=256, retired={}, locked=False)
     assert all(hasattr(harness, m) for m in members), sorted(m for m in members if not hasattr(harness, m))
-    vllm_source = (PACKAGE / "engines" / "vllm_workspace.py").read_text()
+    vllm_source = (PACKAGE / "engines" / "vllm" / "workspace.py").read_text()
     defined = {n.name for n in ast.walk(ast.parse(vllm_source)) if isinstance(n, ast.FunctionDef)}
     targets = [t for n in ast.walk(ast.parse(vllm_source)) if isinstance(n, (ast.Assign, ast.AnnAssign))
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]

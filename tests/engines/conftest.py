@@ -46,3 +46,15 @@ def v1_runner(vllm_flashinfer: Any) -> None:
 
     if not has_v1_runner():
         pytest.skip(f"vLLM {vllm_version()} has no V1 model runner (removed in 0.34); the V2 runner's tests cover it")
+
+
+@pytest.fixture
+def profile_window_vllm(vllm_flashinfer: Any) -> None:
+    """The pull request targets vLLM 0.33's runner, which sizes KV from the profiling window; vLLM 0.34 sizes after
+    warmup and capture by default (its extensible KV cache), where the pull request's reservation is not driven
+    (test_vllm_releases.py judges 0.34's path). The 0.33 venv runs these tests."""
+    from pytest_kvprofile.engines.vllm.release import has_extensible_kv_cache, vllm_version
+
+    if has_extensible_kv_cache():
+        pytest.skip(f"vLLM {vllm_version()} sizes KV after warmup and capture: the pull request's profile-window "
+                    "path is judged on vLLM 0.33 (the main venv)")

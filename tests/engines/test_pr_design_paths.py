@@ -55,7 +55,8 @@ def _without_kernel_warmup() -> Any:
         EngineAdapter.kernel_warmup = saved  # type: ignore[method-assign]
 
 
-def test_a_lazy_arena_sized_by_vllms_kernel_warmup_is_not_refused_on_the_legacy_path(vllm_flashinfer):
+def test_a_lazy_arena_sized_by_vllms_kernel_warmup_is_not_refused_on_the_legacy_path(
+        vllm_flashinfer, profile_window_vllm):
     """The pull request's builder on a gated MTP case takes its arena from vLLM's manager lazily; vLLM's kernel warmup
     sizes micro-batch 0's slot before ``capture_model()`` locks it (piecewise graphs capture no attention here)."""
     result = run_lifecycle(BACKENDS["vllm-pr-unplanned"], CASES[MTP1])

@@ -26,6 +26,8 @@ from pytest_kvprofile.lifecycle.driver import close_parts
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
+pytestmark = pytest.mark.usefixtures("profile_window_vllm")
+
 CASES = {c.id: c for c in load_matrix(packaged_matrix("ci")).cases}
 MTP0 = "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"
 BACKENDS = {b.name: b for b in backends()}

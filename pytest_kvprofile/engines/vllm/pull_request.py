@@ -85,7 +85,7 @@ def pull_request_builder(plan: bool) -> type:
             return PersistentWorkspaceProfilingSupport.REQUIRED
 
         @classmethod
-        def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any) -> Any:
+        def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any) -> Any:  # Any: vLLM's spec and enum
             """The pull request's base: uniform (speculative) decode batches are graphed only where trtllm-gen or
             XQA decodes them; FA2's native decode graphs single-token decodes only, so an MTP case off trtllm-gen
             falls back to piecewise graphs and captures no attention."""

@@ -34,7 +34,7 @@ def backend_class_of(builder_cls: type) -> Any:
     """The attention backend class whose ``get_builder_cls()`` is ``builder_cls`` (or one of its bases): searched in
     the builder class's own module first, then in its bases' modules. None when no module has one."""
     modules = [sys.modules.get(c.__module__) for c in builder_cls.__mro__]
-    found: list[tuple[int, Any]] = []
+    found: list[tuple[int, Any]] = []  # Any: vLLM attention backend classes, by priority
     for module in dict.fromkeys(m for m in modules if m is not None):
         for value in vars(module).values():
             get = getattr(value, "get_builder_cls", None) if isinstance(value, type) else None
@@ -49,7 +49,7 @@ def backend_class_of(builder_cls: type) -> Any:
     return min(found, key=lambda f: f[0])[1] if found else None
 
 
-def selector_values(case: Case) -> dict[str, Any]:
+def selector_values(case: Case) -> dict[str, Any]:  # Any: the values vLLM's selector passes, by name
     """What vLLM's selector asks a backend class about ``case`` (``AttentionSelectorConfig``'s fields and the device
     capability), by name: a decoder's full causal attention, no MLA, sinks, sparsity or sliding window."""
     import torch
@@ -68,7 +68,7 @@ def selector_values(case: Case) -> dict[str, Any]:
     }
 
 
-def _ask(backend_cls: Any, values: dict[str, Any]) -> list[str]:
+def _ask(backend_cls: Any, values: dict[str, Any]) -> list[str]:  # Any: a vLLM backend class
     """The class's invalid reasons: its ``validate_configuration`` called by its own parameter names where every
     parameter without a default is one the selector fills; otherwise each predicate the class has."""
     validate = getattr(backend_cls, "validate_configuration", None)
@@ -85,7 +85,7 @@ def _ask(backend_cls: Any, values: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def selector_refusal(case: Case, backend_cls: Any) -> str | None:
+def selector_refusal(case: Case, backend_cls: Any) -> str | None:  # Any: vLLM's classes
     """Why vLLM's selector refuses ``backend_cls`` on ``case`` (the class's own reasons, then what it was asked), or
     None when it accepts it or there is no class to ask."""
     if backend_cls is None:
