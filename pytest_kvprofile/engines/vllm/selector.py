@@ -85,7 +85,7 @@ def _ask(backend_cls: Any, values: dict[str, Any]) -> list[str]:  # Any: a vLLM 
     return reasons
 
 
-def selector_refusal(case: Case, backend_cls: Any) -> str | None:  # Any: vLLM's classes
+def selector_refusal(case: Case, backend_cls: Any) -> str | None:  # Any: a vLLM backend class
     """Why vLLM's selector refuses ``backend_cls`` on ``case`` (the class's own reasons, then what it was asked), or
     None when it accepts it or there is no class to ask."""
     if backend_cls is None:
