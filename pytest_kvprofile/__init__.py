@@ -14,7 +14,9 @@ from pytest_kvprofile.contract.lease import Lease, LeaseReleasedError
 from pytest_kvprofile.contract.protocol import (
     Batch,
     BoundWorkspace,
+    Builder,
     BuilderContext,
+    ProfilingBuilder,
     WorkspaceDeclaration,
 )
 from pytest_kvprofile.contract.roles import Role
@@ -49,6 +51,7 @@ __all__ = [
     "BackendError",
     "Batch",
     "BoundWorkspace",
+    "Builder",
     "BuilderContext",
     "Case",
     "Check",
@@ -66,6 +69,7 @@ __all__ = [
     "LifecycleResult",
     "MatrixError",
     "ModelSpec",
+    "ProfilingBuilder",
     "ProfilingSupport",
     "Provenance",
     "Role",

@@ -70,9 +70,12 @@ def parse_waste_budget(text: str, source: str = "--kvprofile-max-waste") -> Wast
 
 @dataclass(frozen=True)
 class CheckOptions:
-    """The run's settings a check reads: the waste budget (``--kvprofile-max-waste``; None: waste reported only)."""
+    """The run's settings a check reads: the waste budget (``--kvprofile-max-waste``; None: waste reported only),
+    and the run's checks, registered ones included (empty: the built-in catalog), which a check that judges a
+    retried run (``reservation_exception_safe``) runs on that run too."""
 
     max_waste: WasteBudget | None = None
+    checks: tuple[Check, ...] = ()
 
 
 CheckFn = Callable[[LifecycleResult, CheckOptions], list[str]]

@@ -26,7 +26,7 @@ def check_reservation_exception_safe(result: LifecycleResult, options: CheckOpti
         return out
     for name, k in outcome.last_faults:
         retried = run_after_failed_reservation(result.probe, name, k)
-        for check in _catalog():
+        for check in options.checks or _catalog():
             if check.name in _PROBED or not check.applies(retried.path):
                 continue
             found = check.run(retried, options)

@@ -201,6 +201,6 @@ def kvprofile_run(request: pytest.FixtureRequest, kvprofile_case: Case) -> Calla
         backend = with_workspace_manager(backend, workspace_manager or state.settings.workspace_manager
                                          or backend.policy.workspace_manager)
         result = run_lifecycle(backend, kvprofile_case, factory)
-        return KvprofileRun(backend, result, state.settings.check_options)
+        return KvprofileRun(backend, result, state.check_options)
 
     return run

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
@@ -106,6 +106,11 @@ class KvprofileSession:
         self.suite_collected = False  # the packaged suite's items were collected (a run that can test nothing)
         self.nothing_tested: str | None = None  # why a run that collected the suite ran no check (exit code 5)
         self.written: list[Written] = []  # what the controller wrote (or kept) at the end, for "written to" lines
+
+    @property
+    def check_options(self) -> CheckOptions:
+        """The settings' options with the run's checks, registered ones included (a retried run is judged by all)."""
+        return replace(self.settings.check_options, checks=self.checks)
 
     @property
     def check_order(self) -> list[str]:

@@ -60,7 +60,7 @@ def _kv_sizing(backend: Backend, case: Case, result: LifecycleResult | None) -> 
 
 def _run(session: KvprofileSession, backend: Backend, case: Case, check: Check) -> tuple[LifecycleResult, list[str]]:
     result = session.result_for(backend, case)
-    return result, check.run(result, session.settings.check_options)
+    return result, check.run(result, session.check_options)
 
 
 for _check in suite_checks():  # the run's registered checks: the built-ins, then any a plugin adds

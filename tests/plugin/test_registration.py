@@ -141,3 +141,18 @@ def test_a_name_registered_twice_is_one_usage_error_naming_the_hook(pytester, su
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*pytest_kvprofile_register: two checks are registered as '{CHECKS[0].name}'*"])
     assert "Traceback" not in result.stderr.str()
+
+
+def test_the_run_hands_its_checks_to_the_retried_reservation(pytester, suite_args):
+    """The options every check reads carry the run's checks, the project's own among them: what
+    ``reservation_exception_safe`` runs on a retried reservation (tests/checks/test_retry_runs_registered_checks.py)."""
+    pytester.makeconftest(
+        "from pytest_kvprofile.checks.base import Check\n"
+        "def _sees_itself(result, options):\n"
+        "    names = [c.name for c in options.checks]\n"
+        "    return [] if 'acme_sees_itself' in names and 'reservation_exception_safe' in names else [repr(names)]\n"
+        "def pytest_kvprofile_register(registry):\n"
+        "    registry.add_checks(Check('acme_sees_itself', 'r', 'profiling', 'teardown', (1,), _sees_itself))\n")
+    result = pytester.runpytest(*suite_args, "--kvprofile-backend", "stub-flashinfer", "-k", "acme_sees_itself")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) > 0 and "failed" not in outcomes, result.stdout.str()[-2000:]
