@@ -12,7 +12,7 @@ import torch
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, CheckOptions, failing_checks
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.backends import Backend, BackendError
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import OWNER, WorkspaceLockedError
 from pytest_kvprofile.engines.vllm import workspace as vw
@@ -259,3 +259,72 @@ dcp: [1]
 mtp: [0]
 gmu: [0.98]
 """
+
+
+@pytest.fixture
+def retained_api(vllm_workspace) -> None:
+    """vLLM 0.34's ``WorkspaceManager.get_retained``; an older vLLM has none."""
+    if not hasattr(vw.import_vllm_workspace()[0].WorkspaceManager, "get_retained"):
+        pytest.skip("the installed vLLM has no WorkspaceManager.get_retained (vLLM 0.34 added it): "
+                    "scripts/test_vllm_release.sh runs this file on 0.34")
+
+
+class _Retaining:
+    """A builder that keeps a scratch across requests in vLLM 0.34's retained span, as DeepSeek's mega-attention does:
+    sized in warmup (``warmup_bytes``, 0: not asked there) and asked again on every serving step (``serving_bytes``)."""
+
+    torch_mode = True
+
+    def __init__(self, case, warmup_bytes: int, serving_bytes: int):
+        self.name, self.num_ubatches = "vllm-retained-span-user", case.envelope.num_ubatches
+        self.warmup_bytes, self.serving_bytes = warmup_bytes, serving_bytes
+        self.intact: list[bool] = []
+
+    def _ask(self, nbytes: int) -> None:
+        workspace, _ = vw.import_vllm_workspace()
+        _, intact = workspace.current_workspace_manager().get_retained("kv-ws", (nbytes,), torch.uint8)
+        self.intact.append(intact)
+
+    def warmup(self, ctx):
+        for ubatch in range(self.num_ubatches) if self.warmup_bytes else ():
+            with ctx.workspace.ubatch_scope(ubatch):  # vLLM's warmup runs each micro-batch's batch
+                self._ask(self.warmup_bytes)
+
+    def build(self, ctx, batch):
+        if ctx.phase == "serving":
+            self._ask(self.serving_bytes)
+
+
+def _retaining(warmup_bytes: int, serving_bytes: int) -> tuple[Backend, list[_Retaining]]:
+    made: list[_Retaining] = []
+
+    def make(case):
+        made.append(_Retaining(case, warmup_bytes, serving_bytes))
+        return [made[-1]]
+
+    return _vllm(Backend(name="retained", make_builders=make, torch_mode=True)), made
+
+
+def test_a_retained_span_sized_in_warmup_is_kept_and_intact_at_serving(retained_api):
+    backend, made = _retaining(8 * MiB, 8 * MiB)
+    result = run_lifecycle(backend, CASE)
+    close_parts(result)
+    assert not result.refusals, [r.describe() for r in result.refusals]
+    assert CHECKS_BY_NAME["arena_not_grown_after_lock"].run(result, CheckOptions()) == []
+    builder = made[0]
+    assert builder.intact and builder.intact[-1] is True  # the same key and size, no growth: vLLM says intact
+
+
+def test_a_retained_span_first_asked_at_serving_size_is_refused_as_a_growth_after_lock(retained_api):
+    backend, _ = _retaining(0, 64 * MiB)
+    result = run_lifecycle(backend, CASE)
+    close_parts(result)
+    violations = CHECKS_BY_NAME["arena_not_grown_after_lock"].run(result, CheckOptions())
+    assert violations and any(str(64 * MiB) in v or "64.00 MiB" in v for v in violations), violations
+
+
+def test_get_retained_on_an_older_vllm_says_which_release_has_it(manager):
+    if hasattr(manager.inner, "get_retained"):
+        pytest.skip("the installed vLLM has get_retained; this pins the message of a vLLM without it")
+    with pytest.raises(BackendError, match="vLLM 0.34 added it"):
+        manager.get_retained("k", (16,), torch.uint8)

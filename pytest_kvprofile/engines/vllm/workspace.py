@@ -353,6 +353,20 @@ class VllmWorkspaceManager:
         with self._asking(None, ubatch, f"persistent tensor {key!r}"):
             return self.inner.get_persistent(key, shape, dtype, zero_init=zero_init)
 
+    def get_retained(self, key: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
+                     ubatch: int = 0) -> tuple[VllmTensor, bool]:
+        """vLLM 0.34's retained span at the end of ``ubatch``'s arena, and whether it still holds what the last call
+        with the same key left there (a growth clears it). It grows the arena as ``get_simultaneous`` does: after the
+        lock, a larger span is refused like any growth. An older vLLM has no such method: a ``BackendError`` says so."""
+        self._check_ubatch(ubatch)
+        get = getattr(self.inner, "get_retained", None)
+        if get is None:
+            raise BackendError(f"get_retained({key!r}): the installed vLLM's WorkspaceManager has no retained span "
+                               "(vLLM 0.34 added it); take a view from get_simultaneous or a keyed persistent tensor")
+        with self._asking(None, ubatch, f"retained span {key!r}"):
+            view, intact = get(key, shape, dtype)
+            return view, bool(intact)
+
     def get_simultaneous(self, *shapes_and_dtypes: tuple[tuple[int, ...], torch.dtype],
                          ubatch: int = 0) -> list[VllmTensor]:
         self._check_ubatch(ubatch)
