@@ -227,7 +227,7 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> VllmConfig:
         passes["fuse_allreduce_rms"] = False  # sizing it imports fusion passes bound to vllm._C's CUDA ops
     compilation = CompilationConfig(cudagraph_capture_sizes=sorted(env.cuda_graph_sizes),
                                     # vLLM's pydantic validator parses the mode from its name (as from its CLI)
-                                    cudagraph_mode="FULL_AND_PIECEWISE",  # type: ignore[arg-type]
+                                    cudagraph_mode="FULL_AND_PIECEWISE",  # type: ignore[arg-type,unused-ignore]
                                     pass_config=PassConfig(**passes))
     kwargs: dict[str, Any] = {}  # Any: VllmConfig's optional sub-configs, by name, each of its own type
     if case.mtp:
@@ -311,14 +311,15 @@ def standin_layers(case: Case, vllm_config: VllmConfig) -> None:
     heads = case.heads
     spec = kv_cache_spec(case)
 
-    class StandinAttentionLayer(AttentionLayerBase):
+    class StandinAttentionLayer(AttentionLayerBase):  # type: ignore[misc,unused-ignore]  # Any without vLLM
         def __init__(self) -> None:
             self.impl = FlashInferImpl(num_heads=heads.heads_q, head_size=case.model.head_dim,
                                        scale=case.model.head_dim ** -0.5, num_kv_heads=heads.heads_kv,
                                        alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
 
         def get_attn_backend(self) -> type[FlashInferBackend]:
-            return FlashInferBackend
+            backend: type[FlashInferBackend] = FlashInferBackend
+            return backend
 
         def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FullAttentionSpec:
             return spec

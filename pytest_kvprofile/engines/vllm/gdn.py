@@ -82,7 +82,7 @@ def mamba_spec(case: Case) -> MambaSpec:
     dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(dtype, "auto", "auto")
     return MambaSpec(block_size=case.envelope.max_model_len, shapes=shapes, dtypes=dtypes,
                      # kept as the string (vLLM's type is MambaAttentionBackendEnum): the harness's value, unchanged
-                     mamba_type="gdn_attention",  # type: ignore[arg-type]
+                     mamba_type="gdn_attention",  # type: ignore[arg-type,unused-ignore]
                      num_speculative_blocks=case.mtp)
 
 

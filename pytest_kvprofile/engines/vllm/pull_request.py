@@ -62,7 +62,8 @@ class PersistentWorkspaceProfilingSupport(enum.Enum):
 def _workspace_module() -> ModuleType:
     import vllm.v1.worker.workspace as workspace
 
-    return workspace
+    module: ModuleType = workspace
+    return module
 
 
 @functools.cache
@@ -107,7 +108,7 @@ def pull_request_builder(plan: bool) -> type:
             if envs.VLLM_BATCH_INVARIANT:
                 return BATCH_INVARIANT_BYTES
             est: int = self.max_num_batched_tokens * self.num_qo_heads * self.head_dim * PREFILL_BYTES_PER_ELEM
-            return max(envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE, est)
+            return max(int(envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE), est)
 
         def _manager_arena(self) -> Any:  # Any: the arena tensor (or None) of vLLM's manager, an untyped global
             """This micro-batch's arena from vLLM's manager (the runner picks the slot), or None without one."""

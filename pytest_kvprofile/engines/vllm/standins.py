@@ -75,7 +75,7 @@ def _standin_platform_cls() -> StandinPlatformClass:
         import torch
         from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 
-        class KvprofileCudaPlatform(Platform):
+        class KvprofileCudaPlatform(Platform):  # type: ignore[misc,unused-ignore]  # Any without vLLM
             """A CUDA-kind platform answering the simulated GPU; no device queries, no libcuda."""
 
             _enum = PlatformEnum.CUDA
