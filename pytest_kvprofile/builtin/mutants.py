@@ -271,7 +271,7 @@ class FixedDefaultViewBuilder(FlashInferLikeBuilder):
     sizing loses what the declaration never mentioned."""
 
     def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
-        return ctx.get_workspace(max(self.float_bytes(), 394 * MiB), ubatch)
+        return ctx.get_workspace(max(self.float_bytes(), VLLM_DEFAULT_FLOAT_BYTES), ubatch)
 
 
 class SyntheticInCaptureBuilder(FlashInferLikeBuilder):

@@ -33,6 +33,7 @@ import os
 import traceback
 from typing import TYPE_CHECKING, Iterator
 
+from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
@@ -66,7 +67,7 @@ STATIC_BACKENDS = {"flashinfer": "sglang-flashinfer", "trtllm_mha": "sglang-trtl
                    "trtllm_mla": "sglang-trtllm-mla"}
 POST_CAPTURE_ENV = "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"
 # FlashInfer's int workspace per wrapper, as SGLang's backend makes each wrapper (FlashInfer's default)
-_INT_WORKSPACE_BYTES = 8 << 20
+_INT_WORKSPACE_BYTES = FLASHINFER_INT_WORKSPACE_BYTES  # SGLang keeps FlashInfer's default int workspace
 
 
 @contextlib.contextmanager
