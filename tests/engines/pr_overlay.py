@@ -7,7 +7,8 @@ revision). :func:`pull_request_modules` loads each file found under its vLLM mod
 built-in ``vllm-flashinfer`` backend drives it, and restores the installed modules on exit. The venv is not touched.
 
 The pull request sits on a newer vLLM than the installed release. Names its files import that the release lacks
-are bridged, each listed in :data:`BRIDGES` with why; a name missing and not bridged fails the load naming it.
+are bridged, each listed in :data:`BRIDGES` with why (a module the release renamed is made for the block).
+A name missing and not bridged fails the load naming it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,38 @@ def _tri_state_enum() -> Any:  # Any: an enum class
     return PersistentWorkspaceProfilingSupport
 
 
+def _layout_type() -> Any:  # Any: a typing alias
+    from typing import Literal
+
+    return Literal["NHD", "HND"]
+
+
+def _layout_from_config() -> Any:  # Any: a stand-in callable
+    def get_kv_cache_layout() -> str:
+        from vllm.config import get_current_vllm_config_or_none
+        from vllm.v1.attention.backends.utils import get_flashinfer_layout_string
+
+        config = get_current_vllm_config_or_none()
+        if config is None or getattr(config.cache_config, "kv_cache_layout", None) is None:
+            return "NHD"  # the older base's default
+        return str(get_flashinfer_layout_string(config.cache_config.get_resolved_kv_cache_layout()))
+
+    return get_kv_cache_layout
+
+
+def _from_dcp(name: str) -> Callable[[], Any]:
+    def make() -> Any:  # Any: vLLM's function
+        import vllm.v1.attention.ops.dcp as dcp
+
+        return getattr(dcp, name)
+
+    return make
+
+
+def _seq_lens_cpu() -> Any:  # Any: a property
+    return property(lambda self: self.seq_lens.cpu())
+
+
 # (module, name, why, make): a name the pull request's files import that the installed vLLM lacks
 BRIDGES: tuple[tuple[str, str, str, Callable[[], Any]], ...] = (
     ("vllm.utils.torch_utils", "is_quantized_kv_cache",
@@ -58,6 +91,18 @@ BRIDGES: tuple[tuple[str, str, str, Callable[[], Any]], ...] = (
     ("vllm.v1.attention.backend", "PersistentWorkspaceProfilingSupport",
      "defined by the pull request's backend.py; when no copy of it is given, the enum with its values "
      "(UNSUPPORTED 0, NEUTRAL 1, REQUIRED 2) from engines/vllm/pull_request.py", _tri_state_enum),
+    # the 7a3177c revision sits on a base older than 0.33 for these
+    ("vllm.v1.attention.backends.utils", "KVCacheLayoutType",
+     "the older base's Literal['NHD', 'HND']; 0.33 has the KVCacheLayout enum", _layout_type),
+    ("vllm.v1.attention.backends.utils", "get_kv_cache_layout",
+     "the older base's resolver; here the layout 0.33 resolved into cache_config, in FlashInfer's names",
+     _layout_from_config),
+    ("vllm.v1.attention.ops.common", "cp_lse_ag_out_rs", "moved to vllm.v1.attention.ops.dcp in 0.33",
+     _from_dcp("cp_lse_ag_out_rs")),
+    ("vllm.v1.attention.backend", "CommonAttentionMetadata.seq_lens_cpu",
+     "the older base's field; 0.33 dropped it (its seq_lens.cpu() is the same values)", _seq_lens_cpu),
+    ("vllm.v1.attention.ops.dcp_alltoall", "dcp_a2a_lse_reduce",
+     "the module became vllm.v1.attention.ops.dcp in 0.33", _from_dcp("dcp_a2a_lse_reduce")),
 )
 
 
@@ -81,7 +126,7 @@ def pull_request_modules(root: Path) -> Iterator[dict[str, ModuleType]]:
 
     import_vllm_flashinfer()  # the installed release imported first, with the stand-in platform current
     saved_modules: dict[str, ModuleType | None] = {}
-    saved_attrs: list[tuple[ModuleType, str, object]] = []
+    saved_attrs: list[tuple[Any, str, object]] = []  # Any: a module or a class
     _absent = object()
     loaded: dict[str, ModuleType] = {}
     try:
@@ -92,10 +137,19 @@ def pull_request_modules(root: Path) -> Iterator[dict[str, ModuleType]]:
             saved_modules[name] = sys.modules.get(name)
             if name == FILES[2][0]:
                 for mod_name, attr, _why, make in BRIDGES:
-                    module = importlib.import_module(mod_name)
-                    if not hasattr(module, attr):
-                        saved_attrs.append((module, attr, _absent))
-                        setattr(module, attr, make())
+                    try:
+                        module = importlib.import_module(mod_name)
+                    except ModuleNotFoundError:  # a module the release renamed: made for the block
+                        module = ModuleType(mod_name)
+                        saved_modules.setdefault(mod_name, None)
+                        sys.modules[mod_name] = module
+                    owner: Any = module  # Any: a module, or a class of it for "Class.attr"
+                    if "." in attr:
+                        cls_name, attr = attr.split(".")
+                        owner = getattr(module, cls_name)
+                    if attr not in dir(owner):
+                        saved_attrs.append((owner, attr, _absent))
+                        setattr(owner, attr, make())
             spec = importlib.util.spec_from_file_location(name, path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
