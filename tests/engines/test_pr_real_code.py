@@ -1,0 +1,115 @@
+"""The pull request's real code, end to end: its own ``flashinfer.py`` (and ``workspace.py``, ``backend.py`` where
+given) loaded in place of the installed vLLM's, driven by the built-in ``vllm-flashinfer`` backend on every case
+of matrices/ci.yaml, with no hand mapping.
+
+The code is not in this repository: ``KVPROFILE_PR_DIR`` (or ``KVPROFILE_PR_DIRS``, one directory per revision)
+names private copies laid out as vLLM's tree (``tests/engines/pr_overlay.py``). Without one the test skips, saying
+so; a skip is never a pass.
+
+What it asserts, per revision:
+- nothing crashes, configure included (vLLM's ``WorkspaceManager`` is the pull request's own where given);
+- the built-in backend drives the pull request's builder class, and its design opts in on every gated case;
+- on the profiling path the only failing check is its real finding, ``persistent_memory_visible_at_closing``:
+  FlashInfer's plan-time buffers (a few KB) made at the first plan, after KV sizing;
+- the MTP cases (the runner's gate) and the DCP > 1 cases (the revision's own UNSUPPORTED) run the legacy path,
+  and ``legacy_path_unchanged`` does not refuse them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pr_overlay import private_dirs, pull_request_modules, revision_of  # noqa: E402
+
+from pytest_kvprofile import run_lifecycle  # noqa: E402
+from pytest_kvprofile.checks.catalog import failing_checks  # noqa: E402
+from pytest_kvprofile.lifecycle.driver import close_parts  # noqa: E402
+from pytest_kvprofile.lifecycle.record import LEGACY  # noqa: E402
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix  # noqa: E402
+
+FINDING = "persistent_memory_visible_at_closing"
+PLAN_TIME_LIMIT = 16 * 1024  # FlashInfer's plan-time buffers: a few KB; anything larger is not that finding
+_INVISIBLE = re.compile(r"([\d,]+) bytes invisible to KV sizing")
+
+DIRS = private_dirs()
+CASES = {c.id: c for c in load_matrix(packaged_matrix("ci")).cases}
+
+
+def measure(root: Path) -> dict[str, tuple[str, dict[str, list[str]]]]:
+    """{case id: (path or "refused: ..." or "crash: ...", failing checks)} for the revision under ``root``."""
+    from pytest_kvprofile.engines.vllm.flashinfer import VLLM_BACKENDS, engine_refusal
+    from pytest_kvprofile.engines.vllm.standins import import_vllm_flashinfer
+
+    backend = VLLM_BACKENDS[0]
+    out: dict[str, tuple[str, dict[str, list[str]]]] = {}
+    with pull_request_modules(root) as loaded:
+        assert import_vllm_flashinfer() is loaded["vllm.v1.attention.backends.flashinfer"]
+        for case in load_matrix(packaged_matrix("ci")).cases:
+            refusal = engine_refusal(case)
+            if refusal is not None:
+                out[case.id] = ("refused: " + refusal, {})
+                continue
+            try:
+                result = run_lifecycle(backend, case)
+            except Exception as exc:  # noqa: BLE001 - a crash is a result here: the assertions name it
+                out[case.id] = (f"crash: {type(exc).__name__}: {exc}", {})
+                continue
+            try:
+                driven = type(result.builders[0].inner_builder()) if hasattr(result.builders[0], "inner_builder") \
+                    else None
+                assert driven is None or driven.__module__ == "vllm.v1.attention.backends.flashinfer"
+                out[case.id] = (result.path, failing_checks(result))
+            finally:
+                close_parts(result)
+    return out
+
+
+def invisible_bytes(message: str) -> int:
+    found = _INVISIBLE.search(message)
+    assert found, message[:400]
+    return int(found.group(1).replace(",", ""))
+
+
+@pytest.mark.skipif(not DIRS, reason="KVPROFILE_PR_DIR / KVPROFILE_PR_DIRS name no private copy of the pull "
+                                     "request's vllm/v1/attention/backends/flashinfer.py (its code is not in "
+                                     "this repository; see docs/vllm.md)")
+@pytest.mark.parametrize("root", DIRS, ids=[revision_of(d)[:7] for d in DIRS])
+def test_the_pull_requests_own_code_is_refused_only_for_its_plan_time_bytes(root: Path) -> None:
+    results = measure(root)
+    crashes = {c: p for c, (p, _) in results.items() if p.startswith("crash")}
+    assert not crashes, crashes
+    driven = {c: (p, f) for c, (p, f) in results.items() if not p.startswith("refused")}
+    assert driven, "every ci case refused by layout"
+    for case_id, (path, failing) in driven.items():
+        if path == LEGACY:
+            assert "legacy_path_unchanged" not in failing, (case_id, failing)
+            assert failing == {}, (case_id, failing)
+            case = CASES[case_id]  # the gate: speculative decoding; the revision's own UNSUPPORTED under DCP > 1
+            assert case.mtp > 0 or case.dcp > 1, f"{case_id}: the design did not opt in on a gated case"
+        else:
+            assert set(failing) <= {FINDING}, (case_id, failing)
+            for message in failing.get(FINDING, []):
+                assert 0 < invisible_bytes(message) <= PLAN_TIME_LIMIT, message[:400]
+    assert any(p != LEGACY for p, _ in driven.values()), "the design opted in nowhere"
+
+
+def _table(root: Path) -> list[tuple[str, str, str]]:  # pragma: no cover - a measuring aid, run by hand
+    rows = []
+    for case_id, (path, failing) in measure(root).items():
+        rows.append((case_id, path[:40], ", ".join(
+            f"{k} ({invisible_bytes(v[0]):,} B)" if k == FINDING else k for k, v in sorted(failing.items()))))
+    return rows
+
+
+if __name__ == "__main__":  # pragma: no cover
+    for directory in DIRS:
+        print(f"## {revision_of(directory)}")
+        rows: Any = _table(directory)
+        for row in rows:
+            print(" | ".join(row))
