@@ -102,7 +102,7 @@ def default_cases() -> tuple[Case, ...]:
 
 
 def _no_lse_asked(case: Case) -> str | None:
-    """Why mutant 11e is correct on a case: without DCP no LSE is asked, so the scratch is the launcher's whole carve."""
+    """Why mutant 11e is correct on a case: without DCP no LSE is asked; the scratch is the launcher's whole carve."""
     return None if case.dcp == 1 else f"DCP {case.dcp} asks trtllm-gen for LSE"
 
 
