@@ -85,7 +85,11 @@ def _add_size(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-cuda-graph", action="store_true", help="size without CUDA graphs")
     p.add_argument("--routes", type=str, default=None,
                    help="comma-separated routes the builder plans natively into the float workspace (prefill, "
-                        "decode); the others go to trtllm-gen and need none (default: every route of the case)")
+                        "decode); the others go to trtllm-gen and need none here (default: every route of the case). "
+                        "An MLA case's decode is trtllm-gen's (FlashInfer's MLA planner is not FA2)")
+    p.add_argument("--trtllm", type=str, default=None,
+                   help="comma-separated routes on trtllm-gen, sized as its launcher carves their workspace (LSE slab "
+                        "under DCP, multi-CTA KV scratch); default: the routes --routes leaves, and an MLA decode")
     p.add_argument("--no-oracle", action="store_true", help="analytic model only")
     p.add_argument("--report", type=Path, metavar="MATRIX", help="sizing report for a matrix file")
     p.add_argument("--plot", type=Path, metavar="PNG", help="with --report: plot (needs matplotlib)")
@@ -207,12 +211,24 @@ def _cmd_size(args: argparse.Namespace) -> int:
     except (OracleError, ValueError) as exc:
         print(f"kvprofile size: error: {exc}", file=sys.stderr)
         return 1
-    native = routes(case) if args.routes is None else tuple(r.strip() for r in args.routes.split(",") if r.strip())
-    unknown = [r for r in native if r not in routes(case)]
+    from pytest_kvprofile.sizing.trtllm import ROUTES as TRTLLM_ROUTES
+    from pytest_kvprofile.sizing.trtllm import trtllm_carve, trtllm_need, trtllm_routes
+
+    asked = routes(case) if args.routes is None else tuple(r.strip() for r in args.routes.split(",") if r.strip())
+    mla_decode = case.model.attention == "mla" and "decode" in asked
+    unknown = [r for r in asked if r not in routes(case) and not (r == "decode" and mla_decode)]
     if unknown:
         _fail(f"--routes: {', '.join(unknown)} is not a route of the case (its routes: {', '.join(routes(case))})")
+    native = tuple(r for r in asked if r in routes(case))
+    trt = trtllm_routes(case, native) if args.trtllm is None else \
+        tuple(r.strip() for r in args.trtllm.split(",") if r.strip())
+    bad = [r for r in trt if r not in TRTLLM_ROUTES]
+    if bad:
+        _fail(f"--trtllm: {', '.join(bad)} is not a trtllm-gen route (known: {', '.join(TRTLLM_ROUTES)})")
     float_bytes, sized = need_for_routes(case, native)
     int_bytes = max((res.routes[r].int_bytes for r in sized), default=0)
+    trtllm_bytes, trtllm_worst = trtllm_need(case, trt)
+    carves = {r: trtllm_carve(case, r) for r in trt}
     env = plan_envelope(case)
     qo, kv, graph = res.worst_batch if res.worst_batch else ((), (), False)
     out = {
@@ -221,6 +237,12 @@ def _cmd_size(args: argparse.Namespace) -> int:
         "int_workspace_bytes": int_bytes,
         "native_routes": list(native),
         "trtllm_routes": [r for r in routes(case) if r not in native],
+        "trtllm_workspace_bytes": trtllm_bytes,
+        "trtllm_worst_route": trtllm_worst.route if trtllm_worst is not None else None,
+        "trtllm": {r: {"workspace_bytes": c.total_bytes, "lse_slab_bytes": c.slab_bytes,
+                       "scratch_bytes": c.scratch_bytes, "lse": c.lse, "num_qo_heads": c.num_qo_heads,
+                       "batch_size": c.batch_size, "max_q_len": c.max_q_len, "head_dim_v": c.head_dim_v}
+                   for r, c in carves.items()},
         "sized_routes": list(sized),
         "worst_batch": {"qo_lens": list(qo), "kv_lens": list(kv), "cuda_graph": graph},
         "worst_route": res.worst_route,
@@ -260,6 +282,13 @@ def _cmd_size(args: argparse.Namespace) -> int:
     worst = f"worst: {res.worst_route}, {len(qo)} requests, {sum(qo)} tokens, cuda_graph={graph}" \
         if sized == tuple(res.routes) else f"routes sized: {', '.join(sized) or 'none'}"
     print(f"{'required':<24}{float_bytes / MiB:>12.2f}{int_bytes / 1024:>10.1f}  ({worst})")
+    for name, c in carves.items():
+        print(f"{'trtllm-gen ' + name:<24}{c.total_bytes / MiB:>12.2f}{'':>10}  ({c.formula()})")
+    if carves:
+        print(f"{'trtllm-gen required':<24}{trtllm_bytes / MiB:>12.2f}  (FlashInfer's trtllm-gen launcher, "
+              "csrc/trtllm_fmha_kernel_launcher.cu)")
+    if mla_decode:
+        print("note: an MLA case's decode is sized as trtllm-gen's (FlashInfer's MLA planner is not FA2)")
     for note in res.notes:
         print(f"note: {note}")
     return 0

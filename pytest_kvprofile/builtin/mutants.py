@@ -26,6 +26,7 @@ from pytest_kvprofile.builtin.stubs import (
     GDNLikeBuilder,
     MMPrefixLikeBuilder,
     TorchFlashInferLikeBuilder,
+    TrtllmGenSizedBuilder,
     Wrapper,
     with_role,
 )
@@ -272,6 +273,18 @@ class FixedDefaultViewBuilder(FlashInferLikeBuilder):
 
     def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
         return ctx.get_workspace(max(self.float_bytes(), VLLM_DEFAULT_FLOAT_BYTES), ubatch)
+
+
+class TrtllmNoLseSlabBuilder(TrtllmGenSizedBuilder):
+    """Bug 11e: every route on trtllm-gen, its workspace sized for the multi-CTA KV scratch alone. Under DCP the
+    engine asks trtllm-gen for LSE, whose launcher carves the softmax-stats slab (heads x DCP x step tokens) first:
+    the scratch gets less than it writes."""
+
+    def trtllm_bytes(self) -> int:
+        from pytest_kvprofile.sizing.trtllm import trtllm_need, trtllm_routes
+
+        carve = trtllm_need(self.case, trtllm_routes(self.case, self._routes))[1]
+        return carve.scratch_bytes if carve is not None else 0
 
 
 class SyntheticInCaptureBuilder(FlashInferLikeBuilder):
@@ -840,6 +853,8 @@ MUTANT_BACKENDS: tuple[Backend, ...] = (
             )),
     _mutant("mutant-11b-fixed-default-view", 11, FixedDefaultViewBuilder,
             catches=("no_post_kv_overrun", "workspace_covers_planner")),
+    _mutant("mutant-11e-trtllm-no-lse-slab", 11, TrtllmNoLseSlabBuilder,
+            catches=("trtllm_workspace_covers_launcher",)),
     _mutant("mutant-12-wrong-version-formula", 12, WrongVersionFormulaBuilder,
             catches=_OVERFLOWS_ITS_ARENA),
     _mutant("mutant-14a-global-after-kv-sizing", 14, GlobalAfterKvSizingBuilder,

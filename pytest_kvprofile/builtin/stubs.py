@@ -28,6 +28,7 @@ from pytest_kvprofile.sizing.case import (
     routes,
     vllm_default_float_bytes,
 )
+from pytest_kvprofile.sizing.trtllm import trtllm_need, trtllm_routes
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
@@ -383,6 +384,10 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
     def float_bytes(self) -> int:
         return need_for_routes(self.case, self._routes)[0]
 
+    def trtllm_bytes(self) -> int:
+        """The trtllm-gen workspace: vLLM's one per process (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``, 394 MiB)."""
+        return VLLM_DEFAULT_FLOAT_BYTES
+
     def planner_need(self) -> int:
         return self.float_bytes()
 
@@ -402,7 +407,7 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
         builder's, not process-wide state the retry could reuse)."""
         made = None
         if self._trtllm and self.trtllm_workspace is None:
-            made = self.trtllm_workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace",
+            made = self.trtllm_workspace = ctx.allocate(self.trtllm_bytes(), "trtllm-gen workspace",
                                                         role=Role.TRTLLM_WORKSPACE)
         try:
             return super().reserve_persistent_workspace(ctx)
@@ -416,6 +421,17 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
         route = "decode" if batch.kind == "decode" else "prefill"
         if route in self._routes:
             super().build(ctx, batch)
+
+
+class TrtllmGenSizedBuilder(TrtllmGenRoutesBuilder):
+    """REQUIRED, correct (issue 51, item 4): every route on trtllm-gen, its workspace sized as FlashInfer's
+    trtllm-gen launcher carves it for the case (``sizing.trtllm.trtllm_need``): the LSE slab under DCP (heads x DCP x
+    step tokens) plus the multi-CTA KV scratch, MHA and MLA."""
+
+    name = "flashinfer-trtllm-gen-sized"
+
+    def trtllm_bytes(self) -> int:
+        return trtllm_need(self.case, trtllm_routes(self.case, self._routes))[0]
 
 
 class NativeDecodeBuilder(TrtllmGenRoutesBuilder):
@@ -480,6 +496,8 @@ ROUTE_STUB_BACKENDS: tuple[Backend, ...] = (
              "waste reported, refused only over --kvprofile-max-waste)", VllmDefaultArenaBuilder),
     _builtin("stub-trtllm-gen", "every route on trtllm-gen: zero arena, the trtllm-gen workspace made in the window "
              "(REQUIRED)", TrtllmGenRoutesBuilder),
+    _builtin("stub-trtllm-gen-sized", "every route on trtllm-gen, the workspace sized as FlashInfer's trtllm-gen "
+             "launcher carves it (LSE slab under DCP, multi-CTA scratch; REQUIRED)", TrtllmGenSizedBuilder),
     _builtin("stub-native-decode", "decode native, sized for decode alone; prefill on trtllm-gen (REQUIRED)",
              NativeDecodeBuilder),
     _builtin("stub-split-mixed", "both routes native, each view sized for its route; a mixed batch split between "

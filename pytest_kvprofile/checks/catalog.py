@@ -1,8 +1,8 @@
 """The conformance checks, in the order the suite runs and reports them, gathered from their families.
 
 A check lives in the module of its family (``support``, ``leases``, ``reservation``, ``warmup``, ``arena``,
-``freed``, ``capture``, ``resources``, ``isolation``, ``budget``, ``workspace``, ``int_workspace``), which lists it
-in its own ``CHECKS``; adding a check to a family touches that module only.
+``freed``, ``capture``, ``resources``, ``isolation``, ``budget``, ``workspace``, ``int_workspace``, ``trtllm``),
+which lists it in its own ``CHECKS``; adding a check to a family touches that module only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pytest_kvprofile.checks import (
     reservation,
     resources,
     support,
+    trtllm,
     warmup,
     workspace,
 )
@@ -30,7 +31,7 @@ from pytest_kvprofile.lifecycle.record import LifecycleResult
 
 hookimpl = HookimplMarker("pytest")
 FAMILIES = (support, leases, reservation, warmup, arena, freed, capture, resources, isolation, budget, workspace,
-            int_workspace)
+            int_workspace, trtllm)
 CHECKS: tuple[Check, ...] = tuple(check for family in FAMILIES for check in family.CHECKS)
 CHECKS_BY_NAME = {c.name: c for c in CHECKS}
 

@@ -101,6 +101,16 @@ def default_cases() -> tuple[Case, ...]:
                  if c.skip_reason is None and c.unsized_reason is None)
 
 
+def _no_lse_asked(case: Case) -> str | None:
+    """Why mutant 11e is correct on a case: without DCP no LSE is asked; the scratch is the launcher's whole carve."""
+    return None if case.dcp == 1 else f"DCP {case.dcp} asks trtllm-gen for LSE"
+
+
+# Mutant 11e sizes its trtllm-gen workspace for the multi-CTA scratch alone: correct wherever DCP is off.
+EQUIVALENT["mutant-11e-trtllm-no-lse-slab"] = (
+    frozenset(layout_id(c) for c in default_cases() if c.dcp == 1), _no_lse_asked)
+
+
 def highest_gmu_per_layout(cases: Iterable[Case]) -> list[Case]:
     """Each layout (``case.layout_key``: everything but gmu) once, at its highest gmu.
 
