@@ -15,6 +15,7 @@ from pytest_kvprofile.checks.base import WasteBudget, parse_waste_budget
 from pytest_kvprofile.contract.backends import BackendError
 from pytest_kvprofile.matrix.schema import MatrixError
 from pytest_kvprofile.plugin.fixtures import CASE_ARG, case_params
+from pytest_kvprofile.plugin.fold import FailureFolder
 from pytest_kvprofile.plugin.recorder import Recorder
 from pytest_kvprofile.plugin.session import (
     SESSION_KEY,
@@ -239,6 +240,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(gpu_hooks, "kvprofile-gpu")
     if _is_controller(config):
         config.pluginmanager.register(Recorder(session), "kvprofile-recorder")
+        config.pluginmanager.register(FailureFolder(session), "kvprofile-fold")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -471,12 +473,5 @@ def _sizing_lines(verdict: JsonObject) -> list[str]:
 
 
 def _final_lines(terminalreporter: pytest.TerminalReporter, state: KvprofileSession, lines: list[str]) -> None:
-    """The run's last lines: what was written where, why nothing was tested, then one verdict line per backend."""
-    terminalreporter.section("kvprofile verdict")
-    for written in state.written:
-        terminalreporter.write_line(written.line())
-    if state.nothing_tested:
-        terminalreporter.write_line(f"kvprofile: no conformance check ran, nothing was tested (exit code 5): "
-                                    f"{state.nothing_tested}", red=True)
-    for line in lines:
-        terminalreporter.write_line(line)
+    """The run's last lines, printed after pytest's short summary (``plugin/fold.py``'s ``final_section``)."""
+    state.final_lines = lines

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 Session: TypeAlias = Any
 
 SCHEMA_VERSION = 1
+UNMADE = "the builders could not be made"  # a verdict's reason when the backend's factory raised
 
 
 def _version(dist: str) -> str | None:
@@ -97,6 +98,11 @@ def _legacy_reason(declared: dict[str, str]) -> str | None:
     """
     if not declared:
         return None
+    errors = [f"{'the factory' if part == '<factory>' else part} raised {answer.split(': ', 1)[1]}" for part, answer in declared.items()
+              if answer.startswith("error: ")]
+    if errors:
+        return (f"{UNMADE} ({'; '.join(errors)}): the support they declare is unknown; fix the "
+                "factory or the builder's __init__ (the failures show where it raised)")
     answers = list(declared.values())
     if "unsupported" in answers:
         return "a builder declares UNSUPPORTED, which keeps the model on the legacy path"
@@ -209,7 +215,7 @@ def backend_verdict(entry: JsonObject) -> JsonObject:
     if legacy:
         worst = f"; up to {cost[0]['mib']:.2f} MiB ({cost[0]['kv_tokens']} KV tokens) appear after KV sizing " \
                 f"on {cost[0]['case']}" if cost and cost[0]["bytes"] else ""
-        reasons.append(f"legacy path: nothing to opt in ({legacy}{worst})")
+        reasons.append(legacy if legacy.startswith(UNMADE) else f"legacy path: nothing to opt in ({legacy}{worst})")
     waste = waste_reason(entry.get("waste") or [])
     return dict(
         entry,

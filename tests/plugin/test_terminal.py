@@ -1,0 +1,99 @@
+"""The verdict where people look (issue 52): failures folded one block per (backend, check) with its worst case,
+``-v`` for every failure, the summary table in 100 columns with the root cause, the verdict the output's end."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_kvprofile.report.summary import TABLE_COLUMNS, table_lines
+
+LAZY = ("--kvprofile-backend", "mutant-01-lazy-workspace")
+STUB = ("--kvprofile-backend", "stub-flashinfer")
+CHECK = "persistent_memory_visible_at_closing"
+
+
+def _blocks(result: pytest.RunResult) -> list[str]:
+    """The headlines of the FAILURES section's blocks."""
+    return [ln for ln in result.stdout.lines if ln.startswith("_ test_")]
+
+
+def _short_summary(result: pytest.RunResult) -> list[str]:
+    return [ln for ln in result.stdout.lines if ln.startswith("FAILED ")]
+
+
+def _assert_folded(result: pytest.RunResult) -> None:
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    (block,) = _blocks(result)
+    assert f"test_{CHECK}[mutant-01-lazy-workspace-qwen3-8b-" in block
+    result.stdout.fnmatch_lines([
+        f"*kvprofile: {CHECK} fails on 3 cases of mutant-01-lazy-workspace; shown: the worst (*bytes, * KV tokens)*",
+        "the other 2 failing cases: qwen3-8b-*, qwen3-8b-*",
+        "-v shows each failure*",
+    ])
+    assert len(_short_summary(result)) == 1
+    result.stdout.fnmatch_lines(["kvprofile: 1 FAILED lines stand for 3 failures, one per backend and check*",
+                                 "*kvprofile verdict*", "mutant-01-lazy-workspace: may NOT opt in*",
+                                 "*3 failed, * passed*"])
+
+
+def test_failures_fold_one_block_per_backend_and_check_with_the_worst_case(pytester, suite_args):
+    _assert_folded(pytester.runpytest(*suite_args, *LAZY))
+
+
+def test_failures_fold_under_xdist_too(pytester, suite_args):
+    _assert_folded(pytester.runpytest_subprocess(*suite_args, *LAZY, "-n", "2"))
+
+
+def test_minus_v_shows_every_failure_and_every_failed_line(pytester, suite_args):
+    result = pytester.runpytest(*suite_args, *LAZY, "-v")
+    assert len(_blocks(result)) == 3 and len(_short_summary(result)) == 3
+    assert "stand for" not in result.stdout.str() and "shown: the worst" not in result.stdout.str()
+
+
+def test_the_worst_case_is_the_one_with_the_most_bytes(pytester, suite_args):
+    """Two cases fail with different amounts: the block shown is the larger one's, whatever the run order."""
+    pytester.makeconftest("""
+import pytest
+from pytest_kvprofile.plugin.recorder import RECORD_KEY
+
+class Amounts:
+    '''A plugin, not a conftest hook: conftest item hooks do not reach the packaged suite's items.'''
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report):
+        # the tp2-dcp2 case's message names the most bytes
+        for i, (key, value) in enumerate(report.user_properties):
+            if key == RECORD_KEY and value.get("message") and "tp2-dcp2" in value["case"]:
+                report.user_properties[i] = (key, dict(value, message="x: 999,999,999 bytes lost"))
+
+def pytest_configure(config):
+    config.pluginmanager.register(Amounts(), "amounts")
+""")
+    result = pytester.runpytest(*suite_args, *LAZY)
+    (block,) = _blocks(result)
+    assert "tp2-dcp2" in block, block
+    result.stdout.fnmatch_lines(["*shown: the worst (999,999,999 bytes*"])
+
+
+def test_the_summary_fits_100_columns_and_names_the_root_cause_not_a_tie(pytester, suite_args):
+    """mutant-07d fails warmup_retryable and no_post_kv_overrun on each case: the root cause is the check a case
+    runs first (warmup_retryable), not the name that sorts first among equally frequent ones."""
+    result = pytester.runpytest(*suite_args, *STUB, "--kvprofile-backend", "mutant-07d-post-kv-warmup-leaks",
+                                "--kvprofile-backend", "mutant-11d-torch-short-native-route")
+    lines = result.stdout.lines
+    start = next(i for i, ln in enumerate(lines) if "kvprofile summary" in ln)
+    table = lines[start + 1:start + 8]
+    assert all(len(ln) <= TABLE_COLUMNS for ln in table), table
+    text = "\n".join(table)
+    assert "\n    root cause: warmup_retryable (3); 6 failures in all\n" in text, table
+    assert "\n    root cause: persistent_memory_visible_at_closing (3); 33 failures in all\n" in text, table
+    assert "no_post_kv_overrun" not in text
+
+
+def test_a_long_backend_name_is_cut_in_its_middle_to_keep_100_columns():
+    row = {"backend": "b" * 60 + "-end", "cases": 1200, "passed": 123456, "failed": 123456, "xfailed": 0,
+           "worst_case": "c", "worst_case_kv_tokens": 1234567, "worst_case_reservation_tokens": 12345,
+           "root_cause": "persistent_memory_visible_at_closing (1234)"}
+    lines = table_lines([row])
+    assert all(len(ln) <= TABLE_COLUMNS for ln in lines), [len(ln) for ln in lines]
+    assert "..." in lines[2] and lines[2].split()[0].endswith("-end")
