@@ -383,7 +383,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = _session(config)
     if state is None or not _is_controller(config):
         return
-    from pytest_kvprofile.report.documents import json_document, verdict_document
+    from pytest_kvprofile.report.documents import json_document, slim_verdict, verdict_document
     from pytest_kvprofile.report.files import write_document
 
     ran = bool(state.records)
@@ -396,7 +396,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
         state.written.append(write_document("JSON report", state.settings.json_path, doc, checks_ran=ran))
     if state.settings.verdict_path:
-        doc = verdict_document(state)
+        doc = slim_verdict(verdict_document(state))
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
         state.written.append(write_document("verdict", state.settings.verdict_path, doc, checks_ran=ran))
 

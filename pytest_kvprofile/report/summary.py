@@ -91,14 +91,15 @@ def waste_costs(records: list[CheckOutcome]) -> dict[str, list[JsonObject]]:
     return {b: sorted(costs, key=lambda c: (-c["bytes"], c["case"])) for b, costs in sorted(out.items())}
 
 
-def waste_reason(costs: list[JsonObject]) -> str | None:
-    """The verdict's cost line: the worst case's waste in MiB, bytes and KV tokens, or None without waste."""
+def waste_reason(costs: list[JsonObject], cases: int | None = None, wasting: int | None = None) -> str | None:
+    """The verdict's cost line: the worst case's waste in MiB, bytes and KV tokens, or None without waste.
+    ``cases``, ``wasting``: the counts where ``costs`` holds the largest only (a written verdict's)."""
     if not costs or not costs[0]["bytes"]:
         return None
     worst = costs[0]
-    wasting = sum(1 for c in costs if c["bytes"])
+    wasting = sum(1 for c in costs if c["bytes"]) if wasting is None else wasting
     return (f"workspace waste (a cost, not a refusal unless over --kvprofile-max-waste): on {wasting} of "
-            f"{len(costs)} cases; at most {worst['mib']:.2f} MiB ({worst['bytes']} bytes, {worst['kv_tokens']} KV "
+            f"{len(costs) if cases is None else cases} cases; at most {worst['mib']:.2f} MiB ({worst['bytes']} bytes, {worst['kv_tokens']} KV "
             f"tokens per rank) on {worst['case']}")
 
 
