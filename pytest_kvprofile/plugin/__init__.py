@@ -16,6 +16,7 @@ from pytest_kvprofile.contract.backends import BackendError
 from pytest_kvprofile.matrix.schema import MatrixError
 from pytest_kvprofile.plugin.fixtures import CASE_ARG, case_params
 from pytest_kvprofile.plugin.fold import FailureFolder
+from pytest_kvprofile.plugin.junit import JunitClassnames
 from pytest_kvprofile.plugin.recorder import Recorder
 from pytest_kvprofile.plugin.session import (
     SESSION_KEY,
@@ -241,6 +242,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if _is_controller(config):
         config.pluginmanager.register(Recorder(session), "kvprofile-recorder")
         config.pluginmanager.register(FailureFolder(session), "kvprofile-fold")
+        config.pluginmanager.register(JunitClassnames(config), "kvprofile-junit")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

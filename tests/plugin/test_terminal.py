@@ -97,3 +97,16 @@ def test_a_long_backend_name_is_cut_in_its_middle_to_keep_100_columns():
     lines = table_lines([row])
     assert all(len(ln) <= TABLE_COLUMNS for ln in lines), [len(ln) for ln in lines]
     assert "..." in lines[2] and lines[2].split()[0].endswith("-end")
+
+
+@pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["plain", "xdist"])
+def test_junit_classnames_carry_the_backend(pytester, suite_args, xdist):
+    import xml.etree.ElementTree as ET
+
+    out = pytester.path / "junit.xml"
+    args = (*suite_args, *STUB, *LAZY, f"--junitxml={out}", *xdist)
+    result = pytester.runpytest_subprocess(*args) if xdist else pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    cases = ET.parse(out).getroot().iter("testcase")
+    classes = {c.get("classname") for c in cases if not c.get("name", "").startswith("test_layout_is_possible")}
+    assert classes == {"test_conformance.stub-flashinfer", "test_conformance.mutant-01-lazy-workspace"}, classes
