@@ -268,8 +268,29 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     return [
         f"kvprofile: tier {session.tier}, matrices {names} ({len(session.runnable_cases)} cases, "
         f"{len(session.skipped_cases)} impossible), {len(session.backends)} backends",
+        _backends_line(session),
         *header_lines(session),
     ]
+
+
+HEADER_NAMES = 6  # the backends the header names before "and N more"
+
+
+def _backends_line(session: KvprofileSession) -> str:
+    """Which backends run and why these: named, the hook's and installed ones (which replace the stubs), or the
+    stubs because none is named, hooked or installed."""
+    names = [b.name for b in session.backends]
+    shown = ", ".join(names[:HEADER_NAMES]) + (f" and {len(names) - HEADER_NAMES} more"
+                                                if len(names) > HEADER_NAMES else "")
+    if session.settings.backend_specs:
+        why = "named by --kvprofile-backend or kvprofile_backends"
+    elif all(b.origin in ("builtin", "mutant") for b in session.backends):
+        why = "the built-in stubs: no backend named, installed or returned by the hook"
+    else:
+        origins = sorted({b.origin.split(" (")[0] for b in session.backends})
+        why = (f"from {', '.join(origins)}, in place of the built-in stubs; name backends to choose "
+               "(kvprofile list)")
+    return f"kvprofile: backends ({why}): {shown}"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

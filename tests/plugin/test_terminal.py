@@ -110,3 +110,22 @@ def test_junit_classnames_carry_the_backend(pytester, suite_args, xdist):
     cases = ET.parse(out).getroot().iter("testcase")
     classes = {c.get("classname") for c in cases if not c.get("name", "").startswith("test_layout_is_possible")}
     assert classes == {"test_conformance.stub-flashinfer", "test_conformance.mutant-01-lazy-workspace"}, classes
+
+
+def test_the_header_names_the_backends_and_why_these(pytester, suite_args):
+    plain = pytester.runpytest(*suite_args, "--collect-only")
+    assert any(ln.startswith("kvprofile: backends (the built-in stubs: no backend named, installed or returned by "
+                             "the hook): stub-flashinfer, stub-") for ln in plain.stdout.lines)
+    named = pytester.runpytest(*suite_args, *STUB, "--collect-only")
+    named.stdout.fnmatch_lines(["kvprofile: backends (named by --kvprofile-backend or kvprofile_backends): "
+                                "stub-flashinfer"])
+    pytester.makeconftest("""
+import dataclasses
+from pytest_kvprofile.registry import builtin_registry
+
+def pytest_kvprofile_backends(config):
+    return dataclasses.replace(builtin_registry().backends["stub-flashinfer"], name="mine", origin="")
+""")
+    hooked = pytester.runpytest(*suite_args, "--collect-only")
+    hooked.stdout.fnmatch_lines(["kvprofile: backends (from the pytest_kvprofile_backends hook, in place of the "
+                                 "built-in stubs; name backends to choose (kvprofile list)): mine"])
