@@ -155,13 +155,26 @@ def _settings(config: pytest.Config, registry: Registry) -> Settings:
     return Settings(
         gpu=bool(gpu),
         matrices=tuple(matrices),
-        json_path=opt.kvprofile_json or config.getini("kvprofile_json") or None,
-        verdict_path=opt.kvprofile_verdict or config.getini("kvprofile_verdict") or None,
+        json_path=_path(config, opt.kvprofile_json, "kvprofile_json"),
+        verdict_path=_path(config, opt.kvprofile_verdict, "kvprofile_verdict"),
         backend_specs=tuple(backends),
         timeout=max(0.0, timeout),
         max_waste=_max_waste(config),
         workspace_manager=_workspace_manager(config, bool(gpu), registry),
     )
+
+
+def _path(config: pytest.Config, option: str | None, ini: str) -> str | None:
+    """A file the run writes, as an absolute path resolved one way for every option: the command line's against the
+    directory pytest was invoked from, the ini file's against the ini file's directory (as ``kvprofile_matrix``, a
+    ``paths`` ini key, is)."""
+    if option:
+        return str(config.invocation_params.dir / option)
+    raw = str(config.getini(ini) or "")
+    if not raw:
+        return None
+    base = config.inipath.parent if config.inipath is not None else config.rootpath
+    return str(base / raw)
 
 
 def _workspace_manager(config: pytest.Config, gpu: bool, registry: Registry) -> str | None:

@@ -129,3 +129,21 @@ def pytest_kvprofile_backends(config):
     hooked = pytester.runpytest(*suite_args, "--collect-only")
     hooked.stdout.fnmatch_lines(["kvprofile: backends (from the pytest_kvprofile_backends hook, in place of the "
                                  "built-in stubs; name backends to choose (kvprofile list)): mine"])
+
+
+def test_ini_paths_resolve_against_the_ini_file_and_options_against_the_invocation_dir(pytester, tiny_matrix):
+    """kvprofile_matrix and kvprofile_verdict in an ini file both resolve against its directory, wherever pytest
+    runs from; on the command line both resolve against the directory pytest was invoked from."""
+    pytester.makeini(f"[pytest]\nkvprofile_matrix = {tiny_matrix.name}\nkvprofile_verdict = out/v.json\n"
+                     "kvprofile_backends = stub-flashinfer\n")
+    sub = pytester.mkdir("sub")
+    args = ["--pyargs", "pytest_kvprofile.suite", "-p", "no:cacheprovider", "-q", "-c", str(pytester.path / "tox.ini"),
+            "--rootdir", str(pytester.path)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(sub)
+        result = pytester.runpytest(*args)
+        assert result.ret == 0, result.stdout.str()[-1500:]
+        assert (pytester.path / "out" / "v.json").is_file() and not (sub / "out").exists()
+        result = pytester.runpytest(*args, "--kvprofile-verdict", "here.json")
+        assert result.ret == 0 and (sub / "here.json").is_file()
+    result.stdout.fnmatch_lines([f"verdict written to {sub / 'here.json'}"])
