@@ -234,14 +234,17 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_kvprofile.gpu.nvml import cuda_device_count
 
         count, why = cuda_device_count()
-        if count == 0:
+        if count == 0 and not config.option.collectonly:
             raise pytest.UsageError(f"--kvprofile-gpu: no CUDA device was found ({why}); "
-                                    "run without it for the CPU tier")
+                                    "run without it for the CPU tier (--collect-only lists a GPU runner's cases)")
+        preview = f"no CUDA device here ({why})" if count == 0 else None
     hooked = config.pluginmanager.hook.pytest_kvprofile_backends(config=config)
     try:
         session = build_session(settings, hooked, tier, registry)
     except (MatrixError, BackendError) as exc:
         raise pytest.UsageError(str(exc)) from None
+    if settings.gpu:
+        session.gpu_preview = preview
     config.stash[SESSION_KEY] = session
     publish_checks(session.checks)
     import pytest_kvprofile.plugin.fixtures as fixtures

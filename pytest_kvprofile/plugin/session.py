@@ -106,6 +106,8 @@ class KvprofileSession:
         self.suite_collected = False  # the packaged suite's items were collected (a run that can test nothing)
         self.nothing_tested: str | None = None  # why a run that collected the suite ran no check (exit code 5)
         self.written: list[Written] = []  # what the controller wrote (or kept) at the end, for "written to" lines
+        # --kvprofile-gpu --collect-only without a CUDA device: why, and every case is listed (no GPU to select for)
+        self.gpu_preview: str | None = None
         self.final_lines: list[str] = []  # the run's verdict lines, one per backend, printed last
 
     @property

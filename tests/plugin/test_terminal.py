@@ -147,3 +147,18 @@ def test_ini_paths_resolve_against_the_ini_file_and_options_against_the_invocati
         result = pytester.runpytest(*args, "--kvprofile-verdict", "here.json")
         assert result.ret == 0 and (sub / "here.json").is_file()
     result.stdout.fnmatch_lines([f"verdict written to {sub / 'here.json'}"])
+
+
+def test_gpu_collect_only_without_a_gpu_lists_the_gpu_runners_cases(pytester, tiny_matrix, monkeypatch):
+    """A runner's maintainer previews what a GPU runner would run; without --collect-only it stays a usage error."""
+    import pytest_kvprofile.gpu.nvml as nvml
+
+    monkeypatch.setattr(nvml, "cuda_device_count", lambda: (0, "no GPU (the test hides them)"))
+    args = ["--kvprofile-gpu", "--kvprofile-matrix", str(tiny_matrix), "-p", "no:cacheprovider", *STUB]
+    listed = pytester.runpytest(*args, "--collect-only")
+    assert listed.ret == 0, listed.stdout.str()[-1500:]
+    listed.stdout.fnmatch_lines(["kvprofile-gpu: no CUDA device here (no GPU (the test hides them)): every case of "
+                                 "the matrix is listed*", "*test_gpu_tier*", "*test_support_declaration*"])
+    refused = pytester.runpytest(*args)
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["*--kvprofile-gpu: no CUDA device was found*--collect-only lists a GPU runner's*"])
