@@ -403,16 +403,39 @@ def kvprofile_refused_pair(request: pytest.FixtureRequest) -> FixtureParam:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """With a per-check time limit, compile the sizing oracle first so no check's clock includes it."""
-    state = _session(session.config)
-    if state is None or not state.settings.timeout:
+    """Compile the sizing oracle first, saying so on the terminal, when its first use would compile it: on the
+    controller of a run of the packaged suite (its workers then find it built), and with a per-check time limit (so
+    no check's clock includes it). Without a CUDA compiler nothing is built: the header says what sizes instead."""
+    config = session.config
+    state = _session(config)
+    if state is None or config.option.collectonly:
         return
+    suite = bool(config.option.kvprofile or config.getini("kvprofile") or state.tier == "gpu")
+    if not (state.settings.timeout or (suite and _is_controller(config))):
+        return
+    import time
+
     from pytest_kvprofile.attention.oracle import OracleError, ensure_built
+    from pytest_kvprofile.attention.oracle_build import cache_root, is_built
 
     try:
-        ensure_built()
+        if is_built():
+            return
     except OracleError:
-        pass  # the sizing falls back to its analytic model and says so in its notes
+        return  # no FlashInfer headers: the header says the analytic model sizes, and why
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"kvprofile: compiling FlashInfer's planner for the host (once; about 20 s; cached in "
+                            f"{cache_root()})")
+    start = time.monotonic()
+    try:
+        ensure_built()
+        said = f"kvprofile: FlashInfer's planner compiled in {time.monotonic() - start:.0f} s"
+    except OracleError as exc:  # the sizing falls back to its analytic model and says so in its notes
+        said = f"kvprofile: FlashInfer's planner did not compile ({str(exc).splitlines()[0][:200]}): the analytic " \
+               "model sizes instead (the last lines say so)"
+    if reporter is not None:
+        reporter.write_line(said)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -162,3 +162,26 @@ def test_gpu_collect_only_without_a_gpu_lists_the_gpu_runners_cases(pytester, ti
     refused = pytester.runpytest(*args)
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(["*--kvprofile-gpu: no CUDA device was found*--collect-only lists a GPU runner's*"])
+
+
+def test_the_oracle_compile_and_its_fallback_are_said_on_the_terminal(pytester, tiny_matrix, monkeypatch):
+    import pytest_kvprofile.attention.oracle as oracle
+    import pytest_kvprofile.attention.oracle_build as build
+
+    built: list[bool] = []
+    monkeypatch.setattr(build, "is_built", lambda install=None: False)
+    monkeypatch.setattr(oracle, "ensure_built", lambda *a, **k: built.append(True))
+    args = ["--kvprofile", "--kvprofile-matrix", str(tiny_matrix), "-p", "no:cacheprovider", *STUB,
+            "-k", "support_declaration"]
+    result = pytester.runpytest(*args)
+    result.stdout.fnmatch_lines(["kvprofile: compiling FlashInfer's planner for the host (once; about 20 s; cached in*",
+                                 "kvprofile: FlashInfer's planner compiled in * s"])
+    assert built  # compiled before any check asked (the stand-in builds nothing, so later checks ask again)
+
+    def fails(*a: object, **k: object) -> None:
+        raise oracle.OracleError("nvcc: error: the test breaks it")
+
+    monkeypatch.setattr(oracle, "ensure_built", fails)
+    result = pytester.runpytest(*args)
+    result.stdout.fnmatch_lines(["kvprofile: FlashInfer's planner did not compile (nvcc: error: the test breaks it): "
+                                 "the analytic model sizes instead*"])
