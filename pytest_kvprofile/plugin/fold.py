@@ -92,13 +92,14 @@ class FailureFolder:
         from pytest_kvprofile.report.summary import kv_bytes_per_token
 
         stats = terminalreporter.stats
-        saved = {key: stats[key] for key in ("failed", "") if key in stats}
+        saved: dict[str, list[object]] = {key: stats[key] for key in ("failed", "") if key in stats}
         folded = 0
         if "failed" in stats and config.get_verbosity() < 1:
             stats["failed"] = fold_reports(stats["failed"], kv_bytes_per_token(self.session.records))
             folded = len(saved["failed"]) - len(stats["failed"])
         if "" in stats:  # pytest's teardown lookup per printed failure: only the reports it can find
-            failing = {getattr(rep, "nodeid", None) for key in ("failed", "error") for rep in saved.get(key, stats.get(key, []))}
+            failing = {getattr(rep, "nodeid", None)
+                       for key in ("failed", "error") for rep in saved.get(key, stats.get(key, []))}
             stats[""] = [rep for rep in stats[""]
                          if getattr(rep, "when", None) == "teardown" and getattr(rep, "nodeid", None) in failing]
         try:

@@ -98,7 +98,8 @@ def _legacy_reason(declared: dict[str, str]) -> str | None:
     """
     if not declared:
         return None
-    errors = [f"{'the factory' if part == '<factory>' else part} raised {answer.split(': ', 1)[1]}" for part, answer in declared.items()
+    errors = [f"{'the factory' if part == '<factory>' else part} raised {answer.split(': ', 1)[1]}"
+              for part, answer in declared.items()
               if answer.startswith("error: ")]
     if errors:
         return (f"{UNMADE} ({'; '.join(errors)}): the support they declare is unknown; fix the "
@@ -480,7 +481,8 @@ def expand_verdict(doc: JsonObject) -> JsonObject:
     ids = doc["cases"]
     backends = []
     for b in doc.get("backends") or []:
-        planned = {ids[i]: list(group["checks"]) for group in b.get("planned") or [] for i in from_ranges(group["cases"])}
+        planned = {ids[i]: list(group["checks"])
+                   for group in b.get("planned") or [] for i in from_ranges(group["cases"])}
         results = list(b.get("results") or [])
         other: dict[str, set[str]] = defaultdict(set)
         for r in results:

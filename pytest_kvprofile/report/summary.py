@@ -99,8 +99,8 @@ def waste_reason(costs: list[JsonObject], cases: int | None = None, wasting: int
     worst = costs[0]
     wasting = sum(1 for c in costs if c["bytes"]) if wasting is None else wasting
     return (f"workspace waste (a cost, not a refusal unless over --kvprofile-max-waste): on {wasting} of "
-            f"{len(costs) if cases is None else cases} cases; at most {worst['mib']:.2f} MiB ({worst['bytes']} bytes, {worst['kv_tokens']} KV "
-            f"tokens per rank) on {worst['case']}")
+            f"{len(costs) if cases is None else cases} cases; at most {worst['mib']:.2f} MiB ({worst['bytes']} bytes, "
+            f"{worst['kv_tokens']} KV tokens per rank) on {worst['case']}")
 
 
 def waste_lines(records: list[CheckOutcome]) -> list[str]:
