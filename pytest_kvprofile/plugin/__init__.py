@@ -115,6 +115,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(repeatable; default: the correct stubs unless entry points or the hook provide some)")
     group.addoption("--kvprofile-verdict", default=None, metavar="PATH",
                     help="write the opt-in verdict document here")
+    group.addoption("--kvprofile-html", default=None, metavar="PATH",
+                    help="write one self-contained HTML page of the verdict here (opens offline)")
     group.addoption("--kvprofile-timeout", default=None, type=float, metavar="SECONDS",
                     help="per-check time limit; a hang becomes a failure with the hanging thread's stack")
     group.addoption("--kvprofile-max-waste", default=None, metavar="BUDGET",
@@ -134,6 +136,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("kvprofile_json", "JSON report path (like --kvprofile-json)", default="")
     parser.addini("kvprofile_backends", "backends (like --kvprofile-backend)", type="linelist", default=[])
     parser.addini("kvprofile_verdict", "verdict document path (like --kvprofile-verdict)", default="")
+    parser.addini("kvprofile_html", "HTML page path (like --kvprofile-html)", default="")
     parser.addini("kvprofile_timeout", "per-check time limit in seconds (0: none)", default="0")
     parser.addini("kvprofile_max_waste", "workspace waste budget per case (like --kvprofile-max-waste)", default="")
     parser.addini("kvprofile_workspace_slack_mib",
@@ -157,6 +160,7 @@ def _settings(config: pytest.Config, registry: Registry) -> Settings:
         matrices=tuple(matrices),
         json_path=_path(config, opt.kvprofile_json, "kvprofile_json"),
         verdict_path=_path(config, opt.kvprofile_verdict, "kvprofile_verdict"),
+        html_path=_path(config, opt.kvprofile_html, "kvprofile_html"),
         backend_specs=tuple(backends),
         timeout=max(0.0, timeout),
         max_waste=_max_waste(config),
@@ -457,6 +461,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         doc = json_document(state)
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
         state.written.append(write_document("JSON report", state.settings.json_path, doc, checks_ran=ran))
+    if state.settings.html_path:
+        from pytest_kvprofile.report.html import html_page
+        from pytest_kvprofile.report.summary import final_lines
+
+        verdict = verdict_document(state)
+        page = html_page(verdict, state.records, final_lines(verdict, state.records, state.check_order))
+        state.written.append(write_document("HTML page", state.settings.html_path, page, checks_ran=ran))
     if state.settings.verdict_path:
         doc = slim_verdict(verdict_document(state))
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)

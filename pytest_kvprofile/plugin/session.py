@@ -58,6 +58,7 @@ class Settings:
     matrices: tuple[str, ...] = ()
     json_path: str | None = None
     verdict_path: str | None = None
+    html_path: str | None = None  # --kvprofile-html: the verdict as one self-contained page
     backend_specs: tuple[str, ...] = ()
     timeout: float = 0.0
     max_waste: WasteBudget | None = None  # --kvprofile-max-waste; None: waste reported, not refused
