@@ -56,8 +56,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
 
 def write_document(what: str, path: str | os.PathLike[str], doc: JsonObject | str, *, checks_ran: bool) -> Written:
     """Write ``doc`` (JSON, or a page's text) unless no check ran and a file is already there (that file is kept,
-    and the result says so); a
-    file that cannot be written is said, not raised."""
+    and the result says so); a file that cannot be written is said, not raised."""
     target = Path(path).absolute()
     if not checks_ran and target.exists():
         return Written(what, str(target), False, "no check ran in this run")
