@@ -396,6 +396,13 @@ def ensure_built(force: bool = False, install: FlashInferInstall | None = None) 
     return keydir / LIB_NAME
 
 
+def is_built(install: FlashInferInstall | None = None) -> bool:
+    """Whether a verified oracle library for ``install`` is in the cache already (no build; False without nvcc)."""
+    install = install or flashinfer_install()
+    nvcc = find_nvcc()
+    return nvcc is not None and _valid_build(cache_root() / "oracle" / build_key(install, nvcc))
+
+
 def build_info(lib_path: Path) -> dict[str, object]:  # parsed JSON (strings, numbers, a list)
     """The build sidecar (compiler, command, build time) of a built library."""
     meta = lib_path.parent / META_NAME

@@ -15,6 +15,8 @@ from pytest_kvprofile.checks.base import WasteBudget, parse_waste_budget
 from pytest_kvprofile.contract.backends import BackendError
 from pytest_kvprofile.matrix.schema import MatrixError
 from pytest_kvprofile.plugin.fixtures import CASE_ARG, case_params
+from pytest_kvprofile.plugin.fold import FailureFolder
+from pytest_kvprofile.plugin.junit import JunitClassnames
 from pytest_kvprofile.plugin.recorder import Recorder
 from pytest_kvprofile.plugin.session import (
     SESSION_KEY,
@@ -113,6 +115,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(repeatable; default: the correct stubs unless entry points or the hook provide some)")
     group.addoption("--kvprofile-verdict", default=None, metavar="PATH",
                     help="write the opt-in verdict document here")
+    group.addoption("--kvprofile-html", default=None, metavar="PATH",
+                    help="write one self-contained HTML page of the verdict here (opens offline)")
     group.addoption("--kvprofile-timeout", default=None, type=float, metavar="SECONDS",
                     help="per-check time limit; a hang becomes a failure with the hanging thread's stack")
     group.addoption("--kvprofile-max-waste", default=None, metavar="BUDGET",
@@ -132,6 +136,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("kvprofile_json", "JSON report path (like --kvprofile-json)", default="")
     parser.addini("kvprofile_backends", "backends (like --kvprofile-backend)", type="linelist", default=[])
     parser.addini("kvprofile_verdict", "verdict document path (like --kvprofile-verdict)", default="")
+    parser.addini("kvprofile_html", "HTML page path (like --kvprofile-html)", default="")
     parser.addini("kvprofile_timeout", "per-check time limit in seconds (0: none)", default="0")
     parser.addini("kvprofile_max_waste", "workspace waste budget per case (like --kvprofile-max-waste)", default="")
     parser.addini("kvprofile_workspace_slack_mib",
@@ -153,13 +158,27 @@ def _settings(config: pytest.Config, registry: Registry) -> Settings:
     return Settings(
         gpu=bool(gpu),
         matrices=tuple(matrices),
-        json_path=opt.kvprofile_json or config.getini("kvprofile_json") or None,
-        verdict_path=opt.kvprofile_verdict or config.getini("kvprofile_verdict") or None,
+        json_path=_path(config, opt.kvprofile_json, "kvprofile_json"),
+        verdict_path=_path(config, opt.kvprofile_verdict, "kvprofile_verdict"),
+        html_path=_path(config, opt.kvprofile_html, "kvprofile_html"),
         backend_specs=tuple(backends),
         timeout=max(0.0, timeout),
         max_waste=_max_waste(config),
         workspace_manager=_workspace_manager(config, bool(gpu), registry),
     )
+
+
+def _path(config: pytest.Config, option: str | None, ini: str) -> str | None:
+    """A file the run writes, as an absolute path resolved one way for every option: the command line's against the
+    directory pytest was invoked from, the ini file's against the ini file's directory (as ``kvprofile_matrix``, a
+    ``paths`` ini key, is)."""
+    if option:
+        return str(config.invocation_params.dir / option)
+    raw = str(config.getini(ini) or "")
+    if not raw:
+        return None
+    base = config.inipath.parent if config.inipath is not None else config.rootpath
+    return str(base / raw)
 
 
 def _workspace_manager(config: pytest.Config, gpu: bool, registry: Registry) -> str | None:
@@ -219,14 +238,17 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_kvprofile.gpu.nvml import cuda_device_count
 
         count, why = cuda_device_count()
-        if count == 0:
+        if count == 0 and not config.option.collectonly:
             raise pytest.UsageError(f"--kvprofile-gpu: no CUDA device was found ({why}); "
-                                    "run without it for the CPU tier")
+                                    "run without it for the CPU tier (--collect-only lists a GPU runner's cases)")
+        preview = f"no CUDA device here ({why})" if count == 0 else None
     hooked = config.pluginmanager.hook.pytest_kvprofile_backends(config=config)
     try:
         session = build_session(settings, hooked, tier, registry)
     except (MatrixError, BackendError) as exc:
         raise pytest.UsageError(str(exc)) from None
+    if settings.gpu:
+        session.gpu_preview = preview
     config.stash[SESSION_KEY] = session
     publish_checks(session.checks)
     import pytest_kvprofile.plugin.fixtures as fixtures
@@ -239,6 +261,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(gpu_hooks, "kvprofile-gpu")
     if _is_controller(config):
         config.pluginmanager.register(Recorder(session), "kvprofile-recorder")
+        config.pluginmanager.register(FailureFolder(session), "kvprofile-fold")
+        config.pluginmanager.register(JunitClassnames(config), "kvprofile-junit")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -264,8 +288,29 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     return [
         f"kvprofile: tier {session.tier}, matrices {names} ({len(session.runnable_cases)} cases, "
         f"{len(session.skipped_cases)} impossible), {len(session.backends)} backends",
+        _backends_line(session),
         *header_lines(session),
     ]
+
+
+HEADER_NAMES = 6  # the backends the header names before "and N more"
+
+
+def _backends_line(session: KvprofileSession) -> str:
+    """Which backends run and why these: named, the hook's and installed ones (which replace the stubs), or the
+    stubs because none is named, hooked or installed."""
+    names = [b.name for b in session.backends]
+    shown = ", ".join(names[:HEADER_NAMES]) + (f" and {len(names) - HEADER_NAMES} more"
+                                                if len(names) > HEADER_NAMES else "")
+    if session.settings.backend_specs:
+        why = "named by --kvprofile-backend or kvprofile_backends"
+    elif all(b.origin in ("builtin", "mutant") for b in session.backends):
+        why = "the built-in stubs: no backend named, installed or returned by the hook"
+    else:
+        origins = sorted({b.origin.split(" (")[0] for b in session.backends})
+        why = (f"from {', '.join(origins)}, in place of the built-in stubs; name backends to choose "
+               "(kvprofile list)")
+    return f"kvprofile: backends ({why}): {shown}"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -362,16 +407,39 @@ def kvprofile_refused_pair(request: pytest.FixtureRequest) -> FixtureParam:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """With a per-check time limit, compile the sizing oracle first so no check's clock includes it."""
-    state = _session(session.config)
-    if state is None or not state.settings.timeout:
+    """Compile the sizing oracle first, saying so on the terminal, when its first use would compile it: on the
+    controller of a run of the packaged suite (its workers then find it built), and with a per-check time limit (so
+    no check's clock includes it). Without a CUDA compiler nothing is built: the header says what sizes instead."""
+    config = session.config
+    state = _session(config)
+    if state is None or config.option.collectonly:
         return
+    suite = bool(config.option.kvprofile or config.getini("kvprofile") or state.tier == "gpu")
+    if not (state.settings.timeout or (suite and _is_controller(config))):
+        return
+    import time
+
     from pytest_kvprofile.attention.oracle import OracleError, ensure_built
+    from pytest_kvprofile.attention.oracle_build import cache_root, is_built
 
     try:
-        ensure_built()
+        if is_built():
+            return
     except OracleError:
-        pass  # the sizing falls back to its analytic model and says so in its notes
+        return  # no FlashInfer headers: the header says the analytic model sizes, and why
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"kvprofile: compiling FlashInfer's planner for the host (once; about 20 s; cached in "
+                            f"{cache_root()})")
+    start = time.monotonic()
+    try:
+        ensure_built()
+        said = f"kvprofile: FlashInfer's planner compiled in {time.monotonic() - start:.0f} s"
+    except OracleError as exc:  # the sizing falls back to its analytic model and says so in its notes
+        said = f"kvprofile: FlashInfer's planner did not compile ({str(exc).splitlines()[0][:200]}): the analytic " \
+               "model sizes instead (the last lines say so)"
+    if reporter is not None:
+        reporter.write_line(said)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -381,7 +449,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = _session(config)
     if state is None or not _is_controller(config):
         return
-    from pytest_kvprofile.report.documents import json_document, verdict_document
+    from pytest_kvprofile.report.documents import json_document, slim_verdict, verdict_document
     from pytest_kvprofile.report.files import write_document
 
     ran = bool(state.records)
@@ -393,8 +461,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         doc = json_document(state)
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
         state.written.append(write_document("JSON report", state.settings.json_path, doc, checks_ran=ran))
+    if state.settings.html_path:
+        from pytest_kvprofile.report.html import html_page
+        from pytest_kvprofile.report.summary import final_lines
+
+        verdict = verdict_document(state)
+        page = html_page(verdict, state.records, final_lines(verdict, state.records, state.check_order))
+        state.written.append(write_document("HTML page", state.settings.html_path, page, checks_ran=ran))
     if state.settings.verdict_path:
-        doc = verdict_document(state)
+        doc = slim_verdict(verdict_document(state))
         config.pluginmanager.hook.pytest_kvprofile_update_json(config=config, report=doc)
         state.written.append(write_document("verdict", state.settings.verdict_path, doc, checks_ran=ran))
 
@@ -471,12 +546,5 @@ def _sizing_lines(verdict: JsonObject) -> list[str]:
 
 
 def _final_lines(terminalreporter: pytest.TerminalReporter, state: KvprofileSession, lines: list[str]) -> None:
-    """The run's last lines: what was written where, why nothing was tested, then one verdict line per backend."""
-    terminalreporter.section("kvprofile verdict")
-    for written in state.written:
-        terminalreporter.write_line(written.line())
-    if state.nothing_tested:
-        terminalreporter.write_line(f"kvprofile: no conformance check ran, nothing was tested (exit code 5): "
-                                    f"{state.nothing_tested}", red=True)
-    for line in lines:
-        terminalreporter.write_line(line)
+    """The run's last lines, printed after pytest's short summary (``plugin/fold.py``'s ``final_section``)."""
+    state.final_lines = lines

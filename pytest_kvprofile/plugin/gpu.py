@@ -79,8 +79,14 @@ def _device_count() -> int:
     return cuda_device_count()[0]
 
 
+def _preview(config: pytest.Config) -> str | None:
+    """Why the GPU tier only lists its cases here (``--collect-only`` without a CUDA device), or None."""
+    state = _state(config)
+    return getattr(state, "gpu_preview", None)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if not gpu_tier(config):
+    if not gpu_tier(config) or _preview(config):
         return
     if hasattr(config, "workerinput"):
         from pytest_kvprofile.gpu.pinning import PinningError, apply_pinning
@@ -116,7 +122,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     whether this module was registered before or after the plugin built its session."""
     config = session.config
     state = _state(config)
-    if state is None or not gpu_tier(config):
+    if state is None or not gpu_tier(config) or _preview(config):
         return
     from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
 
@@ -150,6 +156,10 @@ def controller_hardware() -> dict[str, object]:
 def pytest_report_header(config: pytest.Config) -> str | None:
     if not gpu_tier(config) or hasattr(config, "workerinput"):
         return None
+    preview = _preview(config)
+    if preview:
+        return (f"kvprofile-gpu: {preview}: every case of the matrix is listed; a GPU runner runs those that fit "
+                "its GPUs (its header names them)")
     from pytest_kvprofile.gpu.topology import TopologyError, detect_topology
 
     try:

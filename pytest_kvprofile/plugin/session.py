@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from pytest_kvprofile.gpu.cuda_device import CudaDeviceFactory
 
 RESULT_CACHE_SIZE = 32
-FACTORY_ERROR = "error"  # the path of a pair whose factory or declaration raised: every check reports it
+FACTORY_ERROR = "error"  # the path of a pair whose factory or declaration raised: one check per case reports it
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class Settings:
     matrices: tuple[str, ...] = ()
     json_path: str | None = None
     verdict_path: str | None = None
+    html_path: str | None = None  # --kvprofile-html: the verdict as one self-contained page
     backend_specs: tuple[str, ...] = ()
     timeout: float = 0.0
     max_waste: WasteBudget | None = None  # --kvprofile-max-waste; None: waste reported, not refused
@@ -106,6 +107,9 @@ class KvprofileSession:
         self.suite_collected = False  # the packaged suite's items were collected (a run that can test nothing)
         self.nothing_tested: str | None = None  # why a run that collected the suite ran no check (exit code 5)
         self.written: list[Written] = []  # what the controller wrote (or kept) at the end, for "written to" lines
+        # --kvprofile-gpu --collect-only without a CUDA device: why, and every case is listed (no GPU to select for)
+        self.gpu_preview: str | None = None
+        self.final_lines: list[str] = []  # the run's verdict lines, one per backend, printed last
 
     @property
     def check_options(self) -> CheckOptions:
@@ -153,11 +157,18 @@ class KvprofileSession:
                 except Exception:  # noqa: BLE001 - every check runs and reports the error
                     path, parts = FACTORY_ERROR, []
                 checks = frozenset(
-                    c.name for c in self.checks
-                    if path == FACTORY_ERROR or (c.applies(path) and c.relevant(case, parts))
+                    [self._factory_error_check] if path == FACTORY_ERROR
+                    else (c.name for c in self.checks if c.applies(path) and c.relevant(case, parts))
                 )
             plan = self._plans[key] = PairPlan(path, checks, gate)
         return plan
+
+    @property
+    def _factory_error_check(self) -> str:
+        """The one check a pair whose builders could not be made fails (its error, the author's frames): the support
+        declaration, which such builders never gave; a registry without it, its first check."""
+        names = [c.name for c in self.checks]
+        return "support_declaration" if "support_declaration" in names else names[0]
 
     def refusal(self, backend: Backend, case: Case) -> str | None:
         """The engine's reason for refusing the pair's layout (``Backend.refuses_layout``), asked once."""

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 Session: TypeAlias = Any
 
 SCHEMA_VERSION = 1
+UNMADE = "the builders could not be made"  # a verdict's reason when the backend's factory raised
 
 
 def _version(dist: str) -> str | None:
@@ -97,6 +98,12 @@ def _legacy_reason(declared: dict[str, str]) -> str | None:
     """
     if not declared:
         return None
+    errors = [f"{'the factory' if part == '<factory>' else part} raised {answer.split(': ', 1)[1]}"
+              for part, answer in declared.items()
+              if answer.startswith("error: ")]
+    if errors:
+        return (f"{UNMADE} ({'; '.join(errors)}): the support they declare is unknown; fix the "
+                "factory or the builder's __init__ (the failures show where it raised)")
     answers = list(declared.values())
     if "unsupported" in answers:
         return "a builder declares UNSUPPORTED, which keeps the model on the legacy path"
@@ -209,8 +216,8 @@ def backend_verdict(entry: JsonObject) -> JsonObject:
     if legacy:
         worst = f"; up to {cost[0]['mib']:.2f} MiB ({cost[0]['kv_tokens']} KV tokens) appear after KV sizing " \
                 f"on {cost[0]['case']}" if cost and cost[0]["bytes"] else ""
-        reasons.append(f"legacy path: nothing to opt in ({legacy}{worst})")
-    waste = waste_reason(entry.get("waste") or [])
+        reasons.append(legacy if legacy.startswith(UNMADE) else f"legacy path: nothing to opt in ({legacy}{worst})")
+    waste = waste_reason(entry.get("waste") or [], entry.get("waste_cases"), entry.get("waste_wasting"))
     return dict(
         entry,
         cost_reasons=[waste] if waste else [],
@@ -251,6 +258,7 @@ def merge_verdicts(docs: dict[str, JsonObject]) -> JsonObject:
     """
     if not docs:
         raise MergeError("no verdicts to merge")
+    docs = {name: expand_verdict(doc) for name, doc in docs.items()}
     for name, doc in docs.items():
         if "results" in doc and "summary" in doc and "partial" not in doc:  # what json_document writes
             raise MergeError(f"{name} is a --kvprofile-json report, not a verdict: merge the files that "
@@ -355,6 +363,7 @@ def _merge_backend(found: list[tuple[str, JsonObject]]) -> JsonObject:
     costs: list[JsonObject] = []
     wastes: list[JsonObject] = []
     disagreements: list[str] = []
+    counted, waste_cases, waste_wasting = True, 0, 0  # written verdicts keep the largest wastes and their counts
     for source, b in found:
         for case, checks in (b.get("planned") or {}).items():
             planned[case].update(checks)
@@ -363,6 +372,9 @@ def _merge_backend(found: list[tuple[str, JsonObject]]) -> JsonObject:
         results += [dict(r, source=source) for r in b.get("results") or []]
         costs += b.get("legacy_cost") or []
         wastes += b.get("waste") or []
+        counted = counted and "waste_cases" in b
+        waste_cases += int(b.get("waste_cases") or 0)
+        waste_wasting += int(b.get("waste_wasting") or 0)
         if (b.get("declared_support") or {}) != declared:
             disagreements.append(source)
     entry = backend_verdict({
@@ -379,6 +391,7 @@ def _merge_backend(found: list[tuple[str, JsonObject]]) -> JsonObject:
         "refused_layouts": [{"case": c, "reason": r} for c, r in refused.items()],
         "legacy_cost": sorted(costs, key=lambda c: (-c["bytes"], c["case"])),
         "waste": sorted({w["case"]: w for w in wastes}.values(), key=lambda c: (-c["bytes"], c["case"])),
+        **({"waste_cases": waste_cases, "waste_wasting": waste_wasting} if counted else {}),
         "provenance": first.get("provenance"),
         "kv_sizing": merge_kv_sizing(b.get("kv_sizing") for _, b in found),
         "sizing": merge_sizing(b.get("sizing") for _, b in found),
@@ -387,3 +400,98 @@ def _merge_backend(found: list[tuple[str, JsonObject]]) -> JsonObject:
         entry["reasons"].append(f"the runners disagree on declared support ({name} vs {', '.join(disagreements)})")
         entry["may_opt_in"] = False
     return entry
+
+
+VERDICT_BOUND = 1_000_000  # bytes: the verdict of the default matrix (the correct stubs) stays below this
+VERDICT_MESSAGE_CHARS = 600  # what the verdict keeps of a failure's message; the JSON report keeps it all
+DETAILED_COSTS = 3  # the costs (waste, legacy) per backend the verdict keeps, the largest
+
+
+def slim_verdict(doc: JsonObject) -> JsonObject:
+    """The verdict as it is written, the file a reviewer attaches: small (under ``VERDICT_BOUND`` on the default
+    matrix). The JSON report (``--kvprofile-json``) keeps everything.
+
+    - ``cases``: every case id of the backends' matrices, once; ranges of their indices (``"0-5,9"``) stand for them;
+    - ``planned``: ``[{"checks": [...], "cases": RANGES}]``, the cases grouped by the checks that apply;
+    - ``results``: the results that did not pass, each message cut to ``VERDICT_MESSAGE_CHARS``;
+      ``passed``: RANGES, the cases whose every other planned check passed; ``passed_some``: {case: checks} for the
+      cases where only some did;
+    - ``waste``, ``legacy_cost``: the ``DETAILED_COSTS`` largest, ``waste_cases``/``legacy_cases`` their counts.
+
+    :func:`expand_verdict` is the inverse merging reads (cut messages and left-out costs stay out)."""
+    ids = sorted({case for b in doc["backends"] for case in b.get("planned") or {}})
+    index = {case: i for i, case in enumerate(ids)}
+    out = dict(doc, cases=ids, backends=[])
+    for b in doc["backends"]:
+        planned: dict[str, list[str]] = b.get("planned") or {}
+        passed: dict[str, set[str]] = defaultdict(set)
+        other: dict[str, set[str]] = defaultdict(set)
+        kept = []
+        for r in b["results"]:
+            if r["outcome"] == "passed":
+                passed[r["case"]].add(r["check"])
+                continue
+            other[r["case"]].add(r["check"])
+            msg = r.get("message")
+            if msg and len(msg) > VERDICT_MESSAGE_CHARS:
+                msg = f"{msg[:VERDICT_MESSAGE_CHARS]} [... cut; the JSON report has it all]"
+            kept.append(dict(r, message=msg))
+        rest = [c for c, checks in passed.items() if c in index and checks == set(planned.get(c, ())) - other[c]]
+        groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+        for case, checks in planned.items():
+            groups[tuple(sorted(checks))].append(index[case])
+        wastes, legacy = b.get("waste") or [], b.get("legacy_cost") or []
+        out["backends"].append(dict(
+            b, results=kept,
+            planned=[{"checks": list(checks), "cases": ranges(cases)} for checks, cases in sorted(groups.items())],
+            passed=ranges([index[c] for c in rest]),
+            passed_some={c: sorted(checks) for c, checks in sorted(passed.items()) if c not in set(rest)},
+            waste=wastes[:DETAILED_COSTS], waste_cases=len(wastes),
+            waste_wasting=sum(1 for w in wastes if w["bytes"]),
+            legacy_cost=legacy[:DETAILED_COSTS], legacy_cases=len(legacy),
+        ))
+    return out
+
+
+def ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``."""
+    out: list[str] = []
+    for i in sorted(set(indices)):
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
+def from_ranges(text: str) -> list[int]:
+    """:func:`ranges`' inverse."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
+def expand_verdict(doc: JsonObject) -> JsonObject:
+    """A written verdict as :func:`verdict_document` made it (``planned`` per case, passed results listed), which
+    merging reads; a verdict written before :func:`slim_verdict` passes unchanged."""
+    if not isinstance(doc.get("cases"), list):
+        return doc
+    ids = doc["cases"]
+    backends = []
+    for b in doc.get("backends") or []:
+        planned = {ids[i]: list(group["checks"])
+                   for group in b.get("planned") or [] for i in from_ranges(group["cases"])}
+        results = list(b.get("results") or [])
+        other: dict[str, set[str]] = defaultdict(set)
+        for r in results:
+            other[r["case"]].add(r["check"])
+        passed = {ids[i]: [c for c in planned.get(ids[i], []) if c not in other[ids[i]]]
+                  for i in from_ranges(b.get("passed") or "")}
+        passed.update(b.get("passed_some") or {})
+        results += [{"check": check, "case": case, "outcome": "passed", "message": None}
+                    for case, checks in passed.items() for check in checks]
+        backends.append(dict({k: v for k, v in b.items() if k not in ("passed", "passed_some")},
+                             planned=planned, results=results))
+    return dict({k: v for k, v in doc.items() if k != "cases"}, backends=backends)

@@ -34,12 +34,17 @@ class Written:
 
 def write_json_atomic(path: str | os.PathLike[str], doc: JsonObject) -> Path:
     """``doc`` as indented JSON at ``path`` (parents made), atomically; returns the absolute path."""
+    return write_text_atomic(path, json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """``text`` at ``path`` (parents made), atomically; returns the absolute path."""
     target = Path(path).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as out:
-            out.write(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, target)
@@ -49,13 +54,14 @@ def write_json_atomic(path: str | os.PathLike[str], doc: JsonObject) -> Path:
     return target
 
 
-def write_document(what: str, path: str | os.PathLike[str], doc: JsonObject, *, checks_ran: bool) -> Written:
-    """Write ``doc`` unless no check ran and a file is already there (that file is kept, and the result says so); a
-    file that cannot be written is said, not raised."""
+def write_document(what: str, path: str | os.PathLike[str], doc: JsonObject | str, *, checks_ran: bool) -> Written:
+    """Write ``doc`` (JSON, or a page's text) unless no check ran and a file is already there (that file is kept,
+    and the result says so); a file that cannot be written is said, not raised."""
     target = Path(path).absolute()
     if not checks_ran and target.exists():
         return Written(what, str(target), False, "no check ran in this run")
     try:
-        return Written(what, str(write_json_atomic(target, doc)), True)
+        written = write_text_atomic(target, doc) if isinstance(doc, str) else write_json_atomic(target, doc)
+        return Written(what, str(written), True)
     except OSError as exc:
         return Written(what, str(target), False, f"cannot write it ({type(exc).__name__}: {exc})")

@@ -91,15 +91,16 @@ def waste_costs(records: list[CheckOutcome]) -> dict[str, list[JsonObject]]:
     return {b: sorted(costs, key=lambda c: (-c["bytes"], c["case"])) for b, costs in sorted(out.items())}
 
 
-def waste_reason(costs: list[JsonObject]) -> str | None:
-    """The verdict's cost line: the worst case's waste in MiB, bytes and KV tokens, or None without waste."""
+def waste_reason(costs: list[JsonObject], cases: int | None = None, wasting: int | None = None) -> str | None:
+    """The verdict's cost line: the worst case's waste in MiB, bytes and KV tokens, or None without waste.
+    ``cases``, ``wasting``: the counts where ``costs`` holds the largest only (a written verdict's)."""
     if not costs or not costs[0]["bytes"]:
         return None
     worst = costs[0]
-    wasting = sum(1 for c in costs if c["bytes"])
+    wasting = sum(1 for c in costs if c["bytes"]) if wasting is None else wasting
     return (f"workspace waste (a cost, not a refusal unless over --kvprofile-max-waste): on {wasting} of "
-            f"{len(costs)} cases; at most {worst['mib']:.2f} MiB ({worst['bytes']} bytes, {worst['kv_tokens']} KV "
-            f"tokens per rank) on {worst['case']}")
+            f"{len(costs) if cases is None else cases} cases; at most {worst['mib']:.2f} MiB ({worst['bytes']} bytes, "
+            f"{worst['kv_tokens']} KV tokens per rank) on {worst['case']}")
 
 
 def waste_lines(records: list[CheckOutcome]) -> list[str]:
@@ -123,19 +124,37 @@ def waste_lines(records: list[CheckOutcome]) -> list[str]:
     return lines
 
 
-def table_lines(rows: list[JsonObject]) -> list[str]:
-    header = ("backend", "cases", "passed", "failed", "xfailed", "root cause", "fewest KV tokens (case)")
+TABLE_COLUMNS = 100  # the summary table's width at most: an 80-to-100-column CI log shows it unwrapped
+
+
+def table_lines(rows: list[JsonObject], width: int = TABLE_COLUMNS) -> list[str]:
+    """One row per backend (cases, results, the fewest KV tokens per rank over its cases and what its reservation
+    costs there), and under a failing backend's row its root cause (:func:`root_cause`) with how many of its
+    failures that check is; at most ``width`` columns (a longer backend name is cut in its middle)."""
+    header = ("backend", "cases", "passed", "failed", "xfailed", "fewest KV tokens", "reservation")
     body = []
     for r in rows:
-        worst = "-"
-        if r["worst_case"]:
-            worst = (f"{r['worst_case_kv_tokens']} ({r['worst_case']}; "
-                     f"reservation costs {r['worst_case_reservation_tokens']})")
+        fewest = f"{r['worst_case_kv_tokens']:,}" if r["worst_case"] else "-"
+        reserve = f"{r['worst_case_reservation_tokens']:,}" if r["worst_case"] else "-"
         body.append((r["backend"], str(r["cases"]), str(r["passed"]), str(r["failed"]), str(r["xfailed"]),
-                     str(r.get("root_cause", r["worst_check"])), worst))
+                     fewest, reserve))
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in body]
+    widths[0] = max(len(header[0]), min(widths[0], width - sum(widths[1:]) - 2 * (len(header) - 1)))
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    for r, row in zip(rows, body):
+        out.append(fmt.format(_cut(row[0], widths[0]), *row[1:]))
+        if r.get("root_cause") not in (None, "-"):
+            out.append(_cut(f"    root cause: {r['root_cause']}; {r['failed']} failures in all", width))
+    return out
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` in ``width`` columns, its middle replaced by ``...`` when longer."""
+    if len(text) <= width:
+        return text
+    keep = width - 3
+    return f"{text[:(keep + 1) // 2]}...{text[len(text) - keep // 2:]}"
 
 
 def verdict_lines(doc: JsonObject) -> list[str]:
@@ -168,11 +187,18 @@ def partial_lines(doc: JsonObject) -> list[str]:
 def final_lines(verdict: JsonObject, records: list[CheckOutcome], order: Sequence[str] = ()) -> list[str]:
     """The run's last lines: one :func:`verdict_line` per backend of ``verdict``."""
     rows = {r["backend"]: r for r in summarize(records, order)}
-    per_token: dict[str, dict[str, int]] = defaultdict(dict)
+    return [verdict_line(b, order, rows.get(b["name"]), kv_bytes_per_token(records, b["name"]))
+            for b in verdict["backends"]]
+
+
+def kv_bytes_per_token(records: list[CheckOutcome], backend: str | None = None) -> dict[str, int]:
+    """Each case's KV bytes per token, from the budgets the records carry (``backend``: its records only)."""
+    out: dict[str, int] = {}
     for rec in records:
-        if rec.backend and rec.details.budget and rec.details.budget.get("kv_bytes_per_token"):
-            per_token[rec.backend][rec.case] = int(rec.details.budget["kv_bytes_per_token"])
-    return [verdict_line(b, order, rows.get(b["name"]), per_token.get(b["name"])) for b in verdict["backends"]]
+        if (backend is None or rec.backend == backend) and rec.details.budget \
+                and rec.details.budget.get("kv_bytes_per_token"):
+            out[rec.case] = int(rec.details.budget["kv_bytes_per_token"])
+    return out
 
 
 def verdict_line(b: JsonObject, order: Sequence[str] = (), row: JsonObject | None = None,
@@ -181,8 +207,6 @@ def verdict_line(b: JsonObject, order: Sequence[str] = (), row: JsonObject | Non
     KV tokens (what the run's last lines say, with or without ``--kvprofile-verdict``). ``row``: the backend's
     summary row (its fewest-KV-tokens case); ``per_token``: each case's KV bytes per token, which turns the bytes a
     failure names into KV tokens where the message names none."""
-    from pytest_kvprofile.report.provenance import message_amounts
-
     name = b["name"]
     failed = [r for r in b.get("results") or [] if r.get("outcome") == "failed"]
     if b.get("may_opt_in"):
@@ -190,15 +214,14 @@ def verdict_line(b: JsonObject, order: Sequence[str] = (), row: JsonObject | Non
     if failed:
         cause = root_cause(Counter(r["check"] for r in failed), order)
         mine = [r for r in failed if r["check"] == cause]
-        amounts = {r["case"]: message_amounts(r.get("message")) for r in mine}
-        worst = max(sorted(amounts), key=lambda c: (amounts[c][0] or -1, amounts[c][1] or -1))
-        nbytes, tokens = amounts[worst]
-        if tokens is None and nbytes is not None and (per_token or {}).get(worst):
-            tokens = -(-nbytes // (per_token or {})[worst])
-        figures = ", ".join(x for x in (f"{nbytes:,} bytes" if nbytes is not None else "",
-                                          f"{tokens:,} KV tokens" if tokens is not None else "") if x)
+        worst, nbytes, tokens = worst_failure({r["case"]: r.get("message") for r in mine}, per_token)
+        text = figures(nbytes, tokens)
+        unmade = next((a.split(": ", 1)[1] for a in (b.get("declared_support") or {}).values()
+                       if str(a).startswith("error: ")), None)
+        if unmade:
+            return f"{name}: may NOT opt in: the builders could not be made ({unmade}) on {len(mine)} cases"
         return (f"{name}: may NOT opt in: {cause} fails on {len(mine)} cases; worst {worst}"
-                + (f": {figures}" if figures else ""))
+                + (f": {text}" if text else ""))
     reasons = b.get("reasons") or ["no reason recorded"]
     cost = b.get("legacy_cost") or []
     first = str(reasons[0])
@@ -210,6 +233,27 @@ def verdict_line(b: JsonObject, order: Sequence[str] = (), row: JsonObject | Non
         return (f"{name}: may NOT opt in: legacy path; worst {cost[0]['case']}: {cost[0]['bytes']:,} bytes "
                 f"({cost[0]['kv_tokens']:,} KV tokens) appear after KV sizing")
     return f"{name}: may NOT opt in: {first.split('; ')[0]}"
+
+
+def worst_failure(messages: dict[str, str | None], per_token: dict[str, int] | None = None,
+                  ) -> tuple[str, int | None, int | None]:
+    """The worst of one check's failing cases (``messages``: case id to its failure message): the most bytes, then
+    the most KV tokens the message names, ties by case id. Returns the case, its bytes and its KV tokens (from
+    ``per_token``, each case's KV bytes per token, where the message names bytes only)."""
+    from pytest_kvprofile.report.provenance import message_amounts
+
+    amounts = {case: message_amounts(message) for case, message in messages.items()}
+    worst = max(sorted(amounts), key=lambda c: (amounts[c][0] or -1, amounts[c][1] or -1))
+    nbytes, tokens = amounts[worst]
+    if tokens is None and nbytes is not None and (per_token or {}).get(worst):
+        tokens = -(-nbytes // (per_token or {})[worst])
+    return worst, nbytes, tokens
+
+
+def figures(nbytes: int | None, tokens: int | None) -> str:
+    """``33,554,432 bytes, 228 KV tokens``, or what of it is known ('' for neither)."""
+    return ", ".join(x for x in (f"{nbytes:,} bytes" if nbytes is not None else "",
+                                 f"{tokens:,} KV tokens" if tokens is not None else "") if x)
 
 
 def _opt_in_worst(b: JsonObject, row: JsonObject | None) -> str:

@@ -136,19 +136,25 @@ def report_headline(rows: list[ReportRow]) -> list[str]:
     return lines
 
 
+TABLE_NAMES = {"seed004-rule": "published-rule"}  # the table's column for a comparison whose JSON name is an id
+
+
 def format_report(rows: list[ReportRow]) -> str:
     """A plain-text table of the report (MiB; +waste / -overflow)."""
     if not rows:
         return "no cases"
-    names = [c["name"] for c in rows[0]["compare"]]
-    head = ["model", "gpu", "tp", "dcp", "mtp", "heads", "need MiB", "route", *names]
+    names = [TABLE_NAMES.get(c["name"], c["name"]) for c in rows[0]["compare"]]
+    head = ["model", "gpu", "tp", "dcp", "mtp", "kv dtype", "heads", "need MiB", "route", *names]
     lines = ["\t".join(head)]
     for r in rows:
         deltas = [f"{c['delta_mib']:+.1f} ({c['delta_kv_tokens']:+d} tok)" for c in r["compare"]]
-        lines.append("\t".join([r["model"], r["gpu"], str(r["tp"]), str(r["dcp"]), str(r["mtp"]),
+        lines.append("\t".join([r["model"], r["gpu"], str(r["tp"]), str(r["dcp"]), str(r["mtp"]), str(r["kv_dtype"]),
                                 f"{r['heads_q']}/{r['heads_kv']}",
                                 f"{r['required_float_mib']:.1f}", r["worst_route"], *deltas]))
     lines.append("")
+    lines.append("one row per layout sizing reads: a matrix's gmu values share their row (the workspace does not "
+                 "depend on gmu; the KV tokens per rank do not either)")
+    lines.append(f"{TABLE_NAMES['seed004-rule']}: the rule docs/contract.md publishes (JSON name seed004-rule)")
     lines.extend(report_headline(rows))
     return "\n".join(lines)
 

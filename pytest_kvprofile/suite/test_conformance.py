@@ -34,8 +34,9 @@ def _make_test(check: Check) -> Callable[..., None]:
             )
             record = dataclasses.replace(record, details=check.details(result))
             if violations:
+                violations, frames = _in_author_code(result, violations, request.config.option.tbstyle)
                 record = dataclasses.replace(record, message=violations[0][:2000])
-                text = "\n".join(f"- {v}" for v in violations)
+                text = "\n".join(f"- {v}" for v in violations) + (f"\n{frames}" if frames else "")
                 pytest.fail(f"[{check.name}] {check.rule}\nbackend {backend.name}, case {case.id}:\n{text}",
                             pytrace=False)
         finally:  # a failure, a timeout or an error is recorded too
@@ -46,6 +47,22 @@ def _make_test(check: Check) -> Callable[..., None]:
     test.__doc__ = check.rule
     test.kvprofile_check = check.name  # type: ignore[attr-defined]
     return pytest.mark.kvprofile_check(check.name)(test)
+
+
+def _in_author_code(result: LifecycleResult, violations: list[str], tbstyle: str) -> tuple[list[str], str]:
+    """A violation that reports an exception of the author's code names the author's innermost frame and what to do;
+    the traceback into the author's frames follows, as ``--tb`` asks (``plugin/author_frames.py``)."""
+    from pytest_kvprofile.plugin.author_frames import render
+
+    err = next((e for e in result.errors if not e.injected and e.traceback), None)
+    if err is None or not any(err.describe() in v for v in violations):
+        return violations, ""
+    where, frames = render(err.traceback, tbstyle)
+    if where is None:
+        return violations, ""
+    fix = (f"; raised at {where}: fix the error there (the lifecycle stopped in phase {err.phase!r}, so this check "
+           "could not judge the case)")
+    return [v + fix if err.describe() in v else v for v in violations], frames
 
 
 def _kv_sizing(backend: Backend, case: Case, result: LifecycleResult | None) -> JsonObject | None:

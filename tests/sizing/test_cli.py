@@ -100,6 +100,9 @@ def test_report(tmp_path, capsys):
     assert main(["size", "--report", str(path), "--no-oracle"]) == 0
     out = capsys.readouterr().out
     assert "flashinfer-default" in out and "seed004-rule" in out
+    head = out.splitlines()[0].split("\t")
+    assert "kv dtype" in head and "published-rule" in head and "seed004-rule" not in head  # issue 52, item 21
+    assert "a matrix's gmu values share their row" in out
 
 
 def test_kv_dtype_is_sized_for_and_reported(oracle, capsys):
