@@ -3,6 +3,15 @@
 | mutant | item | mechanism | twin |
 |---|---|---|---|
 | 16d | 20 | wrappers bound to an arena a later growth gave back, reported honestly, never rebound | rebinds in ``rebind()`` |
+| 14e | 11 | a daemon thread started at serving whose frame holds a workspace, never stopped | ``close()`` joins it |
+| 14f | 11 | an ``atexit`` handler registered at serving whose arguments hold a workspace | ``close()`` unregisters it |
+| 14g | 11 | ``close()`` parks its workspace in a module-level dict (a process-global cache) | ``close()`` drops it |
+| 14h | 19 | ``close()`` parks it in a value a module-level ``functools.lru_cache`` returns | as 14g's |
+| 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
+| 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
+
+The workspace of 14e to 14j is made inside the profiling window (KV sizing counts it) and held by the builder; what
+each mutant adds is a place that keeps it once every part's ``close()`` ran (torch mode).
 
 ``field_mutants(mutant)`` makes the catalog's backends with the catalog's own constructor (``builtin/mutants.py``
 passes ``_mutant``), so this module imports nothing of that one; ``FIELD_TWINS`` are the correct twins, which the
@@ -11,15 +20,21 @@ tests run on every ci case beside their mutants.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import atexit
+import functools
+import threading
+from typing import TYPE_CHECKING, Any, Callable
 
-from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, Wrapper
+from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, TorchFlashInferLikeBuilder, Wrapper
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from pytest_kvprofile.contract.lease import Lease
-    from pytest_kvprofile.contract.protocol import BuilderContext
+    from pytest_kvprofile.contract.protocol import Batch, BuilderContext
+    from pytest_kvprofile.matrix.cases import Case
 
 # the catalog's constructor: ``_mutant(name, bug class, builder class, *, catches=...)``
 MakeMutant = Callable[..., Backend]
@@ -62,6 +77,153 @@ class RebindsAfterGrowthBuilder(_KeepsWrappersAcrossGrowth):
         super().rebind(ctx)
 
 
+# -- items 11 and 19: memory alive after close() ----------------------------------------------------------------------
+SIDE_BYTES = 4 * MiB  # the side workspace each of these builders makes in its reservation (untouched zero pages)
+_STOP = threading.Event()  # set by ``stop_field_threads``: every daemon thread 14e started ends (a test's cleanup)
+
+
+def stop_field_threads() -> None:
+    """End the daemon threads mutant 14e started and never stopped (a test suite's cleanup; a process may exit
+    without it: the threads are daemons)."""
+    _STOP.set()
+
+
+def _poll(workspace: Tensor, stop: threading.Event) -> None:
+    """A backend's background thread: its frame holds the workspace as long as it runs."""
+    while not (stop.wait(0.5) or _STOP.is_set()):
+        pass
+
+
+def _flush(workspace: Tensor) -> None:
+    """An exit handler that would flush the workspace's statistics: it only keeps the workspace alive."""
+
+
+_PARKED: dict[int, Tensor] = {}  # 14g: a process-global cache of workspaces a closed engine left
+
+
+@functools.lru_cache(maxsize=None)
+def _parking(kind: str) -> list[Tensor]:
+    """14h: a module-level cache whose value (a list) collects what closed engines leave."""
+    return []
+
+
+_PARKED_LOCAL = threading.local()  # 14i
+# 14j: a class made with type() and kept in a module dict; Any: its attributes are made at run time
+_PARK_CLASSES: dict[str, Any] = {"holder": type("ParkedWorkspaces", (), {"workspace": None})}
+
+
+class _SideWorkspace(TorchFlashInferLikeBuilder):
+    """A side workspace (``SIDE_BYTES``) made in the reservation, inside the window, and kept on the builder; its
+    ``close()`` drops the builder's reference. Subclasses add the place that outlives ``close()``."""
+
+    def __init__(self, case: Case):
+        super().__init__(case)
+        self.side: Tensor | None = None
+        self.started = False
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
+        import torch
+
+        if self.side is None:
+            self.side = torch.empty(SIDE_BYTES, dtype=torch.uint8, device="cuda")
+        return super().reserve_persistent_workspace(ctx)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        if not self.started and ctx.phase == "serving" and self.side is not None:
+            self.started = True
+            self.on_first_serving_step(self.side)
+
+    def on_first_serving_step(self, workspace: Tensor) -> None:
+        """What starts at the first real step (a thread, an exit handler)."""
+
+    def close(self) -> None:
+        side, self.side = self.side, None
+        if side is not None:
+            self.park(side)
+
+    def park(self, workspace: Tensor) -> None:
+        """Where ``close()`` leaves the workspace (nowhere: the correct twins)."""
+
+
+class DaemonThreadBuilder(_SideWorkspace):
+    """Bug 14e (issue 51, item 11): a daemon thread started at the first serving step polls with the workspace in its
+    frame; ``close()`` never stops it, so the workspace outlives the engine."""
+
+    def on_first_serving_step(self, workspace: Tensor) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=_poll, args=(workspace, self.stop), daemon=True,
+                                       name="kvprofile-field-poller")
+        self.thread.start()
+
+
+class StoppedThreadBuilder(DaemonThreadBuilder):
+    """Correct twin of 14e: ``close()`` stops the thread and joins it."""
+
+    def close(self) -> None:
+        thread = getattr(self, "thread", None)
+        if thread is not None:
+            self.stop.set()
+            thread.join()
+            self.thread = None
+        super().close()
+
+
+class AtexitHandlerBuilder(_SideWorkspace):
+    """Bug 14f (issue 51, item 11): registers an exit handler at the first serving step with the workspace as its
+    argument; ``close()`` never unregisters it, so the workspace lives until the process exits."""
+
+    def on_first_serving_step(self, workspace: Tensor) -> None:
+        self.handler = functools.partial(_flush, workspace)
+        atexit.register(self.handler)
+
+
+class UnregisteredAtexitBuilder(AtexitHandlerBuilder):
+    """Correct twin of 14f: ``close()`` unregisters the handler."""
+
+    def close(self) -> None:
+        handler = getattr(self, "handler", None)
+        if handler is not None:
+            atexit.unregister(handler)
+            self.handler = None
+        super().close()
+
+
+class ParksInModuleDictBuilder(_SideWorkspace):
+    """Bug 14g (issue 51, item 11): ``close()`` parks its workspace in a module-level dict (a process-global cache
+    for a later engine that never looks there): the workspace outlives the engine."""
+
+    def park(self, workspace: Tensor) -> None:
+        _PARKED[id(self)] = workspace
+
+
+class ParksInLruCacheBuilder(_SideWorkspace):
+    """Bug 14h (issue 51, item 19): ``close()`` appends its workspace to the list a module-level
+    ``functools.lru_cache`` returns: a cached value keeps it."""
+
+    def park(self, workspace: Tensor) -> None:
+        _parking("workspaces").append(workspace)
+
+
+class ParksInThreadLocalBuilder(_SideWorkspace):
+    """Bug 14i (issue 51, item 19): ``close()`` leaves its workspace on a module-level ``threading.local()``."""
+
+    def park(self, workspace: Tensor) -> None:
+        _PARKED_LOCAL.workspace = workspace
+
+
+class ParksOnTypeClassBuilder(_SideWorkspace):
+    """Bug 14j (issue 51, item 19): ``close()`` leaves its workspace on a class made with ``type()`` and kept in a
+    module-level dict."""
+
+    def park(self, workspace: Tensor) -> None:
+        _PARK_CLASSES["holder"].workspace = workspace
+
+
+class DropsOnCloseBuilder(_SideWorkspace):
+    """Correct twin of 14g to 14j: ``close()`` drops the workspace and parks it nowhere."""
+
+
 def _twin(name: str, cls: type) -> Backend:
     return Backend(name=name, make_builders=lambda case: [cls(case)], description=(cls.__doc__ or "").strip(),
                    origin="builtin", torch_mode=bool(getattr(cls, "torch_mode", False)))
@@ -69,6 +231,9 @@ def _twin(name: str, cls: type) -> Backend:
 
 FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-16d-rebinds-after-growth", RebindsAfterGrowthBuilder),
+    _twin("twin-14e-stops-its-thread", StoppedThreadBuilder),
+    _twin("twin-14f-unregisters-its-handler", UnregisteredAtexitBuilder),
+    _twin("twin-14g-drops-on-close", DropsOnCloseBuilder),
 )
 """The correct twin of each field mutant, by the mutant's id (``twin-<id>-...``)."""
 
@@ -78,4 +243,16 @@ def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
     return (
         mutant("mutant-16d-bound-to-replaced-arena", 16, BoundToReplacedArenaBuilder,
                catches=("no_use_after_free",)),
+        mutant("mutant-14e-torch-daemon-thread-holds-workspace", 14, DaemonThreadBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14f-torch-atexit-holds-workspace", 14, AtexitHandlerBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14g-torch-close-parks-in-module-dict", 14, ParksInModuleDictBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14h-torch-close-parks-in-lru-cache", 14, ParksInLruCacheBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14i-torch-close-parks-in-thread-local", 14, ParksInThreadLocalBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14j-torch-close-parks-on-type-class", 14, ParksOnTypeClassBuilder,
+               catches=("no_state_outlives_case",)),
     )
