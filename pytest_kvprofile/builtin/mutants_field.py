@@ -2,6 +2,7 @@
 
 | mutant | item | mechanism | twin |
 |---|---|---|---|
+| 07f | 1 | a CUDA graph captured in warmup, kept before its capture succeeded: a failed capture keeps its pool | keeps the graph once captured, resets a failed one |
 | 16d | 20 | wrappers bound to an arena a later growth gave back, reported honestly, never rebound | rebinds in ``rebind()`` |
 | 14e | 11 | a daemon thread started at serving whose frame holds a workspace, never stopped | ``close()`` joins it |
 | 14f | 11 | an ``atexit`` handler registered at serving whose arguments hold a workspace | ``close()`` unregisters it |
@@ -224,12 +225,74 @@ class DropsOnCloseBuilder(_SideWorkspace):
     """Correct twin of 14g to 14j: ``close()`` drops the workspace and parks it nowhere."""
 
 
+# -- item 1: a failed CUDA-graph capture that keeps its private pool -------------------------------------------------
+GRAPH_SCRATCH_BYTES = 6 * MiB  # what the captured step allocates first inside the capture (freed when it fails)
+GRAPH_OUTPUT_BYTES = 2 * MiB  # the captured step's output, which the graph keeps
+
+
+class _CapturesItsOwnGraph(TorchFlashInferLikeBuilder):
+    """Captures one decode graph of its own (``torch.cuda.graph``, a private pool) in its warmup inside the profiling
+    window, so KV sizing counts the pool; the capture allocates its scratch, then the output the graph keeps."""
+
+    def __init__(self, case: Case):
+        super().__init__(case)
+        self.graphs: list[Any] = []  # Any: torch.cuda.CUDAGraph (the simulator's in torch mode)
+        self.graph_output: Tensor | None = None
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        super().warmup(ctx)
+        if ctx.profiling and self.graph_output is None:
+            self.capture_graph()
+
+    def capture_graph(self) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _captured_step(graph: Any) -> Tensor:
+        import torch
+
+        with torch.cuda.graph(graph):
+            scratch = torch.empty(GRAPH_SCRATCH_BYTES, dtype=torch.uint8, device="cuda")
+            output = torch.empty(GRAPH_OUTPUT_BYTES, dtype=torch.uint8, device="cuda")
+            del scratch
+        return output
+
+
+class KeepsFailedCapturePoolBuilder(_CapturesItsOwnGraph):
+    """Bug 7f (issue 51, item 1): keeps the graph before its capture succeeds, so a capture that runs out of memory
+    leaves a graph that still holds its private pool; the retry captures into a new pool beside it."""
+
+    def capture_graph(self) -> None:
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        self.graphs.append(graph)  # the bug: kept before the capture succeeded
+        self.graph_output = self._captured_step(graph)
+
+
+class ResetsFailedCaptureBuilder(_CapturesItsOwnGraph):
+    """Correct twin of 7f: a graph is kept once captured; a failed one is reset, which releases its pool (PyTorch's
+    own fix frees a failed capture's pool the same way)."""
+
+    def capture_graph(self) -> None:
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        try:
+            self.graph_output = self._captured_step(graph)
+        except BaseException:
+            graph.reset()
+            raise
+        self.graphs.append(graph)
+
+
 def _twin(name: str, cls: type) -> Backend:
     return Backend(name=name, make_builders=lambda case: [cls(case)], description=(cls.__doc__ or "").strip(),
                    origin="builtin", torch_mode=bool(getattr(cls, "torch_mode", False)))
 
 
 FIELD_TWINS: tuple[Backend, ...] = (
+    _twin("twin-07f-resets-failed-capture", ResetsFailedCaptureBuilder),
     _twin("twin-16d-rebinds-after-growth", RebindsAfterGrowthBuilder),
     _twin("twin-14e-stops-its-thread", StoppedThreadBuilder),
     _twin("twin-14f-unregisters-its-handler", UnregisteredAtexitBuilder),
@@ -241,6 +304,8 @@ FIELD_TWINS: tuple[Backend, ...] = (
 def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
     """The field mutants, made with the catalog's constructor (which records their expected catches)."""
     return (
+        mutant("mutant-07f-torch-failed-capture-keeps-pool", 7, KeepsFailedCapturePoolBuilder,
+               catches=("warmup_retryable",)),
         mutant("mutant-16d-bound-to-replaced-arena", 16, BoundToReplacedArenaBuilder,
                catches=("no_use_after_free",)),
         mutant("mutant-14e-torch-daemon-thread-holds-workspace", 14, DaemonThreadBuilder,
