@@ -321,3 +321,8 @@ def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
         mutant("mutant-14j-torch-close-parks-on-type-class", 14, ParksOnTypeClassBuilder,
                catches=("no_state_outlives_case",)),
     )
+
+
+def twins() -> list[Backend]:
+    """The correct twins (``--kvprofile-backend pytest_kvprofile.builtin.mutants_field:twins``)."""
+    return list(FIELD_TWINS)
