@@ -2,11 +2,11 @@
 
 | mutant | item | mechanism | twin |
 |---|---|---|---|
-| 07f | 1 | a CUDA graph captured in warmup, kept before its capture succeeded: a failed capture keeps its pool | keeps the graph once captured, resets a failed one |
-| 16d | 20 | wrappers bound to an arena a later growth gave back, reported honestly, never rebound | rebinds in ``rebind()`` |
-| 14e | 11 | a daemon thread started at serving whose frame holds a workspace, never stopped | ``close()`` joins it |
-| 14f | 11 | an ``atexit`` handler registered at serving whose arguments hold a workspace | ``close()`` unregisters it |
-| 14g | 11 | ``close()`` parks its workspace in a module-level dict (a process-global cache) | ``close()`` drops it |
+| 07f | 1 | a graph captured in warmup, kept before its capture succeeded: a failed capture keeps its pool | resets it |
+| 16d | 20 | wrappers bound to an arena a later growth gave back, reported honestly, never rebound | rebinds |
+| 14e | 11 | a daemon thread started at serving whose frame holds a workspace, never stopped | joins it |
+| 14f | 11 | an ``atexit`` handler registered at serving, its arguments holding a workspace | unregisters it |
+| 14g | 11 | ``close()`` parks its workspace in a module-level dict (a process-global cache) | drops it |
 | 14h | 19 | ``close()`` parks it in a value a module-level ``functools.lru_cache`` returns | as 14g's |
 | 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
@@ -166,7 +166,7 @@ class StoppedThreadBuilder(DaemonThreadBuilder):
         if thread is not None:
             self.stop.set()
             thread.join()
-            self.thread = None
+            del self.thread
         super().close()
 
 
@@ -186,7 +186,7 @@ class UnregisteredAtexitBuilder(AtexitHandlerBuilder):
         handler = getattr(self, "handler", None)
         if handler is not None:
             atexit.unregister(handler)
-            self.handler = None
+            del self.handler
         super().close()
 
 
@@ -248,7 +248,7 @@ class _CapturesItsOwnGraph(TorchFlashInferLikeBuilder):
         raise NotImplementedError
 
     @staticmethod
-    def _captured_step(graph: Any) -> Tensor:
+    def _captured_step(graph: Any) -> Tensor:  # Any: torch.cuda.CUDAGraph, the simulator's in torch mode
         import torch
 
         with torch.cuda.graph(graph):
