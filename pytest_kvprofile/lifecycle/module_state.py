@@ -243,7 +243,7 @@ def _render(path: _Path | str) -> str:
         path, kind, key = path
         labels.append(f"[{key!r}]" if kind == "item" else f"[{key}]" if kind == "index" else
                       f".{key}" if kind == "attr" else f" local {key!r}" if kind == "local" else
-                      f" {kind}" if not key else f".<{kind} {key}>")
+                      f" {kind}" if key == "" else f".<{kind} {key}>")
     return path + "".join(reversed(labels))
 
 
