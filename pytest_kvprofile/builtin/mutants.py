@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.attention.facts import VLLM_DEFAULT_FLOAT_BYTES
+from pytest_kvprofile.builtin.mutants_field import field_mutants
 from pytest_kvprofile.builtin.process_state import (
     AFTER_KV,
     PER_ENGINE,
@@ -954,7 +955,7 @@ def _resource_mutants() -> tuple[Backend, ...]:
     )
 
 
-MUTANT_BACKENDS = MUTANT_BACKENDS + _resource_mutants()
+MUTANT_BACKENDS = MUTANT_BACKENDS + _resource_mutants() + field_mutants(_mutant)
 
 
 class _VllmDefaultArena:

@@ -25,7 +25,9 @@ def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions)
     by this case on every case, in any order. It is safe when made before the closing measurement (KV sizing
     counts it) and reused by a later engine in the same process: ``SecondEngine`` must make none of it again.
     Memory of an earlier case that this run uses anyway (state the harness could not find or put back) fails:
-    what the case's KV sizing sees then depends on what ran before it.
+    what the case's KV sizing sees then depends on what ran before it. So does this case's memory that, once every
+    part's ``close()`` ran, process-wide state holds and did not hold before ``close()``, or a live thread's frames
+    or an ``atexit`` handler hold (``LifecycleResult.after_close_held``): it outlives the engine.
     """
     names = builder_names(result)
     mine = {id(a) for a in result.allocations}
@@ -61,6 +63,23 @@ def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions)
         out.append(
             "no_state_outlives_case: a second engine of this backend in the same process failed on the "
             f"process-wide state the first engine left: {second.error}"
+        )
+    after = [h for h in result.after_close_held if h.alloc.owner in names and h.alloc.kind == "device"]
+    parked = [h for h in after if h.module]
+    if parked:
+        out.append(
+            "no_state_outlives_case: close() left device memory of this case in process-wide state that held none "
+            "of it before (a module global, cache, thread-local or class attribute), so it outlives the engine and "
+            f"no later engine's KV sizing counts it: {_held(result, parked)}. Free it in close(), or keep one "
+            "buffer per process there, made in the first engine's profiling window and reused."
+        )
+    threads = [h for h in after if not h.module]
+    if threads:
+        out.append(
+            "no_state_outlives_case: after every part's close() ran, device memory of this case is still held by "
+            "a live thread or an atexit handler, which outlive every engine of the process and which no fresh "
+            f"process's state resets: {_held(result, threads)}. Stop and join the thread in close() (and "
+            "atexit.unregister the handler there), or keep no device memory in its frames, target or arguments."
         )
     held = {id(h.alloc) for h in result.module_held}
     foreign = [f for f in result.foreign_uses if f.alloc.kind == "device" and id(f.alloc) not in held]

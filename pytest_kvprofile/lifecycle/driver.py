@@ -101,6 +101,7 @@ if TYPE_CHECKING:
 
     from pytest_kvprofile.contract.backends import Backend
     from pytest_kvprofile.contract.device import DeviceEvent, GraphPoolHandle
+    from pytest_kvprofile.lifecycle.module_state import Registered
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
 # what a builder's bound_workspaces() yields: a BoundWorkspace or any object with its fields (duck-typed), read
@@ -208,6 +209,7 @@ class LifecycleRun:
         self._part_modules: dict[str, str] = {}
         self._in_manager = False
         self._use_index: dict[tuple[object, ...], int] = {}  # MemoryUse.key -> its position in result.uses
+        self._atexit: list[Registered] = []  # atexit handlers the parts registered (module_state.atexit_recorded)
         self.result = LifecycleResult(
             backend=getattr(self.backend, "name", str(self.backend)), case=self.case, probe=target,
             policy=self.policy,
@@ -455,7 +457,15 @@ class LifecycleRun:
     @contextlib.contextmanager
     def device_mode(self) -> Iterator[None]:
         """Serve plain ``torch`` "cuda" calls from this run's simulated device (``Backend.torch_mode``), with
-        FlashInfer's device queries answering the case's GPU and its batch planners running on the host."""
+        FlashInfer's device queries answering the case's GPU and its batch planners running on the host; and
+        record the ``atexit`` handlers the parts register (``module_state.atexit_recorded``) for ``close()``."""
+        from pytest_kvprofile.lifecycle.module_state import atexit_recorded
+
+        with atexit_recorded(self._atexit), self._device_mode():
+            yield
+
+    @contextlib.contextmanager
+    def _device_mode(self) -> Iterator[None]:
         from pytest_kvprofile.memory.device import SimDevice
 
         if not getattr(self.backend, "torch_mode", False) or not isinstance(self.device, SimDevice):
@@ -633,6 +643,25 @@ class LifecycleRun:
                         close()
                 except Exception as exc:  # noqa: BLE001 - the record is complete; the error is kept with it
                     self.result.errors.append(_teardown_error(builder_name(part), exc))
+            self._observe_after_close()
+
+    def _observe_after_close(self) -> None:
+        """Device memory of this run's parts that a live thread or an atexit handler still holds once every part's
+        ``close()`` ran (``module_state.held_after_close``); the handlers are then let go (atexit keeps its own)."""
+        from pytest_kvprofile.lifecycle.module_state import held_after_close, held_in_modules, modules_of, remember
+
+        parts = set(self._parts.values())
+        mine = {id(a) for a in self.result.allocations}
+        before = {id(h.alloc) for h in self.result.module_held}
+        files = {a.stack.rsplit(":", 1)[0] for a in self.result.allocations if a.stack and a.owner in parts}
+        # what close() put into process-wide state (it held none of it before): the engine's memory outlives it
+        parked = [h for h in held_in_modules(modules_of(self.builders, files), self._memory_of)
+                  if id(h.alloc) in mine and h.alloc.owner in parts and id(h.alloc) not in before and h.alloc.alive]
+        remember(parked)  # taken back before every later run, as state found after a run is
+        self.result.after_close_held = [
+            *parked, *(h for h in held_after_close(self._memory_of, self._atexit)
+                       if id(h.alloc) in mine and h.alloc.owner in parts and h.alloc.alive)]
+        self._atexit.clear()
 
     def _fresh_module_state(self) -> None:
         """Give this run the process-wide state a fresh process starts from (``module_state.fresh_view``)."""

@@ -15,11 +15,17 @@ the first engine of a fresh process is judged, whatever ran before it in this pr
 - **Second engine**: the driver then starts a second engine of the same backend in the same process, without a
   fresh view (``SecondEngine``): what it makes that state keeps was made again, not reused.
 
+- **After close()**: once the parts' ``close()`` ran, the frames and ``Thread`` objects of every live thread but
+  the harness's own, and every ``atexit`` handler registered during the run (``atexit_recorded``), are walked the
+  same way (``held_after_close``). Memory still reachable there outlives every engine of the process, and no
+  fresh view can take it back (a running frame's locals, a registered handler's arguments).
+
 The ``no_state_outlives_case`` check judges the record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -48,6 +54,8 @@ _CONTAINERS = frozenset((dict, list, set, tuple, frozenset, types.FunctionType, 
 # a value process-wide state holds: any object, walked by its exact type (``type(value) is dict``...), by which mypy
 # does not narrow; and a slot's container and key, changed the way its kind says
 StateValue: TypeAlias = Any
+# an atexit registration as the harness saw it: the callable, its positional and keyword arguments
+Registered = tuple[Callable[..., object], tuple[object, ...], dict[str, object]]
 MemoryOf = Callable[[object], "Allocation | None"]
 # where a value is held, as (kind, container, key): "attr" an attribute, "item" a dict key, "member" a list or set
 # member (key: the value), "cell" a closure cell, "cache" a functools cache; None where nothing can be cleared
@@ -154,6 +162,64 @@ def _found(modules: Iterable[types.ModuleType], memory_of: MemoryOf) -> dict[int
     return found
 
 
+@contextlib.contextmanager
+def atexit_recorded(into: list[Registered]) -> Iterator[None]:
+    """``atexit.register`` and ``atexit.unregister`` recorded into ``into`` while the block runs.
+
+    ``atexit`` keeps no public list of its handlers (``atexit._run_exitfuncs`` only runs them, and ``_ncallbacks``
+    only counts them), so the harness wraps the two module functions: the real ones still do the work, and a handler
+    registered in the block stays in ``into`` until it is unregistered (in the block, or in a later one recording
+    into the same list, such as the parts' ``close()``). A backend that bound ``from atexit import register`` before
+    the block bypasses the wrapper; every call through the module is seen."""
+    import atexit
+
+    register, unregister = atexit.register, atexit.unregister
+
+    def recording_register(func: Callable[..., object], *args: object, **kwargs: object) -> Callable[..., object]:
+        into.append((func, args, kwargs))
+        return register(func, *args, **kwargs)
+
+    def recording_unregister(func: Callable[..., object]) -> None:
+        into[:] = [entry for entry in into if entry[0] != func]  # atexit compares with ==, as here
+        unregister(func)
+
+    atexit.register, atexit.unregister = recording_register, recording_unregister  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        atexit.register, atexit.unregister = register, unregister
+
+
+def held_after_close(memory_of: MemoryOf, registered: Iterable[Registered]) -> list[ModuleHeld]:
+    """Every allocation ``memory_of`` recognises in a live thread (its ``Thread`` object, its target and arguments,
+    the locals of each of its frames) other than the calling one, or in a recorded ``atexit`` handler (its callable,
+    closure and arguments). None of these places can be put back to a fresh process's state (``resettable`` False).
+    The calling thread is the harness's own: its frames hold the run and its record."""
+    found: dict[int, tuple[ModuleHeld, list[_Held]]] = {}
+    walk = _Walk("", memory_of, found, set(), {})
+    me = threading.get_ident()
+    frames = sys._current_frames()
+    for thread in threading.enumerate():
+        if thread.ident is None or thread.ident == me:
+            continue
+        label = f"thread {thread.name!r}{' (daemon)' if thread.daemon else ''}"
+        walk.visit(thread, label, 0, None)
+        frame = frames.get(thread.ident)
+        while frame is not None:
+            code = frame.f_code
+            where = f"{label} frame {code.co_name} ({code.co_filename}:{frame.f_lineno})"
+            for name, value in list(frame.f_locals.items())[:MAX_ITEMS]:
+                walk.visit(value, (where, "local", name), 1, None)
+            frame = frame.f_back
+    for func, args, kwargs in registered:
+        label = f"atexit handler {getattr(func, '__qualname__', None) or type(func).__name__}"
+        walk.visit(func, label, 0, None)
+        walk.visit(args, (label, "args", ""), 0, None)
+        walk.visit(kwargs, (label, "kwargs", ""), 0, None)
+    held = (dataclasses.replace(h, resettable=False) for h, _slots in found.values())
+    return sorted(held, key=lambda h: (h.where, h.alloc.tag, h.alloc.nbytes))
+
+
 def _dynamic(cls: type) -> bool:
     """A class its module does not hold under its name: made with ``type()`` or inside a function."""
     obj: object = sys.modules.get(cls.__module__)
@@ -176,7 +242,8 @@ def _render(path: _Path | str) -> str:
     while isinstance(path, tuple):
         path, kind, key = path
         labels.append(f"[{key!r}]" if kind == "item" else f"[{key}]" if kind == "index" else
-                      f".{key}" if kind == "attr" else f".<{kind} {key}>")
+                      f".{key}" if kind == "attr" else f" local {key!r}" if kind == "local" else
+                      f" {kind}" if key == "" else f".<{kind} {key}>")
     return path + "".join(reversed(labels))
 
 
@@ -280,6 +347,10 @@ def _children(value: StateValue, tp: type) -> Iterator[tuple[str, StateValue, ob
             for item in (list(ref.values()) if type(ref) is dict else [ref])[:MAX_ITEMS]:
                 yield "cache entry", j, item, ("cache", value, None)
                 j += 1
+    elif tp is functools.partial:  # an exit handler or thread target bound to its arguments
+        yield "attr", "func", value.func, None
+        yield "attr", "args", value.args, None
+        yield "attr", "keywords", value.keywords, None
     elif tp is types.MethodType:
         yield "attr", "__self__", value.__self__, None
         yield "attr", "__func__", value.__func__, None

@@ -193,10 +193,27 @@ def _probe_simulated(backend: Backend, case: Case, plan: tuple[tuple[lc.Phase, i
     return tuple(_probe(ProbeTarget(backend, case, make_device), plan))
 
 
-def _clean_warmup(index: int, name: str, run: _ProbeRun) -> tuple[int, Counter[tuple[str, int]]]:
-    """How many allocations a warmup that never fails makes, and the persistent memory it leaves."""
+def _graph_pools(device: Device) -> dict[str, int]:
+    """The CUDA-graph private pools a graph still uses (``use_count`` above 0), by id, with their reserved bytes:
+    a captured graph keeps its pool's segments reserved until the graph is reset or dropped (``SimDevice`` only;
+    another device answers none)."""
+    pools = getattr(device, "graph_pools", None)
+    if not callable(pools):
+        return {}
+    return {p.id: p.reserved for p in pools() if p.use_count > 0 and p.reserved}
+
+
+def _new_pool_bytes(device: Device, before: dict[str, int]) -> int:
+    """Bytes reserved by the graph pools in use now that were not in use in ``before``."""
+    return sum(n for pid, n in _graph_pools(device).items() if pid not in before)
+
+
+def _clean_warmup(index: int, name: str, run: _ProbeRun) -> tuple[int, Counter[tuple[str, int]], int]:
+    """How many allocations a warmup that never fails makes, the persistent memory it leaves, and the bytes the
+    private graph pools it captured into keep reserved."""
+    pools = _graph_pools(run.device)
     count = len(_allocations_of(run.device, functools.partial(_warmup, run, run.builders[index])))
-    return count, _persistent(run.device, name)
+    return count, _persistent(run.device, name), _new_pool_bytes(run.device, pools)
 
 
 def _probe(target: ProbeTarget, plan: tuple[tuple[lc.Phase, int, str], ...]) -> list[str]:
@@ -211,9 +228,9 @@ def _probe(target: ProbeTarget, plan: tuple[tuple[lc.Phase, int, str], ...]) -> 
                         f"{state!r}: {type(cause).__name__}: {cause}"]
             if clean is _UNREACHED:
                 continue
-            count, expected = clean  # type: ignore[misc]
+            count, expected, pool_bytes = clean  # type: ignore[misc]
             for k in range(count):
-                found = step(functools.partial(_warmup_fault, index, name, k, expected, state))
+                found = step(functools.partial(_warmup_fault, index, name, k, expected, state, pool_bytes))
                 assert found is not _UNREACHED
                 out.extend(found)  # type: ignore[arg-type]
         if out:
@@ -222,17 +239,21 @@ def _probe(target: ProbeTarget, plan: tuple[tuple[lc.Phase, int, str], ...]) -> 
 
 
 def _warmup_fault(index: int, name: str, k: int, expected: Counter[tuple[str, int]], state: lc.Phase,
-                  run: _ProbeRun) -> list[str]:
+                  pool_bytes: int, run: _ProbeRun) -> list[str]:
     """:func:`_fail_and_retry` as a probe step."""
-    return _fail_and_retry(run, index, name, k, expected, state)
+    return _fail_and_retry(run, index, name, k, expected, state, pool_bytes)
 
 
 def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Counter[tuple[str, int]],
-                    state: lc.Phase) -> list[str]:
-    """Fail warmup at its allocation ``k`` in ``state``, then retry; report leaks and a half-built result."""
+                    state: lc.Phase, pool_bytes: int = 0) -> list[str]:
+    """Fail warmup at its allocation ``k`` in ``state``, then retry; report leaks, a half-built result, and private
+    graph pools a failed CUDA-graph capture kept (``pool_bytes``: what a clean warmup's pools keep reserved)."""
     b, dev = run.builders[index], run.device
     where = "inside the profiling window" if state == lc.PROFILE_WARMUP else "after KV sizing"
     live_before = {a.id for a in dev.live_allocations()}
+    pools_before = _graph_pools(dev)
+    failed: list[Allocation] = []
+    unsubscribe = dev.subscribe(lambda e: failed.append(e.alloc) if e.alloc is not None else None, kinds=("alloc",))
     dev.fail_after(k)
     try:
         _warmup(run, b)
@@ -240,6 +261,10 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
         pass
     else:
         return [f"builder {name!r}: warmup {where} swallowed an out-of-memory error at its allocation #{k + 1}"]
+    finally:
+        unsubscribe()
+        dev.fail_after(None)
+    kept_pools = {pid: n for pid, n in _graph_pools(dev).items() if pid not in pools_before}
     out = []
     leaked = [
         a for a in dev.live_allocations()
@@ -256,6 +281,9 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
         out.append(f"builder {name!r}: the retry {where} after a failure at allocation #{k + 1} raised "
                    f"{type(exc).__name__}: {exc}")
         return out
+    retried = _new_pool_bytes(dev, pools_before)
+    if retried > pool_bytes and kept_pools:
+        out.append(_kept_pool_message(name, where, state, k, kept_pools, failed, retried, pool_bytes))
     got = _persistent(dev, name)
     if got != expected:
         parts = []
@@ -270,6 +298,21 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
     return out
 
 
+
+
+def _kept_pool_message(name: str, where: str, state: lc.Phase, k: int, kept: dict[str, int],
+                       failed: list[Allocation], retried: int, clean: int) -> str:
+    """A failed CUDA-graph capture's private pool, still held after the retry: bytes, phase and source line."""
+    pools = []
+    for pid, nbytes in sorted(kept.items()):
+        lines = sorted({a.stack for a in failed if a.pool == pid and a.stack})
+        made = f", captured at {lines[0]}" if lines else ""
+        pools.append(f"{pid} {bytes_text(nbytes)}{made}")
+    return (f"builder {name!r}: a warmup {where} (phase {state!r}) that failed at its allocation #{k + 1} inside a "
+            f"CUDA-graph capture and was retried keeps {bytes_text(retried)} reserved in private graph pools against "
+            f"{bytes_text(clean)} of a clean warmup: the failed capture's pool stays ({'; '.join(pools)}). A failed "
+            "capture's graph still holds its pool: reset or drop the graph when capture raises (keep a graph only "
+            "once its capture succeeded)")
 
 
 # -- reservation ---------------------------------------------------------------------------------------------------

@@ -261,6 +261,8 @@ class LifecycleResult:
     foreign_uses: list[ForeignUse] = field(default_factory=list)  # memory of earlier cases this run used
     uses: list[MemoryUse] = field(default_factory=list)  # freed memory used, other micro-batches' arenas used
     module_held: list[ModuleHeld] = field(default_factory=list)  # device memory reachable from module state
+    # device memory a live thread or an atexit handler still held after the parts' close() (``held_after_close``)
+    after_close_held: list[ModuleHeld] = field(default_factory=list)
     second_engine: SecondEngine | None = None  # a second engine in the same process, when state held memory
     aborted_in: str | None = None
     observed_non_kv: dict[str, int] = field(default_factory=dict)  # an engine's own profiler's non-KV bytes, by name

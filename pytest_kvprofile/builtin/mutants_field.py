@@ -1,0 +1,328 @@
+"""Mutants re-created from incidents of the field (issue 51), each beside the correct twin it differs from.
+
+| mutant | item | mechanism | twin |
+|---|---|---|---|
+| 07f | 1 | a graph captured in warmup, kept before its capture succeeded: a failed capture keeps its pool | resets it |
+| 16d | 20 | wrappers bound to an arena a later growth gave back, reported honestly, never rebound | rebinds |
+| 14e | 11 | a daemon thread started at serving whose frame holds a workspace, never stopped | joins it |
+| 14f | 11 | an ``atexit`` handler registered at serving, its arguments holding a workspace | unregisters it |
+| 14g | 11 | ``close()`` parks its workspace in a module-level dict (a process-global cache) | drops it |
+| 14h | 19 | ``close()`` parks it in a value a module-level ``functools.lru_cache`` returns | as 14g's |
+| 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
+| 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
+
+The workspace of 14e to 14j is made inside the profiling window (KV sizing counts it) and held by the builder; what
+each mutant adds is a place that keeps it once every part's ``close()`` ran (torch mode).
+
+``field_mutants(mutant)`` makes the catalog's backends with the catalog's own constructor (``builtin/mutants.py``
+passes ``_mutant``), so this module imports nothing of that one; ``FIELD_TWINS`` are the correct twins, which the
+tests run on every ci case beside their mutants.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, TorchFlashInferLikeBuilder, Wrapper
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.units import MiB
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pytest_kvprofile.contract.lease import Lease
+    from pytest_kvprofile.contract.protocol import Batch, BuilderContext
+    from pytest_kvprofile.matrix.cases import Case
+
+# the catalog's constructor: ``_mutant(name, bug class, builder class, *, catches=...)``
+MakeMutant = Callable[..., Backend]
+
+GROWTH_BYTES = 2 * MiB  # what the in-window warmup asks beyond the declaration: the growth that retires the arena
+
+
+# -- item 20: a wrapper bound to an arena a later growth replaced ---------------------------------------------------
+class _KeepsWrappersAcrossGrowth(FlashInferLikeBuilder):
+    """Its lease keeps the wrappers (the release frees nothing); its in-window warmup asks each arena for 2 MiB more
+    than it declared, so the arena grows under the wrappers' views. Its plans are told to the harness for the int
+    workspace only: the float workspace a wrapper plans into is the one it is bound to, reported honestly through
+    ``bound_workspaces()``."""
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
+        return ctx.lease(self._materialize(ctx))
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        if ctx.profiling and not self.warmed:
+            for ub in range(ctx.num_ubatches):
+                ctx.get_workspace(self.float_bytes() + GROWTH_BYTES, ub)
+        super().warmup(ctx)
+
+    def _plan(self, ctx: BuilderContext, w: Wrapper) -> None:
+        ctx.plan_into(w.int_workspace)  # the float plan goes where the wrapper is bound, unannounced
+
+
+class BoundToReplacedArenaBuilder(_KeepsWrappersAcrossGrowth):
+    """Bug 16d (issue 51, item 20): never rebinds, so every wrapper stays bound to the arena the growth gave back and
+    plans into freed memory at serving; ``bound_workspaces()`` says so, no ``ctx.plan_into`` does."""
+
+
+class RebindsAfterGrowthBuilder(_KeepsWrappersAcrossGrowth):
+    """Correct twin of 16d: ``rebind()`` points every wrapper at a view of the live arena."""
+
+    def rebind(self, ctx: BuilderContext) -> None:
+        for w in self.wrappers.values():
+            w.view = ctx.get_workspace(self.float_bytes(), w.ubatch)
+            w.float_ptr, w.float_bytes = w.view.ptr, w.view.nbytes
+        super().rebind(ctx)
+
+
+# -- items 11 and 19: memory alive after close() ----------------------------------------------------------------------
+SIDE_BYTES = 4 * MiB  # the side workspace each of these builders makes in its reservation (untouched zero pages)
+_STOP = threading.Event()  # set by ``stop_field_threads``: every daemon thread 14e started ends (a test's cleanup)
+
+
+def stop_field_threads() -> None:
+    """End the daemon threads mutant 14e started and never stopped (a test suite's cleanup; a process may exit
+    without it: the threads are daemons)."""
+    _STOP.set()
+
+
+def _poll(workspace: Tensor, stop: threading.Event) -> None:
+    """A backend's background thread: its frame holds the workspace as long as it runs."""
+    while not (stop.wait(0.5) or _STOP.is_set()):
+        pass
+
+
+def _flush(workspace: Tensor) -> None:
+    """An exit handler that would flush the workspace's statistics: it only keeps the workspace alive."""
+
+
+_PARKED: dict[int, Tensor] = {}  # 14g: a process-global cache of workspaces a closed engine left
+
+
+@functools.lru_cache(maxsize=None)
+def _parking(kind: str) -> list[Tensor]:
+    """14h: a module-level cache whose value (a list) collects what closed engines leave."""
+    return []
+
+
+_PARKED_LOCAL = threading.local()  # 14i
+# 14j: a class made with type() and kept in a module dict; Any: its attributes are made at run time
+_PARK_CLASSES: dict[str, Any] = {"holder": type("ParkedWorkspaces", (), {"workspace": None})}
+
+
+class _SideWorkspace(TorchFlashInferLikeBuilder):
+    """A side workspace (``SIDE_BYTES``) made in the reservation, inside the window, and kept on the builder; its
+    ``close()`` drops the builder's reference. Subclasses add the place that outlives ``close()``."""
+
+    def __init__(self, case: Case):
+        super().__init__(case)
+        self.side: Tensor | None = None
+        self.started = False
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
+        import torch
+
+        if self.side is None:
+            self.side = torch.empty(SIDE_BYTES, dtype=torch.uint8, device="cuda")
+        return super().reserve_persistent_workspace(ctx)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        if not self.started and ctx.phase == "serving" and self.side is not None:
+            self.started = True
+            self.on_first_serving_step(self.side)
+
+    def on_first_serving_step(self, workspace: Tensor) -> None:
+        """What starts at the first real step (a thread, an exit handler)."""
+
+    def close(self) -> None:
+        side, self.side = self.side, None
+        if side is not None:
+            self.park(side)
+
+    def park(self, workspace: Tensor) -> None:
+        """Where ``close()`` leaves the workspace (nowhere: the correct twins)."""
+
+
+class DaemonThreadBuilder(_SideWorkspace):
+    """Bug 14e (issue 51, item 11): a daemon thread started at the first serving step polls with the workspace in its
+    frame; ``close()`` never stops it, so the workspace outlives the engine."""
+
+    def on_first_serving_step(self, workspace: Tensor) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=_poll, args=(workspace, self.stop), daemon=True,
+                                       name="kvprofile-field-poller")
+        self.thread.start()
+
+
+class StoppedThreadBuilder(DaemonThreadBuilder):
+    """Correct twin of 14e: ``close()`` stops the thread and joins it."""
+
+    def close(self) -> None:
+        thread = getattr(self, "thread", None)
+        if thread is not None:
+            self.stop.set()
+            thread.join()
+            del self.thread
+        super().close()
+
+
+class AtexitHandlerBuilder(_SideWorkspace):
+    """Bug 14f (issue 51, item 11): registers an exit handler at the first serving step with the workspace as its
+    argument; ``close()`` never unregisters it, so the workspace lives until the process exits."""
+
+    def on_first_serving_step(self, workspace: Tensor) -> None:
+        self.handler = functools.partial(_flush, workspace)
+        atexit.register(self.handler)
+
+
+class UnregisteredAtexitBuilder(AtexitHandlerBuilder):
+    """Correct twin of 14f: ``close()`` unregisters the handler."""
+
+    def close(self) -> None:
+        handler = getattr(self, "handler", None)
+        if handler is not None:
+            atexit.unregister(handler)
+            del self.handler
+        super().close()
+
+
+class ParksInModuleDictBuilder(_SideWorkspace):
+    """Bug 14g (issue 51, item 11): ``close()`` parks its workspace in a module-level dict (a process-global cache
+    for a later engine that never looks there): the workspace outlives the engine."""
+
+    def park(self, workspace: Tensor) -> None:
+        _PARKED[id(self)] = workspace
+
+
+class ParksInLruCacheBuilder(_SideWorkspace):
+    """Bug 14h (issue 51, item 19): ``close()`` appends its workspace to the list a module-level
+    ``functools.lru_cache`` returns: a cached value keeps it."""
+
+    def park(self, workspace: Tensor) -> None:
+        _parking("workspaces").append(workspace)
+
+
+class ParksInThreadLocalBuilder(_SideWorkspace):
+    """Bug 14i (issue 51, item 19): ``close()`` leaves its workspace on a module-level ``threading.local()``."""
+
+    def park(self, workspace: Tensor) -> None:
+        _PARKED_LOCAL.workspace = workspace
+
+
+class ParksOnTypeClassBuilder(_SideWorkspace):
+    """Bug 14j (issue 51, item 19): ``close()`` leaves its workspace on a class made with ``type()`` and kept in a
+    module-level dict."""
+
+    def park(self, workspace: Tensor) -> None:
+        _PARK_CLASSES["holder"].workspace = workspace
+
+
+class DropsOnCloseBuilder(_SideWorkspace):
+    """Correct twin of 14g to 14j: ``close()`` drops the workspace and parks it nowhere."""
+
+
+# -- item 1: a failed CUDA-graph capture that keeps its private pool -------------------------------------------------
+GRAPH_SCRATCH_BYTES = 6 * MiB  # what the captured step allocates first inside the capture (freed when it fails)
+GRAPH_OUTPUT_BYTES = 2 * MiB  # the captured step's output, which the graph keeps
+
+
+class _CapturesItsOwnGraph(TorchFlashInferLikeBuilder):
+    """Captures one decode graph of its own (``torch.cuda.graph``, a private pool) in its warmup inside the profiling
+    window, so KV sizing counts the pool; the capture allocates its scratch, then the output the graph keeps."""
+
+    def __init__(self, case: Case):
+        super().__init__(case)
+        self.graphs: list[Any] = []  # Any: torch.cuda.CUDAGraph (the simulator's in torch mode)
+        self.graph_output: Tensor | None = None
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        super().warmup(ctx)
+        if ctx.profiling and self.graph_output is None:
+            self.capture_graph()
+
+    def capture_graph(self) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _captured_step(graph: Any) -> Tensor:  # Any: torch.cuda.CUDAGraph, the simulator's in torch mode
+        import torch
+
+        with torch.cuda.graph(graph):
+            scratch = torch.empty(GRAPH_SCRATCH_BYTES, dtype=torch.uint8, device="cuda")
+            output = torch.empty(GRAPH_OUTPUT_BYTES, dtype=torch.uint8, device="cuda")
+            del scratch
+        return output
+
+
+class KeepsFailedCapturePoolBuilder(_CapturesItsOwnGraph):
+    """Bug 7f (issue 51, item 1): keeps the graph before its capture succeeds, so a capture that runs out of memory
+    leaves a graph that still holds its private pool; the retry captures into a new pool beside it."""
+
+    def capture_graph(self) -> None:
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        self.graphs.append(graph)  # the bug: kept before the capture succeeded
+        self.graph_output = self._captured_step(graph)
+
+
+class ResetsFailedCaptureBuilder(_CapturesItsOwnGraph):
+    """Correct twin of 7f: a graph is kept once captured; a failed one is reset, which releases its pool (PyTorch's
+    own fix frees a failed capture's pool the same way)."""
+
+    def capture_graph(self) -> None:
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        try:
+            self.graph_output = self._captured_step(graph)
+        except BaseException:
+            graph.reset()
+            raise
+        self.graphs.append(graph)
+
+
+def _twin(name: str, cls: type) -> Backend:
+    return Backend(name=name, make_builders=lambda case: [cls(case)], description=(cls.__doc__ or "").strip(),
+                   origin="builtin", torch_mode=bool(getattr(cls, "torch_mode", False)))
+
+
+FIELD_TWINS: tuple[Backend, ...] = (
+    _twin("twin-07f-resets-failed-capture", ResetsFailedCaptureBuilder),
+    _twin("twin-16d-rebinds-after-growth", RebindsAfterGrowthBuilder),
+    _twin("twin-14e-stops-its-thread", StoppedThreadBuilder),
+    _twin("twin-14f-unregisters-its-handler", UnregisteredAtexitBuilder),
+    _twin("twin-14g-drops-on-close", DropsOnCloseBuilder),
+)
+"""The correct twin of each field mutant, by the mutant's id (``twin-<id>-...``)."""
+
+
+def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
+    """The field mutants, made with the catalog's constructor (which records their expected catches)."""
+    return (
+        mutant("mutant-07f-torch-failed-capture-keeps-pool", 7, KeepsFailedCapturePoolBuilder,
+               catches=("warmup_retryable",)),
+        mutant("mutant-16d-bound-to-replaced-arena", 16, BoundToReplacedArenaBuilder,
+               catches=("no_use_after_free",)),
+        mutant("mutant-14e-torch-daemon-thread-holds-workspace", 14, DaemonThreadBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14f-torch-atexit-holds-workspace", 14, AtexitHandlerBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14g-torch-close-parks-in-module-dict", 14, ParksInModuleDictBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14h-torch-close-parks-in-lru-cache", 14, ParksInLruCacheBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14i-torch-close-parks-in-thread-local", 14, ParksInThreadLocalBuilder,
+               catches=("no_state_outlives_case",)),
+        mutant("mutant-14j-torch-close-parks-on-type-class", 14, ParksOnTypeClassBuilder,
+               catches=("no_state_outlives_case",)),
+    )
+
+
+def twins() -> list[Backend]:
+    """The correct twins (``--kvprofile-backend pytest_kvprofile.builtin.mutants_field:twins``)."""
+    return list(FIELD_TWINS)

@@ -1,0 +1,142 @@
+"""Issue 51, items 1, 11, 19 and 20: incidents of the field re-created as mutants (``builtin/mutants_field.py``),
+each refused with the bytes, the phase and the source line, each beside a correct twin that passes.
+
+The plain run takes two ci cases per backend (an L40S and a B200 layout); ``-m slow`` sweeps every runnable ci case;
+one case run alone through the plugin shows the verdict does not depend on what ran before it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+
+from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
+from pytest_kvprofile.builtin.mutants_field import FIELD_TWINS, stop_field_threads
+from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.checks.sweep import layout_refusal
+from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
+from pytest_kvprofile.matrix.cases import Case
+from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+
+FIELD = {b.name: b for b in MUTANT_BACKENDS if b.name.split("-")[1] in {"07f", "14e", "14f", "14g", "14h", "14i",
+                                                                         "14j", "16d"}}
+TWINS = {b.name: b for b in FIELD_TWINS}
+# each mutant: the check that refuses it and what its headline must carry (bytes, phase, source line, the place)
+EXPECT = {
+    "mutant-07f-torch-failed-capture-keeps-pool": ("warmup_retryable", (
+        "(20971520 bytes)", "phase 'profile_warmup'", "mutants_field.py:", "graph_pool_", "CUDA-graph capture")),
+    "mutant-14e-torch-daemon-thread-holds-workspace": ("no_state_outlives_case", (
+        "(4194304 bytes)", "phase 'reservation'", "mutants_field.py:", "thread 'kvprofile-field-poller' (daemon)")),
+    "mutant-14f-torch-atexit-holds-workspace": ("no_state_outlives_case", (
+        "(4194304 bytes)", "phase 'reservation'", "mutants_field.py:", "atexit handler")),
+    "mutant-14g-torch-close-parks-in-module-dict": ("no_state_outlives_case", (
+        "(4194304 bytes)", "phase 'reservation'", "mutants_field.py:", "mutants_field._PARKED[")),
+    "mutant-14h-torch-close-parks-in-lru-cache": ("no_state_outlives_case", (
+        "(4194304 bytes)", "phase 'reservation'", "mutants_field.py:", "mutants_field._parking.<cache entry")),
+    "mutant-14i-torch-close-parks-in-thread-local": ("no_state_outlives_case", (
+        "(4194304 bytes)", "phase 'reservation'", "mutants_field.py:", "mutants_field._PARKED_LOCAL.workspace")),
+    "mutant-14j-torch-close-parks-on-type-class": ("no_state_outlives_case", (
+        "(4194304 bytes)", "phase 'reservation'", "mutants_field.py:", "_PARK_CLASSES['holder'].workspace")),
+    "mutant-16d-bound-to-replaced-arena": ("no_use_after_free", (
+        "generation 1 of micro-batch 0's arena", "phase 'capture'", "gave back in phase 'profile_warmup'",
+        "'prefill float workspace'", " bytes)")),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _threads_end() -> Iterator[None]:
+    yield
+    stop_field_threads()
+
+
+@functools.cache
+def ci_cases() -> tuple[Case, ...]:
+    return tuple(c for c in load_matrix(packaged_matrix("ci")).cases if c.skip_reason is None)
+
+
+def plain_cases() -> list[Case]:
+    cases = ci_cases()
+    return [cases[0], next(c for c in cases if c.gpu.name == "B200")]
+
+
+def verdicts(backend: Backend, cases: list[Case]) -> dict[str, dict[str, list[str]]]:
+    out = {}
+    for case in cases:
+        if layout_refusal(backend, case) is not None:
+            continue
+        result = run_lifecycle(backend, case)
+        close_parts(result)
+        out[case.id] = failing_checks(result)
+    return out
+
+
+def _assert_refused(name: str, cases: list[Case]) -> None:
+    check, needles = EXPECT[name]
+    found = verdicts(FIELD[name], cases)
+    assert found and all(set(f) == {check} for f in found.values()), {c: sorted(f) for c, f in found.items()}
+    for failures in found.values():
+        text = " ".join(failures[check])
+        assert all(n in text for n in needles), (needles, text[:1500])
+
+
+def test_every_field_mutant_is_in_the_catalog_with_its_check():
+    assert set(FIELD) == set(EXPECT)
+    assert {n.split("-")[1] for n in FIELD} == {n.split("-")[1] for n in TWINS} | {"14h", "14i", "14j"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_the_field_mutant_is_refused_with_bytes_phase_and_source(name):
+    _assert_refused(name, plain_cases())
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_the_correct_twin_passes(name):
+    found = verdicts(TWINS[name], plain_cases())
+    assert found and not any(found.values()), found
+
+
+def test_a_view_held_before_a_growth_is_still_legal_and_a_bound_one_is_not():
+    """Item 20: the twin holds its views across the growth too (until rebind): holding is not a use."""
+    case = ci_cases()[0]
+    result = run_lifecycle(TWINS["twin-16d-rebinds-after-growth"], case)
+    stale = [b for p in result.phases if p.name in ("profile_warmup", "closing_measurement") for b in p.bound
+             if not any(v.ubatch == b.workspace.ubatch and v.ptr <= b.workspace.ptr < v.end for v in p.arena)]
+    assert stale and "no_use_after_free" not in failing_checks(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_the_field_mutant_is_refused_on_every_ci_case(name):
+    _assert_refused(name, list(ci_cases()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_the_correct_twin_passes_every_ci_case(name):
+    found = verdicts(TWINS[name], list(ci_cases()))
+    assert len(found) == 62 and not any(found.values()), {c: sorted(f) for c, f in found.items() if f}
+
+
+ALONE = "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"
+
+
+@pytest.mark.parametrize("backend", ["mutant-14h-torch-close-parks-in-lru-cache",
+                                     "mutant-14i-torch-close-parks-in-thread-local",
+                                     "mutant-14j-torch-close-parks-on-type-class",
+                                     "pytest_kvprofile.builtin.mutants_field:twins"])
+def test_one_case_run_alone_through_the_plugin(pytester, backend):
+    """Item 19: the state is found on a case run alone, the first and only one of its process's runs."""
+    result = pytester.runpytest_inprocess(
+        "--kvprofile", "--kvprofile-matrix", str(packaged_matrix("ci")), "--kvprofile-backend", backend,
+        "-k", f"no_state_outlives_case and {ALONE}", "-p", "no:cacheprovider", "-q")
+    text = result.stdout.str()
+    if backend.startswith("mutant"):
+        assert result.ret == 1, text[-2000:]
+        result.assert_outcomes(failed=1)
+        assert "close() left device memory" in text and "(4194304 bytes)" in text, text[-3000:]
+    else:
+        assert result.ret == 0, text[-2000:]
+        result.assert_outcomes(passed=len(FIELD_TWINS))
