@@ -21,6 +21,7 @@ from pytest_kvprofile.builtin.process_state import (
 from pytest_kvprofile.builtin.stubs import (
     AUTOTUNE_SCRATCH_BYTES,
     GDN_WORKSPACE_BYTES,
+    EagerPrefillBuilder,
     MODULE_GLOBAL_BYTES,
     FlashInferLikeBuilder,
     GDNLikeBuilder,
@@ -1030,6 +1031,15 @@ class TorchShortNativeRouteBuilder(_PrefillSizedForDecode, TorchFlashInferLikeBu
     """Bug 11d (torch mode): 11c written with plain torch tensors."""
 
 
+class PrefillGraphIntoEagerViewBuilder(EagerPrefillBuilder):
+    """Bug 11e: asks for its prefill view for plans without CUDA graphs (``get_workspace(route="prefill",
+    cuda_graph=False)``) and sizes it so, yet plans the prefill batches the engine captures into it as they come, with
+    graphs: FlashInfer's CUDA-graph prefill plan pads to every query tile and overflows the view."""
+
+    def _part(self, batch: Batch) -> Batch:
+        return batch
+
+
 BUDGET_MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-19a-vllm-default-arena-over-budget", 19, VllmDefaultArenaOverBudgetBuilder,
             catches=("workspace_covers_planner",)),
@@ -1053,6 +1063,8 @@ MUTANT_BACKENDS = MUTANT_BACKENDS + (
             catches=_OVERFLOWS_ITS_ARENA),
     _mutant("mutant-11d-torch-short-native-route", 11, TorchShortNativeRouteBuilder,
             catches=_OVERFLOWS_ITS_ARENA),
+    _mutant("mutant-11e-prefill-graph-into-eager-view", 11, PrefillGraphIntoEagerViewBuilder,
+            catches=("workspace_covers_planner",)),
     *BUDGET_MUTANT_BACKENDS,
 )
 
