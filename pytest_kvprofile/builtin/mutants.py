@@ -21,8 +21,8 @@ from pytest_kvprofile.builtin.process_state import (
 from pytest_kvprofile.builtin.stubs import (
     AUTOTUNE_SCRATCH_BYTES,
     GDN_WORKSPACE_BYTES,
-    EagerPrefillBuilder,
     MODULE_GLOBAL_BYTES,
+    EagerPrefillBuilder,
     FlashInferLikeBuilder,
     GDNLikeBuilder,
     MMPrefixLikeBuilder,

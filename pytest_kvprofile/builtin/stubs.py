@@ -478,7 +478,8 @@ class EagerPrefillBuilder(TrtllmGenRoutesBuilder):
     """REQUIRED, correct (issue 51, item 7), vLLM 0.33's plans: prefill only without CUDA graphs, decode with and
     without. Each view names its route and, for prefill, its graph mode (``get_workspace(route="prefill",
     cuda_graph=False)``), sized for the sub-routes planned there. A batch the engine would capture that carries
-    prefill is still planned eagerly, and the build says so (``ctx.plan_into(view, part=Batch(..., cuda_graph=False))``)."""
+    prefill is still planned eagerly, and the build says so
+    (``ctx.plan_into(view, part=Batch(..., cuda_graph=False))``)."""
 
     name = "flashinfer-eager-prefill"
     NATIVE = ("prefill", "decode")

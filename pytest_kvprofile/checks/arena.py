@@ -17,8 +17,8 @@ from pytest_kvprofile.units import bytes_text, size_text
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.device import Allocation
-    from pytest_kvprofile.lifecycle.record import PlanRecord
     from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.lifecycle.record import PlanRecord
 
 
 def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:

@@ -403,9 +403,9 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
                 if alloc else "memory outside the simulated device")
         route_need, subs = needs[(route, graph)]
         out.append(
-            f"builder {name!r}: its {route} wrappers ({'with' if graph else 'without'} CUDA graphs) plan() into {bytes_text(nbytes)} of float "
-            f"workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, but FlashInfer "
-            f"{need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
+            f"builder {name!r}: its {route} wrappers ({'with' if graph else 'without'} CUDA graphs) plan() into "
+            f"{bytes_text(nbytes)} of float workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, "
+            f"but FlashInfer {need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
             f"{', '.join(subs)} ({_deciding_text(need, subs)}): short by {size_text((route_need - nbytes))} "
             "(Buffer overflow ... Increase the "
             "workspace buffer size)")

@@ -139,9 +139,10 @@ class _RecordingMixin:
             raise
         finally:
             run._in_manager = False
-        run.result.grants.append(ViewGrant(
-            run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes,
-            route, run._asked_graph))
+        grant = ViewGrant(run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr,
+                          view.nbytes, route, run._asked_graph)
+        run.result.grants.append(grant)
+        run._grant_of[id(view)] = (view, grant)  # two views of one arena may share pointer and bytes, not identity
         return view
 
     def _refused(self, refusal: Refusal) -> None:
@@ -196,6 +197,7 @@ class LifecycleRun:
         self._current_ubatch: int | None = None
         self._current_batch: Batch | None = None
         self._asked_graph: bool | None = None  # the CUDA-graph mode of the view being asked for (ctx.get_workspace)
+        self._grant_of: dict[int, tuple[ArenaView, ViewGrant]] = {}  # id(view) -> the view and its grant
         self._build_serial = 0  # numbers the build calls (ViewPlan.build)
         # int workspace id -> weak references to the wrappers on it
         self._int_holders: dict[int, list[weakref.ref[object]]] = {}
@@ -318,9 +320,11 @@ class LifecycleRun:
         graph = part.cuda_graph if part is not None else batch.cuda_graph if batch is not None else False
         if isinstance(target, ArenaView):
             if batch is not None:
-                grant = next((g for g in reversed(self.result.grants)
-                              if g.requester == owner and g.ubatch == target.ubatch and g.ptr == target.ptr
-                              and g.nbytes == target.nbytes), None)
+                known = self._grant_of.get(id(target))
+                grant = known[1] if known is not None and known[0] is target else next(
+                    (g for g in reversed(self.result.grants)
+                     if g.requester == owner and g.ubatch == target.ubatch and g.ptr == target.ptr
+                     and g.nbytes == target.nbytes), None)
                 self.result.view_plans.append(ViewPlan(self.device.phase, owner, target.ubatch, target.nbytes,
                                                        grant.route if grant is not None else None, batch.kind,
                                                        self._build_serial, part.kind if part else None, "view",
