@@ -56,11 +56,11 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
                         f"they made after KV sizing): {grouped(result, step)}")
         made_in = sorted({a.phase for a in new}, key=lambda p: lc.PHASE_INDEX.get(p, len(lc.PHASE_ORDER)))
         where = f"made in phase {', '.join(repr(p) for p in made_in)}, " if made_in else ""
+        when = "KV sizing" if all(p in lc.POST_KV_PHASES for p in made_in) else "the closing measurement"
         out.append(
             f"persistent_memory_visible_at_closing: case {result.case.id}: builder {owner!r}: "
             f"{bytes_text(excess)} invisible to KV sizing ({where}held {bytes_text(held)} at the closing "
-            f"measurement, {bytes_text(live)} in phase {phase!r}). Made after the closing measurement and still "
-            f"alive: {made}{context}"
+            f"measurement, {bytes_text(live)} in phase {phase!r}). Made after {when} and still alive: {made}{context}"
         )
     return out
 

@@ -45,7 +45,7 @@ def test_the_correct_stub_carries_the_resource_and_passes(carrying, backend):
     "mutant, check, words",
     [
         ("mutant-13a-resource-lazy", "persistent_memory_visible_at_closing",
-         ["'dma-output-workspace'", "64.00 MiB", "after the closing measurement", "phase 'capture'"]),
+         ["'dma-output-workspace'", "64.00 MiB", "after KV sizing", "phase 'capture'"]),
         ("mutant-13b-resource-over-capacity", "resource_capacity_honoured",
          ["resource 'dma-output-workspace'", "64.00 MiB", "80.00 MiB", "phase 'reservation'"]),
         ("mutant-13c-resource-in-capture", "no_synthetic_workspace_in_capture",

@@ -75,7 +75,7 @@ def test_its_unplanned_twin_is_refused_for_the_plan_buffers_alone_with_their_byt
     failing = failing_checks(unplanned)
     assert set(failing) == {"persistent_memory_visible_at_closing"}, failing
     first = failing["persistent_memory_visible_at_closing"][0]
-    head = first.split(". Made after the closing measurement", 1)[0]
+    head = first.split(". Made after KV sizing", 1)[0]
     assert "bytes invisible to KV sizing" in head and not re.search(r"(?<![0-9])0\.00 MiB", first) and MTP0 in head
     invisible = int(head.split(": ")[-1].split(" bytes invisible")[0].replace(",", ""))
     assert 0 < invisible < 10_000
