@@ -434,6 +434,31 @@ class DecodeIntIntoPrefillRealBuilder(RealFlashInferBuilder):
         return out
 
 
+class PrivateFloatReportedAsArenaRealBuilder(RealFlashInferBuilder):
+    """Bug 5 with FlashInfer's own wrappers: asks the arena for each micro-batch's view, but builds every wrapper
+    over a private ``torch.empty`` float buffer of the view's size, plans into it, and reports the arena view through
+    ``bound_workspaces()``: the arena's checks judge memory no wrapper uses."""
+
+    name = "flashinfer-private-float-as-arena"
+
+    def _new_slot(self, ctx: BuilderContext, ubatch: int) -> Slot:
+        import torch
+
+        slot = super()._new_slot(ctx, ubatch)
+        for _, w in slot.wrappers():
+            private = torch.empty(slot.arena.nbytes, dtype=torch.uint8, device="cuda")
+            w.reset_workspace_buffer(private, w._int_workspace_buffer)
+        return slot
+
+    def bound_workspaces(self) -> list[BoundWorkspace]:
+        """What it reports: the arena view, not the buffer its wrappers were built over."""
+        out = []
+        for w in super().bound_workspaces():
+            slot = self.slots[w.ubatch]
+            out.append(BoundWorkspace(w.ubatch, w.role, slot.arena.ptr, slot.arena.nbytes, w.int_ptr, w.int_nbytes))
+        return out
+
+
 def _cumsum(values: list[int]) -> list[int]:
     out, total = [], 0
     for v in values:
@@ -484,4 +509,6 @@ REAL_FLASHINFER_MUTANTS: tuple[Backend, ...] = (
              (SharedIntWorkspaceRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),
     _backend("mutant-15k-flashinfer-decode-plans-into-prefill-int", DecodeIntIntoPrefillRealBuilder,
              (DecodeIntIntoPrefillRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),
+    _backend("mutant-05f-flashinfer-private-float-reported-as-arena", PrivateFloatReportedAsArenaRealBuilder,
+             (PrivateFloatReportedAsArenaRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=5),
 )

@@ -23,6 +23,7 @@ from pytest_kvprofile.builtin.stubs import (
     AUTOTUNE_SCRATCH_BYTES,
     GDN_WORKSPACE_BYTES,
     MODULE_GLOBAL_BYTES,
+    EagerPrefillBuilder,
     FlashInferLikeBuilder,
     GDNLikeBuilder,
     MMPrefixLikeBuilder,
@@ -1046,6 +1047,33 @@ class TorchShortNativeRouteBuilder(_PrefillSizedForDecode, TorchFlashInferLikeBu
     """Bug 11d (torch mode): 11c written with plain torch tensors."""
 
 
+class PrefillGraphIntoEagerViewBuilder(EagerPrefillBuilder):
+    """Bug 11f: asks for its prefill view for plans without CUDA graphs (``get_workspace(route="prefill",
+    cuda_graph=False)``) and sizes it so, yet plans the prefill batches the engine captures into it as they come, with
+    graphs: FlashInfer's CUDA-graph prefill plan pads to every query tile and overflows the view."""
+
+    def _part(self, batch: Batch) -> Batch:
+        return batch
+
+
+GRAPH_SCRATCH_BYTES = 76 * MiB  # the incident's scratch (issue 51, item 6)
+
+
+class GraphProfilingScratchBuilder(FlashInferLikeBuilder):
+    """Bug 1e: keeps a 76 MiB scratch it first makes in a dummy forward outside the window (graph profiling, after the
+    closing measurement), while the lease release frees what the closing measurement saw of its wrappers: the net
+    growth at KV sizing is smaller than the scratch, and only the serving phases show all of it."""
+
+    def __init__(self, case: Case):
+        super().__init__(case)
+        self.scratch: Allocation | None = None
+
+    def dummy_run(self, ctx: BuilderContext) -> None:
+        super().dummy_run(ctx)
+        if self.scratch is None and ctx.dummy and not ctx.profiling:
+            self.scratch = ctx.allocate(GRAPH_SCRATCH_BYTES, "graph scratch")
+
+
 BUDGET_MUTANT_BACKENDS: tuple[Backend, ...] = (
     _mutant("mutant-19a-vllm-default-arena-over-budget", 19, VllmDefaultArenaOverBudgetBuilder,
             catches=("workspace_covers_planner",)),
@@ -1069,6 +1097,10 @@ MUTANT_BACKENDS = MUTANT_BACKENDS + (
             catches=_OVERFLOWS_ITS_ARENA),
     _mutant("mutant-11d-torch-short-native-route", 11, TorchShortNativeRouteBuilder,
             catches=_OVERFLOWS_ITS_ARENA),
+    _mutant("mutant-01e-graph-profiling-scratch", 1, GraphProfilingScratchBuilder,
+            catches=("no_synthetic_workspace_in_capture", "persistent_memory_visible_at_closing")),
+    _mutant("mutant-11f-prefill-graph-into-eager-view", 11, PrefillGraphIntoEagerViewBuilder,
+            catches=("workspace_covers_planner",)),
     *BUDGET_MUTANT_BACKENDS,
 )
 

@@ -24,6 +24,7 @@ from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.sizing.case import (
     for_case,
+    need_for_planned,
     need_for_routes,
     routes,
     vllm_default_float_bytes,
@@ -489,6 +490,38 @@ class AsksEveryUbatchBuilder(FlashInferLikeBuilder):
         super().build(ctx, batch)
 
 
+class EagerPrefillBuilder(TrtllmGenRoutesBuilder):
+    """REQUIRED, correct (issue 51, item 7), vLLM 0.33's plans: prefill only without CUDA graphs, decode with and
+    without. Each view names its route and, for prefill, its graph mode (``get_workspace(route="prefill",
+    cuda_graph=False)``), sized for the sub-routes planned there. A batch the engine would capture that carries
+    prefill is still planned eagerly, and the build says so
+    (``ctx.plan_into(view, part=Batch(..., cuda_graph=False))``)."""
+
+    name = "flashinfer-eager-prefill"
+    NATIVE = ("prefill", "decode")
+
+    def _graph(self, route: str | None) -> bool | None:
+        return False if route == "prefill" else None
+
+    def _view_bytes(self, route: str) -> int:
+        return need_for_planned(self.case, [(route, self._graph(route))])[0]
+
+    def float_bytes(self) -> int:
+        return max(self._view_bytes(r) for r in self._routes)
+
+    def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
+        route = self._planning or "prefill"
+        return ctx.get_workspace(self._view_bytes(route), ubatch, route=route, cuda_graph=self._graph(route))
+
+    def _part(self, batch: Batch) -> Batch:
+        return Batch(batch.kind, batch.num_reqs, batch.num_tokens, False, batch.ubatch)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        w = self._wrapper_for(ctx, batch)
+        ctx.plan_into(w.view, self._part(batch) if w.route == "prefill" else None)
+        ctx.plan_into(w.int_workspace)
+
+
 # Correct builders for the routes-and-waste rules, by name only (``--kvprofile-backend stub-trtllm-gen``): not
 # in ``STUB_BACKENDS``, so the default run and ``stubs`` keep their backends.
 ROUTE_STUB_BACKENDS: tuple[Backend, ...] = (
@@ -504,6 +537,8 @@ ROUTE_STUB_BACKENDS: tuple[Backend, ...] = (
              "them (REQUIRED)", SplitMixedBuilder),
     _builtin("stub-split-mixed-trtllm", "decode native, sized for decode alone; a mixed batch's prefill part on "
              "trtllm-gen (REQUIRED)", SplitMixedTrtllmPrefillBuilder),
+    _builtin("stub-eager-prefill", "vLLM 0.33's plans: prefill without CUDA graphs, decode with and without; each "
+             "view sized for the sub-routes planned into it (REQUIRED)", EagerPrefillBuilder),
     _builtin("stub-asks-every-ubatch", "asks every micro-batch's arena view in each build, plans into its own "
              "(REQUIRED)", AsksEveryUbatchBuilder),
 )

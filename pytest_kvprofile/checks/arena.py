@@ -13,11 +13,12 @@ from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import ArenaView
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
-from pytest_kvprofile.units import size_text
+from pytest_kvprofile.units import bytes_text, size_text
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.device import Allocation
     from pytest_kvprofile.contract.protocol import Builder
+    from pytest_kvprofile.lifecycle.record import PlanRecord
 
 
 def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -119,7 +120,46 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
                 )
         if out:
             break
-    return out + _observed_ubatch_violations(result)
+    return out + _observed_ubatch_violations(result) + _planned_float_unreported(result)
+
+
+def _planned_float_unreported(result: LifecycleResult) -> list[str]:
+    """Torch mode: what a wrapper was built over and plans into, whatever ``bound_workspaces()`` reports. A builder
+    that reports its wrappers' float ranges, while its FlashInfer wrappers ``plan()`` into float memory none of those
+    ranges lies in (a private ``torch.empty`` per wrapper, the arena views reported instead), hides that memory
+    from every check that reads the arena: refused with the buffer's bytes, source line and wrappers."""
+    if not result.plans_observed:
+        return []
+    reported: dict[str, list[tuple[int, int]]] = {}
+    for rec in result.phases:
+        for b in rec.bound:
+            if b.workspace.nbytes > 0:
+                reported.setdefault(b.owner, []).append((b.workspace.ptr, b.workspace.nbytes))
+    allocs = {a.id: a for a in result.allocations}
+    hidden: dict[tuple[str, int], list[PlanRecord]] = {}
+    for p in result.plans:
+        alloc = allocs.get(p.alloc_id) if p.alloc_id is not None else None
+        ranges = reported.get(p.builder or "")
+        if alloc is None or not ranges or alloc.role is Role.FLOAT_ARENA:
+            continue
+        if not any(alloc.ptr <= ptr < alloc.ptr + alloc.nbytes for ptr, _ in ranges):
+            hidden.setdefault((p.builder or "", alloc.id), []).append(p)
+    out = []
+    for (who, alloc_id), plans in sorted(hidden.items()):
+        a = allocs[alloc_id]
+        wrappers = sorted({p.wrapper or p.route for p in plans})
+        arena = sorted({(ptr, n) for ptr, n in reported[who]})
+        shown = ", ".join(f"{ptr:#x} ({bytes_text(n)})" for ptr, n in arena[:3]) + (" ..." if len(arena) > 3 else "")
+        out.append(
+            f"ubatch_arenas_disjoint: {who}'s wrapper {wrappers[0]}"
+            + (f" (and {len(wrappers) - 1} more)" if len(wrappers) > 1 else "")
+            + f" plan()s into {bytes_text(a.nbytes)} of float workspace {a.tag!r} made in phase {a.phase!r}"
+            + (f" at {a.stack}" if a.stack else "")
+            + f" (first plan in phase {plans[0].phase!r}), but bound_workspaces() reports none of it: it reports "
+            f"{shown}. The harness judges what a wrapper is built over and plans into, not what is reported: build "
+            "each wrapper over the arena view it asks for (its tensor as float_workspace_buffer), or, for a buffer "
+            "of its own, allocate it with role=Role.FLOAT_WORKSPACE and report that buffer")
+    return out
 
 
 def _held_stale_view(result: LifecycleResult, ubatch: int, ptr: int, nbytes: int, phase: str,

@@ -33,6 +33,7 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
     out = []
     for owner in result.builder_names():
         held = live_device_bytes(result, owner, lc.CLOSING)
+        worst: tuple[int, Phase, int, list[Allocation], list[Allocation]] | None = None
         for phase in lc.POST_KV_PHASES:
             if result.phase(phase) is None:
                 continue
@@ -41,21 +42,26 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
                 continue
             late, step = made_after_closing(result, owner, phase)
             live -= sum(a.nbytes for a in step)
-            if live > held:
-                new, remade = _unmatched(result, owner, late)
-                made = grouped(result, new) or "nothing new: the memory is re-used from earlier phases"
-                context = (f". Context, made again after KV sizing at the same bytes and source line as memory the "
-                           f"closing measurement saw: {grouped(result, remade)}" if remade else "")
-                if step:
-                    context += (f". Not counted, step memory from the serving headroom (lines that also freed what "
-                                f"they made after KV sizing): {grouped(result, step)}")
-                out.append(
-                    f"persistent_memory_visible_at_closing: case {result.case.id}: builder {owner!r}: "
-                    f"{bytes_text(live - held)} invisible to KV sizing (held {bytes_text(held)} at the closing "
-                    f"measurement, {bytes_text(live)} in phase {phase!r}). Made after KV sizing and still alive: "
-                    f"{made}{context}"
-                )
-                break
+            if live > held and (worst is None or live - held > worst[0]):
+                worst = (live - held, phase, live, late, step)
+        if worst is None:
+            continue
+        excess, phase, live, late, step = worst  # the phase KV sizing missed most by: all of the late memory
+        new, remade = _unmatched(result, owner, late)
+        made = grouped(result, new) or "nothing new: the memory is re-used from earlier phases"
+        context = (f". Context, made again after KV sizing at the same bytes and source line as memory the "
+                   f"closing measurement saw: {grouped(result, remade)}" if remade else "")
+        if step:
+            context += (f". Not counted, step memory from the serving headroom (lines that also freed what "
+                        f"they made after KV sizing): {grouped(result, step)}")
+        made_in = sorted({a.phase for a in new}, key=lambda p: lc.PHASE_INDEX.get(p, len(lc.PHASE_ORDER)))
+        where = f"made in phase {', '.join(repr(p) for p in made_in)}, " if made_in else ""
+        when = "KV sizing" if all(p in lc.POST_KV_PHASES for p in made_in) else "the closing measurement"
+        out.append(
+            f"persistent_memory_visible_at_closing: case {result.case.id}: builder {owner!r}: "
+            f"{bytes_text(excess)} invisible to KV sizing ({where}held {bytes_text(held)} at the closing "
+            f"measurement, {bytes_text(live)} in phase {phase!r}). Made after {when} and still alive: {made}{context}"
+        )
     return out
 
 

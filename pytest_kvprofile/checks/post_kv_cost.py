@@ -29,10 +29,11 @@ class CostSource:
     tags: tuple[str, ...]
     count: int
     nbytes: int
+    phases: tuple[str, ...] = ()  # the phases its allocations were made in, in the engine's order
 
     def as_dict(self) -> dict[str, object]:
         return {"owner": self.owner, "source": self.source, "tags": list(self.tags), "count": self.count,
-                "bytes": self.nbytes}
+                "bytes": self.nbytes, "phases": list(self.phases)}
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,12 @@ class PostKvCost:
                 "overrun_kv_tokens": self.overrun_kv_tokens, "sources": [s.as_dict() for s in self.sources]}
 
     def describe(self, limit: int = 4) -> str:
-        head = (f"{size_text(self.nbytes)} appear after KV sizing on {self.case} ({self.kv_tokens} KV tokens an "
-                f"opted-in backend would reserve)")
+        head = (f"{size_text(self.nbytes)} appear after the closing measurement on {self.case} ({self.kv_tokens} KV "
+                f"tokens an opted-in backend would reserve)")
         if self.overrun_bytes:
             head += f"; the device peaks {size_text(self.overrun_bytes)} over total x gmu"
         parts = [f"{s.owner}: {size_text(s.nbytes)} in {s.count} allocation(s) at {s.source}"
+                 + (f" (made in phase {', '.join(repr(p) for p in s.phases)})" if s.phases else "")
                  for s in self.sources[:limit]]
         more = len(self.sources) - limit
         if more > 0:
@@ -68,11 +70,17 @@ class PostKvCost:
         return head + (": " + "; ".join(parts) if parts else "")
 
 
+AFTER_CLOSING: tuple[str, ...] = (lc.LEASE_RELEASE, lc.GRAPH_PROFILING, *lc.POST_KV_PHASES)
+"""Where memory KV sizing never saw is made: after the closing measurement (graph profiling too), not only after KV
+sizing."""
+
+
 def post_kv_allocations(result: LifecycleResult) -> list[Allocation]:
-    """The parts' device allocations made after KV sizing and still held when serving ended: the post-KV cost."""
+    """The parts' device allocations made after the closing measurement (in graph profiling, say, before KV sizing
+    itself) and still held when serving ended: the post-KV cost."""
     names = set(result.builder_names())
     return [a for a in result.allocations
-            if a.owner in names and a.kind == "device" and a.phase in lc.POST_KV_PHASES
+            if a.owner in names and a.kind == "device" and a.phase in AFTER_CLOSING
             and (a.freed_phase is None or lc.PHASE_INDEX.get(a.freed_phase, 0) > lc.PHASE_INDEX[lc.SERVING])]
 
 
@@ -85,7 +93,8 @@ def post_kv_cost(result: LifecycleResult) -> PostKvCost | None:
     for a in post_kv_allocations(result):
         groups.setdefault((a.owner, _short(a.stack) if a.stack else f"ctx.allocate({a.tag!r})"), []).append(a)
     sources = sorted(
-        (CostSource(owner, source, tuple(sorted({a.tag for a in allocs})), len(allocs), sum(a.nbytes for a in allocs))
+        (CostSource(owner, source, tuple(sorted({a.tag for a in allocs})), len(allocs), sum(a.nbytes for a in allocs),
+                    tuple(sorted({a.phase for a in allocs}, key=lambda p: lc.PHASE_INDEX.get(p, 0))))
          for (owner, source), allocs in groups.items()),
         key=lambda s: (-s.nbytes, s.owner, s.source),
     )

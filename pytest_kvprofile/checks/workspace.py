@@ -30,7 +30,7 @@ from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult, ViewGr
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.memory.budget import tokens_for
 from pytest_kvprofile.memory.device import Allocation
-from pytest_kvprofile.sizing.case import for_case, need_for_routes, routes
+from pytest_kvprofile.sizing.case import PlannedRoute, for_case, need_for_planned, need_for_routes, routes
 from pytest_kvprofile.units import MiB, bytes_text, size_text
 
 if TYPE_CHECKING:
@@ -149,6 +149,36 @@ def _native_routes(result: LifecycleResult, name: str, views: list[ViewGrant],
     return tuple(r for r in case_routes if r in named)
 
 
+def _graph_modes(result: LifecycleResult, name: str, views: list[ViewGrant]) -> dict[str, set[bool | None]]:
+    """The CUDA-graph modes the builder plans each route in, where it is known: observed in torch mode (the
+    ``plan()`` calls seen, each with its wrapper's ``use_cuda_graph``), declared in ctx mode (``get_workspace(route=,
+    cuda_graph=)``) together with the graph mode of what its builds plan into those views. A route missing here is
+    sized with and without graphs."""
+    modes: dict[str, set[bool | None]] = {}
+    for p in result.plans:
+        if p.builder == name:
+            modes.setdefault(p.route, set()).add(p.cuda_graph)
+    declared = {g.route for g in views if g.route is not None and g.route not in modes}
+    for g in views:
+        if g.route in declared:
+            modes.setdefault(g.route, set()).add(g.cuda_graph)
+    split = _split_builds([vp for vp in result.view_plans if vp.builder == name])
+    for vp in result.view_plans:
+        if (vp.builder == name and vp.target == "view" and vp.route in declared and vp.view_graph is not None
+                and planned_kind(vp, split) == vp.route):
+            modes.setdefault(vp.route, set()).add(vp.cuda_graph)
+    return modes
+
+
+def _planned(native: tuple[str, ...], modes: dict[str, set[bool | None]]) -> list[PlannedRoute]:
+    """Each native route with the graph modes it is planned in (both where unknown, or where any view says both)."""
+    out: list[PlannedRoute] = []
+    for r in native:
+        known = modes.get(r, {None})
+        out.extend([(r, None)] if None in known else [(r, m) for m in sorted(known, key=bool)])
+    return out
+
+
 def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     """What ``name`` reserves (the arena it declares or asks for on each micro-batch, its own float workspace,
     its trtllm-gen workspace) against the need of the routes it was observed to plan. Its own float workspace
@@ -161,7 +191,7 @@ def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
             if a.owner == name and (a.role in _WASTE_ROLES or a.id in planned_into) and _alive_at_closing(a)]
     private = tuple(a for a in mine if a.role is Role.FLOAT_WORKSPACE or a.id in planned_into)
     native = _native_routes(result, name, views, private)
-    need, sized = need_for_routes(case, native)
+    need, sized = need_for_planned(case, _planned(native, _graph_modes(result, name, views)))
     decl = result.declared.get(name)
     declared = _aligned(decl.float_bytes, result.arena_alignment) if decl is not None and decl.float_bytes else 0
     ubatches = _planned_ubatches(result, name, views, declared)
@@ -222,9 +252,10 @@ def _routes_text(sized: tuple[str, ...]) -> str:
 def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     """A declaration, or an arena view, shorter than the planner's need for the routes planned into it."""
     need = for_case(result.case)
-    case, out = result.case, []
+    case, out = result.case, _graph_mode_mismatches(result, name)
     views = [g for g in result.grants if g.requester == name]
-    arena_need, subs = need_for_routes(case, _native_routes(result, name, views, ()))
+    modes = _graph_modes(result, name, views)
+    arena_need, subs = need_for_planned(case, _planned(_native_routes(result, name, views, ()), modes))
     declared_short = bool(views) and declared < arena_need
     if declared_short:
         out.append(
@@ -245,7 +276,8 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     for route, g in sorted(by_route.items(), key=lambda kv: kv[0] or ""):
         if route is None and planned:
             continue  # the plan() calls observed into it are judged one by one
-        route_need, subs = need_for_routes(case, None if route is None else (route,))
+        route_need, subs = (need_for_routes(case, None) if route is None
+                            else need_for_planned(case, _planned((route,), modes)))
         if g.nbytes >= route_need or (declared_short and g.nbytes == _aligned(declared, result.arena_alignment)):
             continue  # covered, or the declaration's shortfall already says it
         via = f"{g.method}()" if g.method else "a call"
@@ -323,27 +355,57 @@ def _short_for_what_is_planned(result: LifecycleResult, name: str) -> list[str]:
     return out
 
 
+def _graph_mode_mismatches(result: LifecycleResult, name: str) -> list[str]:
+    """Ctx mode: a view asked for one CUDA-graph mode of its route (``get_workspace(route=, cuda_graph=)``) that a
+    build plans a batch (part) of the other mode into, judged by the need of what is planned."""
+    mine = [vp for vp in result.view_plans if vp.builder == name]
+    split = _split_builds(mine)
+    graphs: dict[str, ViewPlan] = {}
+    for vp in mine:
+        if (vp.target == "view" and vp.route is not None and vp.view_graph is not None
+                and vp.cuda_graph != vp.view_graph and planned_kind(vp, split) == vp.route):
+            if vp.route not in graphs or vp.nbytes < graphs[vp.route].nbytes:
+                graphs[vp.route] = vp
+    out = []
+    for named, vp in sorted(graphs.items()):
+        need, subs = need_for_planned(result.case, [(named, vp.cuda_graph)])
+        if vp.nbytes < need:
+            asked, got = ("with", "without") if vp.view_graph else ("without", "with")
+            out.append(
+                f"builder {name!r} asked for an arena view for {named} planned {asked} CUDA graphs "
+                f"(get_workspace(route={named!r}, cuda_graph={vp.view_graph})) of {bytes_text(vp.nbytes)}, but plans "
+                f"{vp.batch_kind} batches {got} them into it (phase {vp.phase!r}, ubatch {vp.ubatch}"
+                + (f", at {vp.site}" if vp.site else "") + "): FlashInfer's "
+                f"planner carves {bytes_text(need)} for {', '.join(subs)} "
+                f"({_deciding_text(for_case(result.case), subs)}): short by {bytes_text(need - vp.nbytes)} (Buffer "
+                "overflow ... Increase the workspace buffer size). Size the view for every graph mode the route "
+                "plans (cuda_graph=None), or say what the build really plans: ctx.plan_into(view, part=Batch(..., "
+                f"cuda_graph={vp.view_graph}))")
+    return out
+
+
 def _short_plans(result: LifecycleResult, name: str) -> list[str]:
     """Torch mode: a FlashInfer ``plan()`` of the builder into a float workspace below its route's need."""
     if not result.plans:
         return []
     need, case_routes = for_case(result.case), routes(result.case)
-    needs = {r: need_for_routes(result.case, (r,)) for r in case_routes}
-    short: dict[tuple[str, int, int | None], list[str]] = {}
+    needs = {(r, g): need_for_planned(result.case, [(r, g)]) for r in case_routes for g in (False, True)}
+    short: dict[tuple[str, int, int | None, bool], list[str]] = {}
     for p in result.plans:
-        if p.builder == name and p.route in needs and p.nbytes < needs[p.route][0]:
-            short.setdefault((p.route, p.nbytes, p.alloc_id), []).append(p.phase)
+        key = (p.route, p.cuda_graph)
+        if p.builder == name and key in needs and p.nbytes < needs[key][0]:
+            short.setdefault((p.route, p.nbytes, p.alloc_id, p.cuda_graph), []).append(p.phase)
     allocs = {a.id: a for a in result.allocations} if short else {}
     out = []
-    for (route, nbytes, alloc_id), phases in sorted(short.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (route, nbytes, alloc_id, graph), phases in sorted(short.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         alloc = allocs.get(alloc_id) if alloc_id is not None else None
         into = (f"{alloc.role} {alloc.tag!r} of {alloc.owner}" + (f" at {alloc.stack}" if alloc.stack else "")
                 if alloc else "memory outside the simulated device")
-        route_need, subs = needs[route]
+        route_need, subs = needs[(route, graph)]
         out.append(
-            f"builder {name!r}: its {route} wrappers plan() into {bytes_text(nbytes)} of float "
-            f"workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, but FlashInfer "
-            f"{need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
+            f"builder {name!r}: its {route} wrappers ({'with' if graph else 'without'} CUDA graphs) plan() into "
+            f"{bytes_text(nbytes)} of float workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, "
+            f"but FlashInfer {need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
             f"{', '.join(subs)} ({_deciding_text(need, subs)}): short by {size_text((route_need - nbytes))} "
             "(Buffer overflow ... Increase the "
             "workspace buffer size)")

@@ -136,8 +136,10 @@ class BuilderHost(Protocol):
     def device(self) -> Device: ...
     @property
     def manager(self) -> ArenaManager: ...
-    def arena_view(self, owner: str, nbytes: int, ubatch: int, route: str | None) -> ArenaView:
-        """A view of ``ubatch``'s float arena for ``owner``, recorded with the route that plans into it."""
+    def arena_view(self, owner: str, nbytes: int, ubatch: int, route: str | None,
+                   cuda_graph: bool | None = None) -> ArenaView:
+        """A view of ``ubatch``'s float arena for ``owner``, recorded with the route that plans into it and the
+        CUDA-graph mode of its plans (None: both)."""
     @property
     def in_window(self) -> bool:
         """Inside the memory-profiling window (between the baseline and the closing measurement)."""
@@ -197,13 +199,20 @@ class BuilderContext:
     def free(self, alloc: Allocation) -> None:
         self._run.device.free(alloc)
 
-    def get_workspace(self, nbytes: int, ubatch: int = 0, *, route: str | None = None) -> ArenaView:
+    def get_workspace(self, nbytes: int, ubatch: int = 0, *, route: str | None = None,
+                      cuda_graph: bool | None = None) -> ArenaView:
         """A view of ``ubatch``'s float arena. ``route`` (``"prefill"``, ``"decode"``): the case route whose wrapper
         plans into it, so ``workspace_covers_planner`` sizes the view for that route alone; without one the view
-        is sized for every route of the case. A route sent to trtllm-gen asks for no view."""
+        is sized for every route of the case. A route sent to trtllm-gen asks for no view. ``cuda_graph``: the
+        route's plans into the view are made only with CUDA graphs (True) or only without (False: vLLM's prefill),
+        so the view is sized for those sub-routes; None (the default) sizes it for both."""
         if route is not None and route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
-        return self._run.arena_view(self.owner, int(nbytes), ubatch, route)
+        if cuda_graph is not None and route is None:
+            raise ValueError("cuda_graph= names the CUDA-graph mode of one route's plans: give route= too")
+        if cuda_graph is None:  # a host written before ``cuda_graph`` takes four arguments
+            return self._run.arena_view(self.owner, int(nbytes), ubatch, route)
+        return self._run.arena_view(self.owner, int(nbytes), ubatch, route, bool(cuda_graph))
 
     def plan_into(self, target: ArenaView | Allocation, part: Batch | None = None) -> None:
         """Say that the current call plans into, writes or reads ``target`` (an arena view or an allocation).

@@ -140,9 +140,10 @@ class _RecordingMixin:
             raise
         finally:
             run._in_manager = False
-        run.result.grants.append(ViewGrant(
-            run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr, view.nbytes,
-            route))
+        grant = ViewGrant(run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr,
+                          view.nbytes, route, run._asked_graph)
+        run.result.grants.append(grant)
+        run._grant_of[id(view)] = (view, grant)  # two views of one arena may share pointer and bytes, not identity
         return view
 
     def _refused(self, refusal: Refusal) -> None:
@@ -196,6 +197,8 @@ class LifecycleRun:
         self._current_call: str | None = None
         self._current_ubatch: int | None = None
         self._current_batch: Batch | None = None
+        self._asked_graph: bool | None = None  # the CUDA-graph mode of the view being asked for (ctx.get_workspace)
+        self._grant_of: dict[int, tuple[ArenaView, ViewGrant]] = {}  # id(view) -> the view and its grant
         self._build_serial = 0  # numbers the build calls (ViewPlan.build)
         # int workspace id -> weak references to the wrappers on it
         self._int_holders: dict[int, list[weakref.ref[object]]] = {}
@@ -298,9 +301,15 @@ class LifecycleRun:
         raise _Abort from exc
 
     # -- the builders' contexts (BuilderHost) --------------------------------------------------
-    def arena_view(self, owner: str, nbytes: int, ubatch: int, route: str | None) -> ArenaView:
-        """``ctx.get_workspace``: a view of ``ubatch``'s arena, recorded with its route (``ViewGrant``)."""
-        return self.manager.get_workspace(owner, nbytes, ubatch, route=route)
+    def arena_view(self, owner: str, nbytes: int, ubatch: int, route: str | None,
+                   cuda_graph: bool | None = None) -> ArenaView:
+        """``ctx.get_workspace``: a view of ``ubatch``'s arena, recorded with its route and the CUDA-graph mode of
+        its plans (``ViewGrant``)."""
+        self._asked_graph = cuda_graph
+        try:
+            return self.manager.get_workspace(owner, nbytes, ubatch, route=route)
+        finally:
+            self._asked_graph = None
 
     # -- memory uses (no_use_after_free, ubatch_arenas_disjoint) ------------------------------------
     def note_plan(self, owner: str, target: object, part: Batch | None = None) -> None:
@@ -310,15 +319,19 @@ class LifecycleRun:
                             f"{type(part).__name__}")
         batch = self._current_batch
         tokens = part.num_tokens if part is not None else batch.num_tokens if batch is not None else 0
+        graph = part.cuda_graph if part is not None else batch.cuda_graph if batch is not None else False
         if isinstance(target, ArenaView):
             if batch is not None:
-                grant = next((g for g in reversed(self.result.grants)
-                              if g.requester == owner and g.ubatch == target.ubatch and g.ptr == target.ptr
-                              and g.nbytes == target.nbytes), None)
+                known = self._grant_of.get(id(target))
+                grant = known[1] if known is not None and known[0] is target else next(
+                    (g for g in reversed(self.result.grants)
+                     if g.requester == owner and g.ubatch == target.ubatch and g.ptr == target.ptr
+                     and g.nbytes == target.nbytes), None)
                 self.result.view_plans.append(ViewPlan(self.device.phase, owner, target.ubatch, target.nbytes,
                                                        grant.route if grant is not None else None, batch.kind,
                                                        self._build_serial, part.kind if part else None, "view",
-                                                       tokens))
+                                                       tokens, graph, grant.cuda_graph if grant is not None else None,
+                                                       _caller_site()))
             freed = None if self.manager.is_current(target) else self.manager.retired.get(
                 (target.ubatch, target.generation), "?")
             self._note_use(owner, self._current_call, target.ubatch, target.nbytes, freed, "ctx.plan_into",
@@ -328,7 +341,7 @@ class LifecycleRun:
             if batch is not None and target.role in (Role.TRTLLM_WORKSPACE, Role.FLOAT_WORKSPACE):
                 self.result.view_plans.append(ViewPlan(self.device.phase, owner, batch.ubatch, target.nbytes, None,
                                                        batch.kind, self._build_serial, part.kind if part else None,
-                                                       target.role.name, tokens))
+                                                       target.role.name, tokens, graph))
             self._note_int_use(target)
             if target.alive and self.device.capturing:
                 self.result.captured_reads.add(target.id)

@@ -117,6 +117,7 @@ class ViewGrant:
     ptr: int
     nbytes: int
     route: str | None = None
+    cuda_graph: bool | None = None  # ``get_workspace(cuda_graph=)``: the route's plans only with (without) graphs
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,9 @@ class ViewPlan:
     part: str | None = None  # the kind of the batch part the builder said it planned there (``plan_into(part=)``)
     target: str = "view"  # "view", or the role of an allocation planned into (the trtllm-gen workspace, say)
     num_tokens: int = 0  # the part's tokens when given, else the whole batch's
+    cuda_graph: bool = False  # the part, else the batch, is planned for CUDA-graph replay
+    view_graph: bool | None = None  # the CUDA-graph mode the view was asked for (``get_workspace(cuda_graph=)``)
+    site: str = ""  # ``path:line in func`` of the builder code that called ``ctx.plan_into``
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,15 @@ def route_of(sub_route: str) -> str:
     return sub_route.split("_", 1)[0]
 
 
+def is_graph_sub_route(sub_route: str) -> bool:
+    """Whether a sized sub-route is planned for CUDA-graph replay (``prefill_cuda_graph``, ``decode_tc_cuda_graph``)."""
+    return sub_route.endswith("_cuda_graph")
+
+
+PlannedRoute = tuple[str, bool | None]
+"""A case route and the CUDA-graph mode its plans use: ``True`` with graphs only, ``False`` without, None both."""
+
+
 def need_for_routes(case: Case, planned: Iterable[str] | None) -> tuple[int, tuple[str, ...]]:
     """The float workspace the planner carves for the routes a builder plans natively, and those sub-routes.
 
@@ -108,13 +117,27 @@ def need_for_routes(case: Case, planned: Iterable[str] | None) -> tuple[int, tup
     every route of the case (a builder that names no route). A route sent elsewhere (trtllm-gen plans into its
     own workspace) needs nothing here, so a builder whose routes are all trtllm-gen needs 0 bytes. Routes share
     one float workspace per micro-batch and plan one after another, so the need is the maximum, not the sum.
+    Each route is sized with and without CUDA graphs; :func:`need_for_planned` sizes the modes a builder plans.
     """
-    wanted = frozenset(routes(case) if planned is None else planned)
-    memo: dict[frozenset[str], tuple[int, tuple[str, ...]]] = case.__dict__.setdefault(_ROUTE_MEMO, {})
+    wanted = routes(case) if planned is None else tuple(planned)
+    return need_for_planned(case, [(r, None) for r in wanted])
+
+
+def need_for_planned(case: Case, planned: Iterable[PlannedRoute]) -> tuple[int, tuple[str, ...]]:
+    """:func:`need_for_routes` for the sub-routes a builder plans: each route with the CUDA-graph mode its plans use
+    (vLLM plans prefill without graphs only, decode with and without). A mode the case does not size (graphs on a
+    case that captures none) stands for the route's every sub-route."""
+    wanted = frozenset(planned)
+    memo: dict[frozenset[PlannedRoute], tuple[int, tuple[str, ...]]] = case.__dict__.setdefault(_ROUTE_MEMO, {})
     answer = memo.get(wanted)
     if answer is None:
         sized = for_case(case)
-        subs = tuple(name for name in sized.routes if route_of(name) in wanted)
+        chosen: set[str] = set()
+        for route, graph in wanted:
+            mine = [name for name in sized.routes if route_of(name) == route]
+            modes = [name for name in mine if graph is None or is_graph_sub_route(name) == graph]
+            chosen.update(modes or mine)
+        subs = tuple(name for name in sized.routes if name in chosen)
         answer = memo[wanted] = (max((sized.routes[name].float_bytes for name in subs), default=0), subs)
     return answer
 

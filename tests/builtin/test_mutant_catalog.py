@@ -34,6 +34,7 @@ from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.memory.budget import KV_ALIGN
 from pytest_kvprofile.sizing import for_case
+from pytest_kvprofile.sizing.case import need_for_planned
 
 GMU_DEPENDENT = "no_post_kv_overrun"
 STUB_BACKENDS = (*CTX_STUB_BACKENDS, *TORCH_STUB_BACKENDS, *ROUTE_STUB_BACKENDS)
@@ -109,6 +110,20 @@ def _no_lse_asked(case: Case) -> str | None:
 # Mutant 11e sizes its trtllm-gen workspace for the multi-CTA scratch alone: correct wherever DCP is off.
 EQUIVALENT["mutant-11e-trtllm-no-lse-slab"] = (
     frozenset(layout_id(c) for c in default_cases() if c.dcp == 1), _no_lse_asked)
+
+
+def _graph_prefill_needs_no_more(case: Case) -> str | None:
+    """Why mutant 11f is correct on a case: FlashInfer's CUDA-graph prefill plan needs no more than the eager one, so
+    the view sized for eager prefill covers it."""
+    graph, eager = need_for_planned(case, [("prefill", True)])[0], need_for_planned(case, [("prefill", False)])[0]
+    return None if graph <= eager else f"graph prefill needs {graph} B, eager {eager} B"
+
+
+# Mutant 11f plans CUDA-graph prefill into a view sized for eager prefill: where the graph plan needs no more (TP 8,
+# and TP 2-4 on two KV heads), it is the correct stub.
+EQUIVALENT["mutant-11f-prefill-graph-into-eager-view"] = (
+    frozenset(layout_id(c) for c in default_cases() if _graph_prefill_needs_no_more(c) is None),
+    _graph_prefill_needs_no_more)
 
 
 def highest_gmu_per_layout(cases: Iterable[Case]) -> list[Case]:

@@ -23,7 +23,7 @@ def test_lazy_legacy_builders_cost_is_named_by_owner_and_summed_into_kv_tokens()
     assert sum(s.nbytes for s in cost.sources) == cost.nbytes
     per_token = run_lifecycle(STUB_BACKENDS[0], CASE).budget.kv_bytes_per_token
     assert cost.kv_tokens == -(-cost.nbytes // per_token)
-    assert "appear after KV sizing on qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.98" in cost.describe()
+    assert "appear after the closing measurement on qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.98" in cost.describe()
     record = CheckOutcome("legacy_path_unchanged", "x", CASE.id, CheckDetails(legacy_cost=cost.as_dict()))
     line = legacy_cost_lines([record])[0]
     assert line.startswith("x (legacy path): on 1 cases") and f"{cost.kv_tokens} KV tokens" in line

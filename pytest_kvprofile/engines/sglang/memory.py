@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pytest_kvprofile.checks.post_kv_cost import post_kv_allocations
 from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.lifecycle.phases import POST_KV_PHASES
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import tokens_for
@@ -88,7 +89,8 @@ def cost_row(result: LifecycleResult, backend_name: str, default_fraction: float
     if result.budget is None:
         return None
     case, per_token = result.case, result.budget.kv_bytes_per_token
-    kept = [a for a in post_kv_allocations(result) if a.owner == backend_name]  # the post-KV cost's own allocations
+    kept = [a for a in post_kv_allocations(result)  # the post-KV cost's own allocations, made after KV sizing
+            if a.owner == backend_name and a.phase in POST_KV_PHASES]
     backend = sum(a.nbytes for a in kept)
     floats = sum(a.nbytes for a in kept if a.role is Role.FLOAT_WORKSPACE)  # SGLang's get_buffer("flashinfer_...")
     ints = [a for a in kept if a.role is Role.INT_WORKSPACE]  # each wrapper's own
