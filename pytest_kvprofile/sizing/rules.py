@@ -16,9 +16,11 @@ from pytest_kvprofile.units import MiB
 
 def fixed_sizes() -> dict[str, int]:
     """The fixed float workspaces the report compares, by name: FlashInfer's recommended one, each registered engine's
-    default (``EngineFacts.float_workspaces``, in registration order), TensorRT-LLM's published one."""
+    default (``EngineFacts.float_workspaces``, largest first, whatever order plugins register in), TensorRT-LLM's
+    published one."""
+    engines = sorted(workspace_rules(), key=lambda rule: (-rule.fixed_bytes, rule.name))
     return {"flashinfer-default": FLASHINFER_RECOMMENDED_FLOAT_BYTES,
-            **{rule.name: rule.fixed_bytes for rule in workspace_rules()},
+            **{rule.name: rule.fixed_bytes for rule in engines},
             "tensorrt-llm": TENSORRT_LLM_FLOAT_BYTES}
 
 
