@@ -79,3 +79,12 @@ def test_the_run_sizes_under_the_registered_engines_facts():
     assert ef.route_policy() is ef.engine_facts("vllm").route_policy
     assert ef.workspace_rule("vllm-default").fixed_bytes == 394 * MiB
     assert ef.workspace_rule("sglang").fixed_bytes == 384 * MiB
+
+
+@pytest.mark.usefixtures("empty")
+def test_the_report_order_of_engine_workspaces_is_not_the_registration_order():
+    from pytest_kvprofile.sizing.rules import fixed_sizes
+
+    ef.register_engine_facts(ENGINE_B)
+    ef.register_engine_facts(ENGINE_A)
+    assert list(fixed_sizes()) == ["flashinfer-default", "a-default", "b-default", "tensorrt-llm"]
