@@ -191,17 +191,9 @@ def _case(args: argparse.Namespace) -> Case:
     return layout_case(model, gpu, args.tp, args.dcp, args.mtp, _envelope(args, base), matrix="cli")
 
 
-def _register_engines() -> None:
-    """The engines' facts (route policy, default workspaces) the sizing reads, registered as the plugin would."""
-    from pytest_kvprofile.registry import builtin_registry
-
-    builtin_registry()
-
-
 def _cmd_size(args: argparse.Namespace) -> int:
     if args.report is not None:
         return _cmd_report(args)
-    _register_engines()
     from pytest_kvprofile.attention.oracle import OracleError
     from pytest_kvprofile.sizing.case import (
         compute_capability,
@@ -303,7 +295,6 @@ def _cmd_size(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    _register_engines()
     from pytest_kvprofile.sizing import OracleError
     from pytest_kvprofile.sizing.comparison import (
         format_report,

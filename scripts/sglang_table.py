@@ -55,9 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from pytest_kvprofile.engines.sglang.memory import post_capture_table, sglang_table
-    from pytest_kvprofile.registry import builtin_registry
-
-    builtin_registry()  # the engines' facts the cases are sized with
 
     if args.from_json:
         rows, refused, post = read_rows(Path(args.from_json))

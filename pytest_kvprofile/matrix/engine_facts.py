@@ -4,12 +4,14 @@ Why a registry here, at the bottom: the matrix (which layouts a case can size), 
 runs, the fixed sizes the report compares) and the built-in stubs read engine facts, yet name no engine. Each engine
 package (``engines/<name>/facts.py``) defines its :class:`EngineFacts` once and adds it in its
 ``pytest_kvprofile_register`` (``registry.add_engine_facts``); a third engine is one more folder. The plugin
-registers at configure in every process; a program without pytest calls ``registry.builtin_registry()`` first.
+registers at configure in every process. A program without pytest gets the package's own engines on its first
+lookup: the package's ``__init__`` installs ``registry.builtin_registry`` as :func:`set_fallback_registration`
+(the layer above wires it; this module imports no engine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "TrtllmOnly",
     "engine_facts",
     "register_engine_facts",
+    "set_fallback_registration",
     "registered_engines",
     "route_policy",
     "workspace_rule",
@@ -26,8 +29,7 @@ __all__ = [
 ]
 
 REGISTER_HINT = ("engines state their facts through pytest_kvprofile_register (registry.add_engine_facts); the "
-                 "plugin registers them at configure, a program without pytest calls "
-                 "pytest_kvprofile.registry.builtin_registry() first")
+                 "plugin registers them at configure, pytest_kvprofile.registry.builtin_registry() without pytest")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,25 @@ class EngineFacts:
 
 
 _ENGINES: dict[str, EngineFacts] = {}
+_FALLBACK: list[Callable[[], object]] = []  # what registers the package's engines when a lookup finds none
+_LOADING: list[bool] = []
+
+
+def set_fallback_registration(register: Callable[[], object] | None) -> None:
+    """What a lookup runs when no engine is registered yet (a program without pytest): the package's ``__init__``
+    installs ``registry.builtin_registry``, which runs the built-in plugins' ``pytest_kvprofile_register``. None:
+    no fallback (a lookup then raises, naming what to do)."""
+    _FALLBACK[:] = [] if register is None else [register]
+
+
+def _registered() -> dict[str, EngineFacts]:
+    if not _ENGINES and _FALLBACK and not _LOADING:
+        _LOADING.append(True)
+        try:
+            _FALLBACK[0]()
+        finally:
+            _LOADING.clear()
+    return _ENGINES
 
 
 def register_engine_facts(facts: EngineFacts) -> None:
@@ -123,12 +144,12 @@ def register_engine_facts(facts: EngineFacts) -> None:
 
 def registered_engines() -> tuple[EngineFacts, ...]:
     """Every engine's facts, in the order they were registered."""
-    return tuple(_ENGINES.values())
+    return tuple(_registered().values())
 
 
 def engine_facts(name: str) -> EngineFacts:
     try:
-        return _ENGINES[name]
+        return _registered()[name]
     except KeyError:
         known = ", ".join(_ENGINES) or "none"
         raise LookupError(f"no engine states facts as {name!r} (registered: {known}); {REGISTER_HINT}") from None
@@ -136,7 +157,7 @@ def engine_facts(name: str) -> EngineFacts:
 
 def route_policy() -> RoutePolicy:
     """The route policy cases are sized under: the one a registered engine states."""
-    for facts in _ENGINES.values():
+    for facts in _registered().values():
         if facts.route_policy is not None:
             return facts.route_policy
     raise LookupError(f"no registered engine states a route policy, so no case can be sized; {REGISTER_HINT}")
@@ -144,7 +165,7 @@ def route_policy() -> RoutePolicy:
 
 def workspace_rules() -> tuple[FloatWorkspaceRule, ...]:
     """The engines' default float workspaces, in registration order."""
-    return tuple(rule for facts in _ENGINES.values() for rule in facts.float_workspaces)
+    return tuple(rule for facts in _registered().values() for rule in facts.float_workspaces)
 
 
 def workspace_rule(name: str) -> FloatWorkspaceRule:

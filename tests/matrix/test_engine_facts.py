@@ -20,6 +20,7 @@ ENGINE_B = EngineFacts("engine-b", {"bf16": "bfloat16"}, (FloatWorkspaceRule("b-
 @pytest.fixture
 def empty(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ef, "_ENGINES", {})
+    monkeypatch.setattr(ef, "_FALLBACK", [])
 
 
 @pytest.mark.usefixtures("empty")
@@ -88,3 +89,10 @@ def test_the_report_order_of_engine_workspaces_is_not_the_registration_order():
     ef.register_engine_facts(ENGINE_B)
     ef.register_engine_facts(ENGINE_A)
     assert list(fixed_sizes()) == ["flashinfer-default", "a-default", "b-default", "tensorrt-llm"]
+
+
+def test_a_program_without_pytest_sizes_under_the_package_engines(monkeypatch: pytest.MonkeyPatch):
+    """Nothing registered, the package's fallback registers its own engines through their hooks on first lookup."""
+    monkeypatch.setattr(ef, "_ENGINES", {})
+    assert ef.route_policy().decode_tensor_cores_min_group == 4
+    assert {f.name for f in ef.registered_engines()} == {"vllm", "sglang"}
