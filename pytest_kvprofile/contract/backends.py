@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from pytest_kvprofile.contract.resources import PersistentResource
     from pytest_kvprofile.contract.workspace import ArenaManager, ManagerKind
     from pytest_kvprofile.matrix.cases import Case
+    from pytest_kvprofile.matrix.engine_facts import EngineFacts
 
 REQUIRED_BUILDER_ATTRS = ("name",)
 
@@ -257,8 +258,10 @@ def _importable(module: str) -> bool:
 
 
 class BackendRegistrar(Protocol):
-    """What a ``pytest_kvprofile_register`` hook implementation adds backends and shared arena managers through (the
-    plugin's ``Registry``): the built-ins (``builtin/``, ``engines/``) register through it as a third party does."""
+    """What a ``pytest_kvprofile_register`` hook implementation adds backends, shared arena managers and an engine's
+    facts through (the plugin's ``Registry``): the built-ins (``builtin/``, ``engines/``) register through it as a
+    third party does."""
 
     def add_backends(self, *backends: Backend, group: str | None = None, default: bool = False) -> None: ...
     def add_workspace_manager(self, kind: ManagerKind) -> None: ...
+    def add_engine_facts(self, facts: EngineFacts) -> None: ...
