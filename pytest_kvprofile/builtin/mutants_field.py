@@ -10,7 +10,7 @@
 | 14h | 19 | ``close()`` parks it in a value a module-level ``functools.lru_cache`` returns | as 14g's |
 | 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
-| 10c | 2 | 36 MiB of runner buffers made in ``__init__``, before a fork's instance snapshot: in no budget term | upstream's snapshot |
+| 10c | 2 | 36 MiB of runner buffers made in ``__init__``, before a fork's instance snapshot | snapshot first |
 
 Mutant 10c is an engine's, not a builder's: its twin has the same builder, under an engine that takes its instance
 snapshot before the parts are constructed (upstream vLLM's ``init_device``).

@@ -14,7 +14,7 @@ from pytest_kvprofile.checks.evidence import (
     grouped,
     lease_released_sites,
 )
-from pytest_kvprofile.contract.budget import POINT_TEXT, SNAPSHOT_POINTS
+from pytest_kvprofile.contract.budget import POINT_TEXT, SNAPSHOT_POINTS, SnapshotPoint
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.memory.budget import Budget, tokens_for
@@ -29,7 +29,7 @@ class Uncounted:
     counts, by the snapshot point they were made before (the earliest a term counts from)."""
 
     reserved: int
-    alive: dict[str, list[Allocation]]
+    alive: dict[SnapshotPoint, list[Allocation]]
 
     @property
     def alive_bytes(self) -> int:
@@ -44,11 +44,12 @@ def uncounted_at_closing(result: LifecycleResult) -> Uncounted:
     persistent = [t for t in terms.terms if t.since is not None and t.until is not None]
     spans = [(marks[t.since], marks[t.until]) for t in persistent if t.since in marks and t.until in marks]
     starts = sorted(persistent, key=lambda t: SNAPSHOT_POINTS.index(t.since or "closing"))
-    alive: dict[str, list[Allocation]] = {}
+    alive: dict[SnapshotPoint, list[Allocation]] = {}
     for i, a in enumerate(result.allocations[:marks["closing"]]):
         if a.kind != "device" or not alive_at(a, lc.CLOSING) or any(lo <= i < hi for lo, hi in spans):
             continue
-        missed_by = next((t.since for t in starts if t.since is not None and i < marks[t.since]), "closing")
+        missed_by: SnapshotPoint = next(
+            (t.since for t in starts if t.since is not None and i < marks[t.since]), "closing")
         alive.setdefault(missed_by, []).append(a)
     return Uncounted(window.closing_reserved - sum(t.nbytes for t in persistent), alive)
 
@@ -67,7 +68,7 @@ def check_budget_counts_every_byte(result: LifecycleResult, options: CheckOption
         f"{t.name} {size_text(t.nbytes)}" + (
             f" (what was made after the snapshot {POINT_TEXT[t.since]} and is alive {POINT_TEXT[t.until]})"
             if t.since is not None and t.until is not None else " (no persistent memory)") for t in terms.terms)
-    made = "; ".join(f"before the snapshot {POINT_TEXT.get(point, point)} ({point!r}): {grouped(result, allocs)}"
+    made = "; ".join(f"before the snapshot {POINT_TEXT[point]} ({point!r}): {grouped(result, allocs)}"
                      for point, allocs in missed.alive.items()) or "none alive (freed memory its snapshot saw)"
     return [
         f"budget_counts_every_byte: case {case.id}: {bytes_text(missed.alive_bytes)} alive at the closing "

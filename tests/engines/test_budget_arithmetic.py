@@ -9,6 +9,7 @@ before, they miss nothing. vLLM's own backends are judged with vLLM's arithmetic
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import pytest
 
@@ -17,6 +18,7 @@ from pytest_kvprofile.checks.base import CheckOptions
 from pytest_kvprofile.checks.budget import check_budget_counts_every_byte, uncounted_at_closing
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
+from pytest_kvprofile.contract.budget import BudgetArithmetic
 from pytest_kvprofile.engines.vllm.flashinfer import VLLM_POLICY
 from pytest_kvprofile.engines.vllm.memory import VllmBudget, vllm_budget
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
@@ -30,9 +32,9 @@ SAMPLE = [CI_CASES[0], next(c for c in CI_CASES if c.gpu.name == "B200" and c.tp
 RUNNER_BYTES = sum(RUNNER_INIT_BUFFERS.values())
 
 
-def _runner_backend(budget: object) -> Backend:
+def _runner_backend(budget: Callable[[], BudgetArithmetic]) -> Backend:
     return Backend("runner-init-buffers", lambda case: [RunnerInitBuffersBuilder(case)],
-                   policy=EnginePolicy(budget=budget), torch_mode=True)  # type: ignore[arg-type]
+                   policy=EnginePolicy(budget=budget), torch_mode=True)
 
 
 def _run(backend: Backend, case: Case):
