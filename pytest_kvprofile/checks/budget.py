@@ -24,9 +24,9 @@ from pytest_kvprofile.units import MiB, bytes_text, size_text
 
 @dataclass(frozen=True)
 class Uncounted:
-    """What the engine's budget leaves out at the closing measurement: ``reserved``, the bytes reserved then that its
-    persistent terms do not add up to (its own figures); ``alive``, the allocations alive then that no persistent term
-    counts, by the snapshot point they were made before (the earliest a term counts from)."""
+    """What the engine's budget leaves out at the closing measurement: ``reserved``, the bytes this run reserved by
+    then that its persistent terms do not add up to (its own figures); ``alive``, the allocations alive then that no
+    persistent term counts, by the snapshot point they were made before (the earliest a term counts from)."""
 
     reserved: int
     alive: dict[SnapshotPoint, list[Allocation]]
@@ -51,7 +51,8 @@ def uncounted_at_closing(result: LifecycleResult) -> Uncounted:
         missed_by: SnapshotPoint = next(
             (t.since for t in starts if t.since is not None and i < marks[t.since]), "closing")
         alive.setdefault(missed_by, []).append(a)
-    return Uncounted(window.closing_reserved - sum(t.nbytes for t in persistent), alive)
+    made = window.closing_reserved - result.reserved_at_start  # what this run reserved: an earlier run's is not owed
+    return Uncounted(made - sum(t.nbytes for t in persistent), alive)
 
 
 def check_budget_counts_every_byte(result: LifecycleResult, options: CheckOptions) -> list[str]:

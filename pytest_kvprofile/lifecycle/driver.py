@@ -778,6 +778,8 @@ class LifecycleRun:
     def _snapshot(self, point: SnapshotPoint) -> None:
         """The lifecycle reached ``point``: mark the ledger there, and let the engine's arithmetic measure."""
         self.result.snapshot_marks[point] = len(self.result.allocations)
+        if point == "device_start":  # what an earlier run left reserved (a real GPU), which no term of this run owes
+            self.result.reserved_at_start = self.device.memory_reserved()
         if self._arithmetic is None:
             return
         try:

@@ -274,6 +274,7 @@ class LifecycleResult:
     # the ledger's length at each snapshot point the run reached (contract/budget.py: SNAPSHOT_POINTS)
     snapshot_marks: dict[str, int] = field(default_factory=dict)
     engine_terms: EngineTerms | None = None  # the engine's KV budget as terms, at the closing measurement
+    reserved_at_start: int = 0  # the device's reserved bytes before the run made anything (snapshot device_start)
     # the run's teardown (``driver.close_parts`` calls it once): the parts' close() on the run's device
     closer: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 

@@ -61,3 +61,22 @@ def test_a_legacy_path_model_is_judged_too():
     result = run_lifecycle(backend, CASE)
     close_parts(result)
     assert result.path == "legacy" and result.engine_terms is not None and uncounted_at_closing(result).reserved == 0
+
+
+def test_memory_an_earlier_run_left_on_the_device_is_not_owed_by_this_runs_terms():
+    """A real GPU is not fresh: what an earlier case left reserved is before every snapshot of this run."""
+    from pytest_kvprofile.builtin.mutants_field import RunnerInitBuffersBuilder
+    from pytest_kvprofile.lifecycle.driver import make_device
+    from pytest_kvprofile.units import MiB
+
+    def used_device(case):
+        device = make_device(case)
+        device.allocate(64 * MiB, owner="an earlier case", tag="leftover")
+        return device
+
+    backend = Backend("runner", lambda case: [RunnerInitBuffersBuilder(case)], policy=UPSTREAM_POLICY, torch_mode=True)
+    result = run_lifecycle(backend, CASE, used_device)
+    close_parts(result)
+    assert result.reserved_at_start >= 64 * MiB
+    missed = uncounted_at_closing(result)
+    assert missed.reserved == 0 and not missed.alive
