@@ -10,8 +10,8 @@ import pytest
 
 def test_max_waste_option_fails_waste_over_it_and_is_reported(pytester, suite_args):
     """End to end: the terminal section and the verdict's waste fields; over the budget, a refusal."""
-    args = [*suite_args, "--kvprofile-backend", "stub-vllm-default-arena", "-k", "workspace_covers_planner and tp1-dcp1",
-            "--kvprofile-verdict", "v.json"]
+    args = [*suite_args, "--kvprofile-backend", "stub-vllm-default-arena",
+            "-k", "workspace_covers_planner and tp1-dcp1", "--kvprofile-verdict", "v.json"]
     quiet = pytester.runpytest(*args)
     quiet.assert_outcomes(passed=1)
     quiet.stdout.fnmatch_lines(["*kvprofile workspace waste*", "stub-vllm-default-arena: workspace waste*"])
