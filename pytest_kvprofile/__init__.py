@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, failing_checks
 from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy, KvSizingMode, Provenance
+from pytest_kvprofile.contract.budget import BudgetArithmetic, BudgetTerm, EngineTerms
 from pytest_kvprofile.contract.lease import Lease, LeaseReleasedError
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -62,6 +63,8 @@ __all__ = [
     "BackendError",
     "Batch",
     "BoundWorkspace",
+    "BudgetArithmetic",
+    "BudgetTerm",
     "Builder",
     "BuilderContext",
     "Case",
@@ -72,6 +75,7 @@ __all__ = [
     "Device",
     "DeviceOutOfMemory",
     "EnginePolicy",
+    "EngineTerms",
     "Envelope",
     "GpuSpec",
     "KvSizingMode",
