@@ -23,7 +23,10 @@ from pytest_kvprofile.report.provenance import (
 from pytest_kvprofile.report.summary import legacy_costs, summarize, waste_costs, waste_reason
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from pytest_kvprofile.checks.base import WasteBudget
+    from pytest_kvprofile.contract.backends import Backend
 
 # the plugin's KvprofileSession (plugin/session.py), read by attribute: report sits below plugin and cannot name it
 Session: TypeAlias = Any
@@ -39,14 +42,22 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def versions() -> dict[str, str | None]:
-    return {
+def versions(backends: Iterable[Backend] = ()) -> dict[str, str | None]:
+    """The packages the run judged with, and each engine a backend ran on (``{"vllm": "0.34.0"}``), as its
+    provenance names it."""
+    found: dict[str, str | None] = {
         "pytest-kvprofile": _version("pytest-kvprofile"),
         "pytest": _version("pytest"),
         "torch": _version("torch"),
         "flashinfer-python": _version("flashinfer-python"),
         "python": platform.python_version(),
     }
+    for backend in backends:
+        facts = backend_provenance(backend)
+        engine, version = facts.get("engine"), facts.get("engine_version")
+        if isinstance(engine, str) and engine and isinstance(version, str) and version:
+            found[engine] = version
+    return found
 
 
 def provenance_facts(session: Session) -> dict[str, JsonObject]:
@@ -68,7 +79,7 @@ def json_document(session: Session) -> JsonObject:
     return {
         "schema": SCHEMA_VERSION,
         "tier": session.tier,
-        "versions": versions(),
+        "versions": versions(session.backends),
         "hardware": session.hardware,
         "matrices": [{"path": m.path, "name": m.name, "cases": len(m.cases)} for m in session.matrices],
         "matrix_digest": session.matrix_digest(),
@@ -131,7 +142,7 @@ def verdict_document(session: Session) -> JsonObject:
     doc = {
         "schema": SCHEMA_VERSION,
         "tier": session.tier,
-        "versions": versions(),
+        "versions": versions(session.backends),
         "hardware": session.hardware,
         "matrix_digest": session.matrix_digest(),
         "matrices": [m.path for m in session.matrices],
