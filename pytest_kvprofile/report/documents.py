@@ -94,10 +94,11 @@ def json_document(session: Session) -> JsonObject:
 
 def _sizing_report(session: Session) -> JsonObject:
     """Every layout's exact requirement next to the fixed sizes engines use, with the headline."""
-    from pytest_kvprofile.sizing.comparison import report_for_matrix, report_headline, unsized_for_matrix
+    from pytest_kvprofile.sizing.comparison import case_row, distinct_layout_cases, report_headline, unsized_layouts
 
-    rows = [row for m in session.matrices for row in report_for_matrix(m.path)]
-    unsized = [row for m in session.matrices for row in unsized_for_matrix(m.path)]
+    # the session's own cases: the matrix files are read once, at configure
+    rows = [case_row(case) for m in session.matrices for case in distinct_layout_cases(m.cases)]
+    unsized = [row for m in session.matrices for row in unsized_layouts(m.cases)]
     return {"headline": report_headline(rows), "rows": rows, "unsized": unsized}
 
 
