@@ -11,7 +11,7 @@
 | 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
 | 10c | 2 | 36 MiB of runner buffers made in ``__init__``, before a fork's instance snapshot | snapshot first |
-| 08b | 3 | a GDN chunked-scan scratch (72 KiB per token) given back in ``build()``, warmed at 64 tokens | warms at 8192 |
+| 08b | 3 | a GDN chunked-scan scratch (72 KiB a token) freed in ``build()``, warmed at 64 tokens | warms at 8192 |
 
 Mutant 10c is an engine's, not a builder's: its twin has the same builder, under an engine that takes its instance
 snapshot before the parts are constructed (upstream vLLM's ``init_device``).
