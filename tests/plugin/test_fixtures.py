@@ -64,7 +64,7 @@ def test_kvprofile_alone_collects_the_default_matrix(pytester):
     result = pytester.runpytest("--kvprofile", "--collect-only", "-q", "-p", "no:cacheprovider")
     assert result.ret == 0
     # deselected: teardown_clean (no stub closes); the B200's NVFP4 layouts are refused (test_engine_accepts_layout)
-    result.stdout.fnmatch_lines(["*102576/102577 tests collected (1 deselected)*"])
+    result.stdout.fnmatch_lines(["*113448/113449 tests collected (1 deselected)*"])
 
 
 def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_doubled(pytester):
