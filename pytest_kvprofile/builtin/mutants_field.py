@@ -11,6 +11,7 @@
 | 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
 | 10c | 2 | 36 MiB of runner buffers made in ``__init__``, before a fork's instance snapshot | snapshot first |
+| 08b | 3 | a GDN chunked-scan scratch (72 KiB a token) freed in ``build()``, warmed at 64 tokens | warms at 8192 |
 
 Mutant 10c is an engine's, not a builder's: its twin has the same builder, under an engine that takes its instance
 snapshot before the parts are constructed (upstream vLLM's ``init_device``).
@@ -32,14 +33,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, TorchFlashInferLikeBuilder, Wrapper
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
+from pytest_kvprofile.contract.protocol import WorkspaceDeclaration
+from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.memory.budget import InstanceSnapshotBudget
-from pytest_kvprofile.units import MiB
+from pytest_kvprofile.units import KiB, MiB
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from pytest_kvprofile.contract.lease import Lease
-    from pytest_kvprofile.contract.protocol import Batch, BuilderContext
+    from pytest_kvprofile.contract.protocol import Batch, Builder, BuilderContext
     from pytest_kvprofile.matrix.cases import Case
 
 # the catalog's constructor: ``_mutant(name, bug class, builder class, *, catches=...)``
@@ -323,6 +326,85 @@ FORK_POLICY = EnginePolicy(budget=fork_budget)
 UPSTREAM_POLICY = EnginePolicy(budget=upstream_budget)
 
 
+# -- item 3: a transient that meets the activations at serving size ------------------------------------------------
+SCAN_BYTES_PER_TOKEN = 72 * KiB  # GDN/FLA's chunked-scan scratch per token, as the incident measured it
+FLA_CHUNK_SIZE = 64  # vLLM's GDN warmup shape (third_party/flash_linear_attention/ops/utils.py:31)
+
+
+class _ChunkedScanBuilder:
+    """NEUTRAL, beside a FlashInfer builder (a hybrid model): its layers' chunked scan takes ``SCAN_BYTES_PER_TOKEN``
+    per prefill token, made and given back in ``build()`` (the layer's forward, here); decode runs the recurrent
+    kernel, with no scratch. Its ``dummy_run`` warms the scan beside the profile forward's activations, at
+    ``profile_tokens`` tokens."""
+
+    name = "gdn-scan"
+
+    def __init__(self, case: Case):
+        self.case = case
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.NEUTRAL
+
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=0, int_bytes=0)
+
+    def profile_tokens(self) -> int:
+        raise NotImplementedError
+
+    def _scan(self, ctx: BuilderContext, tokens: int, ubatch: int = 0) -> None:
+        scratch = ctx.allocate(tokens * SCAN_BYTES_PER_TOKEN, "chunked-scan scratch")
+        ctx.free(scratch)
+
+    def dummy_run(self, ctx: BuilderContext) -> None:
+        if ctx.dummy and not ctx.capturing:
+            self._scan(ctx, self.profile_tokens())
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        if batch.kind != "decode":
+            self._scan(ctx, batch.num_tokens, batch.ubatch)
+
+
+class ScanWarmedAtChunkBuilder(_ChunkedScanBuilder):
+    """Bug 8b (issue 51, item 3): warms the scan at T = 64 tokens, as vLLM's GDN layer does in the profile run
+    (``_warmup_prefill_kernels``, ``T = FLA_CHUNK_SIZE``); serving scans ``max_num_batched_tokens``, whose scratch
+    meets the activations beyond the peak KV sizing kept free."""
+
+    def profile_tokens(self) -> int:
+        return min(FLA_CHUNK_SIZE, self.case.envelope.max_num_batched_tokens)
+
+
+class ScanWarmedAtServingShapeBuilder(_ChunkedScanBuilder):
+    """Correct twin of 8b: warms the scan at the serving shape, ``max_num_batched_tokens`` tokens, so the profile
+    run's peak holds the largest step's scratch beside its activations."""
+
+    def profile_tokens(self) -> int:
+        return self.case.envelope.max_num_batched_tokens
+
+
+class ScanInReservedWorkspaceBuilder(_ChunkedScanBuilder):
+    """Correct twin of 8b, the other way: the scan is carved from the reserved workspace. It declares the largest
+    step's scratch as float bytes (the engine reserves the arena inside the window, so KV sizing counts it) and takes
+    its scratch as a view of the micro-batch's arena; its dummy_run warms at 64 tokens, as 8b's does, in the arena."""
+
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=self.case.envelope.max_num_batched_tokens * SCAN_BYTES_PER_TOKEN,
+                                    int_bytes=0)
+
+    def profile_tokens(self) -> int:
+        return min(FLA_CHUNK_SIZE, self.case.envelope.max_num_batched_tokens)
+
+    def _scan(self, ctx: BuilderContext, tokens: int, ubatch: int = 0) -> None:
+        ctx.plan_into(ctx.get_workspace(tokens * SCAN_BYTES_PER_TOKEN, ubatch))
+
+
+def _hybrid(scan: type) -> Callable[[Case], list[Builder]]:
+    """The scan builder beside a FlashInfer builder (the mutant's builder set, as the catalog's ``extra`` makes it)."""
+    def make(case: Case) -> list[Builder]:
+        return [scan(case), FlashInferLikeBuilder(case)]
+
+    return make
+
+
 def _twin(name: str, cls: type, policy: EnginePolicy | None = None) -> Backend:
     return Backend(name=name, make_builders=lambda case: [cls(case)], description=(cls.__doc__ or "").strip(),
                    origin="builtin", torch_mode=bool(getattr(cls, "torch_mode", False)),
@@ -336,6 +418,10 @@ FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-14f-unregisters-its-handler", UnregisteredAtexitBuilder),
     _twin("twin-14g-drops-on-close", DropsOnCloseBuilder),
     _twin("twin-10c-torch-snapshot-before-runner", RunnerInitBuffersBuilder, UPSTREAM_POLICY),
+    Backend(name="twin-08b-scan-warmed-at-serving-shape", make_builders=_hybrid(ScanWarmedAtServingShapeBuilder),
+            description=(ScanWarmedAtServingShapeBuilder.__doc__ or "").strip(), origin="builtin"),
+    Backend(name="twin-08b-scan-in-reserved-workspace", make_builders=_hybrid(ScanInReservedWorkspaceBuilder),
+            description=(ScanInReservedWorkspaceBuilder.__doc__ or "").strip(), origin="builtin"),
 )
 """The correct twin of each field mutant, by the mutant's id (``twin-<id>-...``)."""
 
@@ -361,6 +447,8 @@ def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
                catches=("no_state_outlives_case",)),
         mutant("mutant-10c-torch-runner-buffers-before-snapshot", 10, RunnerInitBuffersBuilder, FORK_POLICY,
                catches=("budget_counts_every_byte",)),
+        mutant("mutant-08b-gdn-scan-warmed-at-64-tokens", 8, ScanWarmedAtChunkBuilder, None,
+               (FlashInferLikeBuilder,), catches=("no_post_kv_overrun", "transient_peak_profiled")),
     )
 
 

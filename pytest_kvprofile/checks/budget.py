@@ -15,11 +15,11 @@ from pytest_kvprofile.checks.evidence import (
     lease_released_sites,
 )
 from pytest_kvprofile.contract.budget import POINT_TEXT, SNAPSHOT_POINTS, SnapshotPoint
-from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult, TransientPeak
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.memory.budget import Budget, tokens_for
 from pytest_kvprofile.memory.device import Allocation
-from pytest_kvprofile.units import MiB, bytes_text, size_text
+from pytest_kvprofile.units import KiB, MiB, bytes_text, size_text
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,61 @@ def check_graph_pool_full_high_water(result: LifecycleResult, options: CheckOpti
     return []
 
 
+_PROFILE_FORWARD = (lc.PROFILE_RUN, lc.PROFILE_REPLAY)
+
+
+def check_transient_peak_profiled(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """Issue 51, item 3: a layer's scratch that ``build()`` makes and gives back (GDN/FLA's chunked scan) meets the
+    step's activations. A scratch the profile forward warmed beside its activations (a ``dummy_run`` transient)
+    and a serving build makes again (the same source line in torch mode, the same tag in ctx mode) is a forward
+    scratch: the serving step's peak, its activations plus that build's transient, must stay within what the
+    profile saw, the peak headroom KV sizing kept free. Other build transients are metadata the runner builds
+    before the forward (docs/checks.md, "After KV sizing"), judged as before."""
+    budget = result.budget
+    assert budget is not None, "the check needs KV sizing, which makes the budget"
+    # what KV sizing kept free for a step: the profiled peak, and the device beyond the static share (post_capture)
+    headroom = budget.peak_activation + max(0, budget.limit - int(budget.total * budget.gmu))
+    profiled: dict[tuple[str, str], TransientPeak] = {}  # (builder, scratch) -> the profile forward's largest
+    for t in result.transients:
+        best = profiled.get((t.builder, t.scratch))
+        if t.method == "dummy_run" and t.phase in _PROFILE_FORWARD and (best is None or t.nbytes > best.nbytes):
+            profiled[(t.builder, t.scratch)] = t
+    out = []
+    for (name, scratch), seen in profiled.items():
+        serving = [t for t in result.transients if t.builder == name and t.scratch == scratch
+                   and t.method == "build" and t.phase == lc.SERVING]
+        worst = max(serving, key=lambda t: (t.activations + t.nbytes, t.num_tokens), default=None)
+        if worst is None or worst.activations + worst.nbytes <= headroom:
+            continue
+        out.append(_transient_message(result, budget, headroom, seen, worst))
+    return out
+
+
+def _where(t: TransientPeak) -> str:
+    """The largest allocation of the transient and its source line."""
+    what = f"; its largest, {t.tag!r}, {size_text(t.largest)}" if t.tag else ""
+    return f"{what} at {t.site}" if t.site else what
+
+
+def _transient_message(result: LifecycleResult, budget: Budget, headroom: int, seen: TransientPeak,
+                       worst: TransientPeak) -> str:
+    peak = worst.activations + worst.nbytes
+    excess = peak - headroom
+    per_token = worst.nbytes / max(1, worst.num_tokens) / KiB
+    largest = result.case.envelope.max_num_batched_tokens
+    return (
+        f"transient_peak_profiled: {worst.builder} build() of a {worst.kind or 'batch'} of {worst.num_tokens} tokens "
+        f"in phase {worst.phase!r} made and gave back {bytes_text(worst.nbytes)} ({per_token:.2f} KiB per "
+        f"token{_where(worst)}). A layer's scratch meets the step's activations ({bytes_text(worst.activations)}): "
+        f"the step peaks {bytes_text(peak)} above what stays allocated. The profile run saw "
+        f"{bytes_text(headroom)}: its forward's activations at {result.profile_tokens} tokens beside "
+        f"{seen.builder}'s dummy_run transient of {bytes_text(seen.nbytes)} in phase {seen.phase!r}{_where(seen)}. "
+        f"KV sizing kept {bytes_text(excess)} too little free ({tokens_for(excess, budget.kv_bytes_per_token)} KV "
+        f"tokens): the step runs out of memory. Warm the scratch at the serving shape in dummy_run "
+        f"(max_num_batched_tokens = {largest} tokens), or carve it from the reserved workspace (ctx.get_workspace)."
+    )
+
+
 def budget_record(budget: Budget, case_id: str) -> JsonObject:
     """The budget as the report keeps it: its fields, the case, the limit and the KV pool in MiB."""
     d: JsonObject = budget.as_dict()
@@ -166,6 +221,10 @@ CHECKS: tuple[Check, ...] = (
           "KV budget", BOTH, lc.CLOSING, (10,), check_budget_counts_every_byte),
     Check("no_post_kv_overrun", "peak usage after KV allocation stays within total x gmu", PROFILING,
           lc.WARMUP_REPEAT, (1, 2, 3, 4, 7, 8, 10), check_no_post_kv_overrun, details=budget_details),
+    # needs KV sizing (the budget) only: it judges the serving builds that ran, so a run stopped in serving by another
+    # bug is judged on what it recorded, not failed for stopping
+    Check("transient_peak_profiled", "a forward scratch build() gives back meets the step's activations within the "
+          "peak the profile run saw", PROFILING, lc.KV_SIZING, (8,), check_transient_peak_profiled),
     Check("graph_pool_full_high_water", "the CUDA-graph pool is accounted at its full high-water mark",
           PROFILING, lc.KV_SIZING, (10,), check_graph_pool_full_high_water),
 )

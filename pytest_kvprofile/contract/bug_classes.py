@@ -28,7 +28,9 @@ BUG_CLASSES: tuple[BugClass, ...] = (
     BugClass(5, "micro-batch arenas aliasing each other"),
     BugClass(6, "builder without a declaration treated as supported; an UNSUPPORTED builder acting opted in"),
     BugClass(7, "warmup not idempotent; warmup not retryable after a failure"),
-    BugClass(8, "profile measured once only (persistent baseline and activation peak never seen together)"),
+    BugClass(8, "profile measured once only (persistent baseline and activation peak never seen together), or at "
+                "a smaller shape than serving runs (a forward scratch warmed at 64 tokens, met at the largest batch "
+                "beside its activations)"),
     BugClass(9, "synthetic workspace allocated during graph capture"),
     BugClass(10, "the engine's KV budget leaves out memory it holds, and overstates KV: the graph pool as "
                  "`gross - retained` (live reserved pages omitted) or not at all, or persistent memory made before the "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import traceback
 import weakref
@@ -82,6 +83,7 @@ from pytest_kvprofile.lifecycle.record import (
     ProbeTarget,
     Refusal,
     SharedInt,
+    TransientPeak,
     ViewGrant,
     ViewPlan,
 )
@@ -213,6 +215,8 @@ class LifecycleRun:
         self._part_modules: dict[str, str] = {}
         self._in_manager = False
         self._use_index: dict[tuple[object, ...], int] = {}  # MemoryUse.key -> its position in result.uses
+        self._call_peak: int | None = None  # the device's allocated bytes at their highest in the watched call
+        self._transient_index: dict[tuple[str, str, str, int], int] = {}  # TransientPeak.key -> its position
         self._atexit: list[Registered] = []  # atexit handlers the parts registered (module_state.atexit_recorded)
         # the engine's own KV budget arithmetic (EnginePolicy.budget), fed the snapshots; None: the harness's
         self._arithmetic = self._budget_arithmetic()
@@ -229,6 +233,8 @@ class LifecycleRun:
             self.result.allocations.append(event.alloc)
             if self._current_call is not None:
                 self.result.alloc_origin[event.alloc.id] = self._current_call
+            if self._call_peak is not None and event.alloc.kind == "device" and event.allocated > self._call_peak:
+                self._call_peak = event.allocated
             if self._post_kv and event.alloc.kind == "device":
                 used = event.reserved + self.device.nontorch_bytes
                 if used > self._peak_used:
@@ -280,17 +286,50 @@ class LifecycleRun:
         self._build_serial += batch is not None
         self._current_ubatch = batch.ubatch if isinstance(batch, Batch) else None
         self._current_batch = batch if isinstance(batch, Batch) else None
+        # a build's transient, and a dummy_run's beside the profile forward's activations (issue 51, item 3)
+        watch = method == "build" or (method == "dummy_run" and self.device.phase in (PROFILE_RUN, PROFILE_REPLAY))
+        start = before = 0
+        if watch:
+            start, before = len(self.result.allocations), self.device.memory_allocated()
+            self._call_peak = before
         try:
             if self._torch is None:
-                return call_optional(builder, method, *args)
-            with self._torch.owner_scope(name, method):
-                return call_optional(builder, method, *args)
+                out = call_optional(builder, method, *args)
+            else:
+                with self._torch.owner_scope(name, method):
+                    out = call_optional(builder, method, *args)
         except Exception as exc:  # noqa: BLE001 - every builder failure becomes a recorded error
             self._fail(name, exc)
         finally:
             self._current_call = None
             self._current_ubatch = None
             self._current_batch = None
+            peak, self._call_peak = self._call_peak, None
+        if watch and peak is not None:
+            self._note_transient(builder, method, batch if isinstance(batch, Batch) else None, start,
+                                 peak - max(before, self.device.memory_allocated()))
+        return out
+
+    def _note_transient(self, builder: Builder, method: str, batch: Batch | None, start: int, nbytes: int) -> None:
+        """A build's (or a profile-forward ``dummy_run``'s) transient peak: what it made and gave back before it
+        returned, at its highest (``TransientPeak``), with the largest allocation it freed and its source line (the
+        allocation's own in torch mode, else the builder's method); the largest per (phase, builder, method,
+        tokens) is kept."""
+        if nbytes <= 0:
+            return
+        tokens = batch.num_tokens if batch is not None else self.result.profile_tokens
+        freed = [a for a in self.result.allocations[start:] if a.kind == "device" and not a.alive]
+        top = max(freed, key=lambda a: a.nbytes, default=None)
+        site = (top.stack if top is not None else None) or _method_site(type(builder), method)
+        rec = TransientPeak(self.device.phase, builder_name(builder), method, tokens, nbytes,
+                            batch.kind if batch else "", self._activation_bytes(tokens), top.tag if top else "", site,
+                            top.nbytes if top else 0, ((top.stack or repr(top.tag)) if top else ""))
+        at = self._transient_index.get(rec.key)
+        if at is None:
+            self._transient_index[rec.key] = len(self.result.transients)
+            self.result.transients.append(rec)
+        elif self.result.transients[at].nbytes < nbytes:
+            self.result.transients[at] = rec
 
     def _fail(self, who: str, exc: BaseException) -> NoReturn:
         self.result.errors.append(
@@ -841,6 +880,12 @@ class LifecycleRun:
             self._record_phase(RESERVATION)
 
         self._enter(PROFILE_RUN)
+        # vLLM's profile run: ``_dummy_run(self.max_num_tokens, is_profile=True)`` (v1/worker/gpu_model_runner.py:6132),
+        # which builds no attention metadata (force_attention is False: :5637), so a GDN layer warms its chunked
+        # scan at T = FLA_CHUNK_SIZE = 64 tokens instead (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:1350,
+        # from its forward's early return at :1522): the activations are max_num_batched_tokens', a layer's own
+        # scratch is the shape its dummy_run warms (issue 51, item 3)
+        self.result.profile_tokens = case.envelope.max_num_batched_tokens
         with self._max_split():
             self._dummy_forward(case.envelope.max_num_batched_tokens, None)
         self._record_phase(PROFILE_RUN)
@@ -1102,6 +1147,15 @@ def _caller_site() -> str:
 
 
 _HARNESS_FILES = frozenset({__file__, sys.modules[BuilderContext.__module__].__file__})
+
+
+@functools.cache
+def _method_site(cls: type, method: str) -> str:
+    """``path:line in Class.method`` of a builder's method (a ctx-mode allocation records no stack of its own)."""
+    code = getattr(getattr(cls, method, None), "__code__", None)
+    if code is None:
+        return ""
+    return f"{code.co_filename}:{code.co_firstlineno} in {cls.__name__}.{method}"
 
 
 def _graph_batch(capture: DecodeCapture) -> Batch:

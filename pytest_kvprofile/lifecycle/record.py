@@ -216,6 +216,32 @@ class MemoryUse:
 
 
 @dataclass(frozen=True)
+class TransientPeak:
+    """Device bytes one call made and gave back before it returned, at their highest (issue 51, item 3): a
+    ``build()`` of a batch (``num_tokens``: its tokens), or a ``dummy_run`` in the profile forward (``num_tokens``:
+    the forward's). One record per (phase, builder, method, tokens): the largest such call. ``tag``, ``site`` and
+    ``largest`` name the largest allocation the call freed before returning (``site``: its source line in torch
+    mode, else the builder's method); ``scratch`` tells the same scratch made by two calls (a dummy_run's and a
+    build's)."""
+
+    phase: str
+    builder: str
+    method: str
+    num_tokens: int
+    nbytes: int
+    kind: str = ""  # the batch's kind (build)
+    activations: int = 0  # the bytes of the forward's activations at these tokens, which the transient meets
+    tag: str = ""
+    site: str = ""
+    largest: int = 0
+    scratch: str = ""  # what the largest allocation is, across calls: its source line (torch mode), else its tag
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        return (self.phase, self.builder, self.method, self.num_tokens)
+
+
+@dataclass(frozen=True)
 class ProbeTarget:
     """What a probe needs to build the same builders again on a fresh device."""
 
@@ -270,6 +296,9 @@ class LifecycleResult:
     after_close_held: list[ModuleHeld] = field(default_factory=list)
     second_engine: SecondEngine | None = None  # a second engine in the same process, when state held memory
     aborted_in: str | None = None
+    # every build()'s transient peak per batch tokens, and each dummy_run's in the profile forward (issue 51, item 3)
+    transients: list[TransientPeak] = field(default_factory=list)
+    profile_tokens: int = 0  # the tokens of the profile forward the engine runs (its activations' shape)
     observed_non_kv: dict[str, int] = field(default_factory=dict)  # an engine's own profiler's non-KV bytes, by name
     # the ledger's length at each snapshot point the run reached (contract/budget.py: SNAPSHOT_POINTS)
     snapshot_marks: dict[str, int] = field(default_factory=dict)

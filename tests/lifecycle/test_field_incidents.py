@@ -88,7 +88,8 @@ def _assert_refused(name: str, cases: list[Case]) -> None:
 
 def test_every_field_mutant_is_in_the_catalog_with_its_check():
     assert set(FIELD) == set(EXPECT)
-    assert {n.split("-")[1] for n in FIELD} == {n.split("-")[1] for n in TWINS} | {"14h", "14i", "14j"}
+    # 08b (item 3) is judged with its twins in tests/checks/test_transient_peak.py
+    assert {n.split("-")[1] for n in FIELD} == {n.split("-")[1] for n in TWINS} - {"08b"} | {"14h", "14i", "14j"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECT))
