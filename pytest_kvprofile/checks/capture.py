@@ -120,7 +120,9 @@ CHECKS: tuple[Check, ...] = (
           "memory) during graph capture", PROFILING, lc.CAPTURE, (9, 13), check_no_synthetic_workspace_in_capture),
     Check("captured_memory_stays", "memory a CUDA-graph capture reads or writes stays alive, where it is, to the end",
           PROFILING, lc.CAPTURE, (4,), check_captured_memory_stays),
+    # needs the warmup after KV sizing: the probe drives its own capture from there; the run's own capture only
+    # names the builders that allocate in it (a run that stopped in capture is refused by the checks of capture)
     Check("capture_retryable", "a CUDA-graph capture that fails at any builder allocation leaves nothing behind, "
-          "and the engine's second capture holds what a clean one holds", PROFILING, lc.CAPTURE, (7,),
+          "and the engine's second capture holds what a clean one holds", PROFILING, lc.WARMUP, (7,),
           check_capture_retryable),
 )

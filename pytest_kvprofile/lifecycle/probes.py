@@ -598,8 +598,8 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: _Site
 # -- capture -------------------------------------------------------------------------------------------------------
 # A CUDA-graph capture that the engine retries after an out-of-memory error leaves nothing behind. The probe stops
 # fresh builders where the engine enters capture (rebind and warmup done, graph profiling's pool in hand), captures
-# once cleanly, then fails the capture at each fault point: the first and the second allocation of each distinct site
-# a builder made while capturing, and the last (``_fault_points``). The engine resets the failed attempt's graphs and
+# once cleanly, then fails the capture at each fault point: the first allocation of each distinct site a builder made
+# while capturing, and the last (``_capture_fault_points``). The engine resets the failed attempt's graphs and
 # captures again. Refused: the error swallowed (a graph captured over a half-built step), another error raised in its
 # place, and a retried capture whose builders hold more or less than after a clean one. What a failed attempt keeps
 # lives in the engine's graph pool, whose segments then stay reserved after the graph is gone.
@@ -654,10 +654,26 @@ def _clean_capture(plan: CapturePlan, run: _ProbeRun) -> _CleanCapture:
 
 
 def _capture_fault_points(sites: Sequence[_Site], plan: CapturePlan) -> list[int]:
-    """``_fault_points`` over the builders' device allocations of the capture, as indices among all of its
-    allocations (the engine's own count for ``fail_after``)."""
-    own = [i for i, s in enumerate(sites) if s.owner in plan and s.kind == "device"]
-    return [own[j] for j in _fault_points([sites[i] for i in own])]
+    """The first allocation of each distinct site a builder of ``plan`` has in the capture, and its last, as indices
+    among all of the capture's allocations (the engine's own count for ``fail_after``); at most
+    ``MAX_FAULT_POINTS``. The engine captures every step again on a retry, so a site's later allocations (the same
+    line for the next captured size) add nothing a first one does not show, and each point costs a lifecycle."""
+    seen: set[tuple[object, ...]] = set()
+    points = []
+    for i, a in enumerate(sites):
+        if a.owner not in plan or a.kind != "device":
+            continue
+        key = (a.owner, a.role, a.stack or a.nbytes)
+        if key not in seen:
+            seen.add(key)
+            points.append(i)
+        last = i
+    if points and points[-1] != last:
+        points.append(last)
+    if len(points) > MAX_FAULT_POINTS:
+        step = (len(points) - 1) / (MAX_FAULT_POINTS - 1)
+        points = [points[round(j * step)] for j in range(MAX_FAULT_POINTS)]
+    return points
 
 
 def _probe_capture(target: ProbeTarget, plan: CapturePlan) -> list[str]:
