@@ -3,7 +3,7 @@
 | mutant | item | mechanism | twin |
 |---|---|---|---|
 | 07f | 1 | a graph captured in warmup, kept before its capture succeeded: a failed capture keeps its pool | resets it |
-| 07g | 1 | a step built in the engine's capture, kept in builder state until built: a failed capture keeps it in the pool | untracks it |
+| 07g | 1 | a captured step kept on the builder until built: a failed capture keeps it in the graph pool | untracks it |
 | 16d | 20 | wrappers bound to an arena a later growth gave back, reported honestly, never rebound | rebinds |
 | 14e | 11 | a daemon thread started at serving whose frame holds a workspace, never stopped | joins it |
 | 14f | 11 | an ``atexit`` handler registered at serving, its arguments holding a workspace | unregisters it |

@@ -1,5 +1,6 @@
-"""Issue 51, items 1 (in warmup and in the engine's capture), 11, 19 and 20: incidents of the field re-created as mutants (``builtin/mutants_field.py``),
-each refused with the bytes, the phase and the source line, each beside a correct twin that passes.
+"""Issue 51, items 1 (in warmup and in the engine's capture), 11, 19 and 20: incidents of the field re-created as
+mutants (``builtin/mutants_field.py``), each refused with the bytes, the phase and the source line, each beside a
+correct twin that passes.
 
 The plain run takes two ci cases per backend (an L40S and a B200 layout); ``-m slow`` sweeps every runnable ci case;
 one case run alone through the plugin shows the verdict does not depend on what ran before it.
