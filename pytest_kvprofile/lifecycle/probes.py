@@ -715,9 +715,7 @@ def _failed_capture(plan: CapturePlan, k: int, clean: _CleanCapture, run: _Probe
     try:
         _engine_capture(run)
     except Exception as exc:  # noqa: BLE001 - the injected failure, or what a builder made of it
-        cause = exc.__cause__ if isinstance(exc, _Abort) and exc.__cause__ is not None else exc
-        if not _first_error_wins(cause):
-            raised = f"{type(cause).__name__}: {cause}"
+        raised = _replaced_error(exc)  # no local keeps the error: its traceback's frames hold what the step made
     else:
         if ooms:
             return [f"builder {site.owner!r}: {what} went on capturing: the out-of-memory error was swallowed, so "
@@ -750,6 +748,13 @@ def _failed_capture(plan: CapturePlan, k: int, clean: _CleanCapture, run: _Probe
     for name, expected in clean.held:
         out.extend(_capture_difference(dev, name, what, before, got[name], expected, clean.pool_bytes))
     return out
+
+
+def _replaced_error(exc: BaseException) -> str | None:
+    """What a failed capture raised in place of the injected out-of-memory error (``_Abort`` is the driver's wrapping
+    of a builder's error), or None when the first error won."""
+    cause = exc.__cause__ if isinstance(exc, _Abort) and exc.__cause__ is not None else exc
+    return None if _first_error_wins(cause) else f"{type(cause).__name__}: {cause}"
 
 
 def _capture_difference(device: Device, name: str, what: str, before: set[int], got: Held, expected: Held,
