@@ -23,7 +23,10 @@ from pytest_kvprofile.report.provenance import (
 from pytest_kvprofile.report.summary import legacy_costs, summarize, waste_costs, waste_reason
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from pytest_kvprofile.checks.base import WasteBudget
+    from pytest_kvprofile.contract.backends import Backend
 
 # the plugin's KvprofileSession (plugin/session.py), read by attribute: report sits below plugin and cannot name it
 Session: TypeAlias = Any
@@ -39,14 +42,22 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def versions() -> dict[str, str | None]:
-    return {
+def versions(backends: Iterable[Backend] = ()) -> dict[str, str | None]:
+    """The packages the run judged with, and each engine a backend ran on (``{"vllm": "0.34.0"}``), as its
+    provenance names it."""
+    found: dict[str, str | None] = {
         "pytest-kvprofile": _version("pytest-kvprofile"),
         "pytest": _version("pytest"),
         "torch": _version("torch"),
         "flashinfer-python": _version("flashinfer-python"),
         "python": platform.python_version(),
     }
+    for backend in backends:
+        facts = backend_provenance(backend)
+        engine, version = facts.get("engine"), facts.get("engine_version")
+        if isinstance(engine, str) and engine and isinstance(version, str) and version:
+            found[engine] = version
+    return found
 
 
 def provenance_facts(session: Session) -> dict[str, JsonObject]:
@@ -68,7 +79,7 @@ def json_document(session: Session) -> JsonObject:
     return {
         "schema": SCHEMA_VERSION,
         "tier": session.tier,
-        "versions": versions(),
+        "versions": versions(session.backends),
         "hardware": session.hardware,
         "matrices": [{"path": m.path, "name": m.name, "cases": len(m.cases)} for m in session.matrices],
         "matrix_digest": session.matrix_digest(),
@@ -83,10 +94,11 @@ def json_document(session: Session) -> JsonObject:
 
 def _sizing_report(session: Session) -> JsonObject:
     """Every layout's exact requirement next to the fixed sizes engines use, with the headline."""
-    from pytest_kvprofile.sizing.comparison import report_for_matrix, report_headline, unsized_for_matrix
+    from pytest_kvprofile.sizing.comparison import case_row, distinct_layout_cases, report_headline, unsized_layouts
 
-    rows = [row for m in session.matrices for row in report_for_matrix(m.path)]
-    unsized = [row for m in session.matrices for row in unsized_for_matrix(m.path)]
+    # the session's own cases: the matrix files are read once, at configure
+    rows = [case_row(case) for m in session.matrices for case in distinct_layout_cases(m.cases)]
+    unsized = [row for m in session.matrices for row in unsized_layouts(m.cases)]
     return {"headline": report_headline(rows), "rows": rows, "unsized": unsized}
 
 
@@ -131,7 +143,7 @@ def verdict_document(session: Session) -> JsonObject:
     doc = {
         "schema": SCHEMA_VERSION,
         "tier": session.tier,
-        "versions": versions(),
+        "versions": versions(session.backends),
         "hardware": session.hardware,
         "matrix_digest": session.matrix_digest(),
         "matrices": [m.path for m in session.matrices],

@@ -9,6 +9,10 @@ built-in ``vllm-flashinfer`` backend drives it, and restores the installed modul
 The pull request sits on a newer vLLM than the installed release. Names its files import that the release lacks
 are bridged, each listed in :data:`BRIDGES` with why (a module the release renamed is made for the block).
 A name missing and not bridged fails the load naming it.
+
+As a pytest plugin (``-p pr_overlay`` with ``tests/engines`` on ``PYTHONPATH``), the first copy named is loaded for
+the whole run, before the suite's configure, so ``--kvprofile --kvprofile-backend vllm-flashinfer`` judges it on
+any matrix (docs/vllm.md, "Driving the pull request's own code").
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
+
+import pytest
 
 # module -> file, in load order (the backend base before the FlashInfer module that imports it)
 FILES = (
@@ -171,3 +177,30 @@ def pull_request_modules(root: Path) -> Iterator[dict[str, ModuleType]]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = previous
+
+
+_RUN: list[contextlib.ExitStack] = []  # the run's overlay, when this module is loaded as a plugin
+_LOADED = pytest.StashKey[str]()  # what it loaded, for the report header
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Loaded with ``-p pr_overlay``: the first private copy named replaces vLLM's modules until the run ends."""
+    roots = private_dirs()
+    if not roots:
+        raise pytest.UsageError("-p pr_overlay: KVPROFILE_PR_DIR / KVPROFILE_PR_DIRS name no private copy of the pull "
+                                "request's vllm/v1/attention/backends/flashinfer.py")
+    stack = contextlib.ExitStack()
+    loaded = stack.enter_context(pull_request_modules(roots[0]))
+    _RUN.append(stack)
+    config.stash[_LOADED] = f"{revision_of(roots[0])}: {', '.join(sorted(loaded))}"
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return f"pull request overlay: {config.stash[_LOADED]}" if _LOADED in config.stash else None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _RUN:
+        _RUN.pop().close()
+

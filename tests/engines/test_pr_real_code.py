@@ -12,11 +12,15 @@ What it asserts, per revision:
 - on the profiling path the only failing check is its real finding, ``persistent_memory_visible_at_closing``:
   FlashInfer's plan-time buffers (a few KB) made at the first plan, after KV sizing;
 - the MTP cases (the runner's gate) and the DCP > 1 cases (the revision's own UNSUPPORTED) run the legacy path,
-  and ``legacy_path_unchanged`` does not refuse them.
+  and ``legacy_path_unchanged`` does not refuse them;
+- the plugin's own run with ``-p pr_overlay`` (configure included) gives no INTERNALERROR and the same verdict on
+  a profiling case and a gated one, and its ``contract_api`` names the revision driven.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -97,6 +101,54 @@ def test_the_pull_requests_own_code_is_refused_only_for_its_plan_time_bytes(root
             for message in failing.get(FINDING, []):
                 assert 0 < invisible_bytes(message) <= PLAN_TIME_LIMIT, message[:400]
     assert any(p != LEGACY for p, _ in driven.values()), "the design opted in nowhere"
+
+
+PLUGIN_CASES = ("qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90", "qwen3-8b-tp1-dcp1-mtp1-l40s-gmu0.90")  # profiling, gated
+
+
+def _overlay_env(monkeypatch: pytest.MonkeyPatch, root: Path | None) -> None:
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH")))))
+    monkeypatch.delenv("KVPROFILE_PR_DIRS", raising=False)
+    if root is None:
+        monkeypatch.delenv("KVPROFILE_PR_DIR", raising=False)
+    else:
+        monkeypatch.setenv("KVPROFILE_PR_DIR", str(root))
+
+
+def test_the_overlay_plugin_without_a_private_copy_is_a_usage_error(pytester: pytest.Pytester,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _overlay_env(monkeypatch, None)
+    result = pytester.runpytest_subprocess("-p", "pr_overlay", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stderr.str()[-2000:]
+    result.stderr.fnmatch_lines(["*-p pr_overlay: KVPROFILE_PR_DIR / KVPROFILE_PR_DIRS name no private copy*"])
+
+
+@pytest.mark.skipif(not DIRS, reason="KVPROFILE_PR_DIR / KVPROFILE_PR_DIRS name no private copy of the pull "
+                                     "request's code (see docs/vllm.md)")
+@pytest.mark.parametrize("root", DIRS, ids=[revision_of(d)[:7] for d in DIRS])
+def test_the_suite_judges_the_pull_requests_own_code_through_the_overlay_plugin(
+        root: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin's own run, configure included (vLLM's WorkspaceManager is the revision's own where given): no
+    INTERNALERROR; the profiling case fails only on its plan-time bytes; the gated MTP case passes."""
+    _overlay_env(monkeypatch, root)
+    verdict, report = pytester.path / "verdict.json", pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(
+        "-p", "pr_overlay", "--pyargs", "pytest_kvprofile.suite", "--kvprofile-matrix", str(packaged_matrix("ci")),
+        "-p", "no:cacheprovider", "--kvprofile-backend", "vllm-flashinfer", "-k", " or ".join(PLUGIN_CASES),
+        "--kvprofile-verdict", str(verdict), "--kvprofile-json", str(report))
+    text = result.stdout.str() + result.stderr.str()
+    assert "INTERNALERROR" not in text, text[-3000:]
+    result.stdout.fnmatch_lines([f"pull request overlay: {revision_of(root)}: *vllm.v1.attention.backends.flashinfer*"])
+    results = json.loads(report.read_text())["results"]
+    assert {r["case"] for r in results} == set(PLUGIN_CASES)
+    failed = [r for r in results if r["outcome"] == "failed"]
+    assert [(r["case"], r["check"]) for r in failed] == [(PLUGIN_CASES[0], FINDING)], failed
+    assert 0 < invisible_bytes(failed[0]["message"]) <= PLAN_TIME_LIMIT
+    (backend,) = json.loads(verdict.read_text())["backends"]
+    assert backend["contract_api"]["vllm-flashinfer"].startswith("vLLM pull request, "), backend["contract_api"]
+    gated = {g["case"] for g in backend["engine_gated"]}  # every gated case of the matrix, run or not
+    assert PLUGIN_CASES[1] in gated and PLUGIN_CASES[0] not in gated
 
 
 def _table(root: Path) -> list[tuple[str, str, str]]:  # pragma: no cover - a measuring aid, run by hand

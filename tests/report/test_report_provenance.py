@@ -84,3 +84,17 @@ def test_the_verdict_line_of_a_legacy_backend_names_its_worst_cost_and_of_an_opt
          "message": "3,128 bytes invisible to KV sizing (2 KV tokens)"}]}
     assert verdict_line(failed, ORDER) == ("b: may NOT opt in: persistent_memory_visible_at_closing fails on 1 cases; "
                                            "worst y: 3,128 bytes, 2 KV tokens")
+
+
+def test_the_documents_versions_name_each_engine_a_backend_ran_on():
+    """Issue 50: ``versions`` had no vLLM entry. An engine backend's provenance adds its engine and version; the
+    reference engine (no provenance) adds nothing."""
+    from pytest_kvprofile.contract.backends import Backend, Provenance
+    from pytest_kvprofile.report.documents import versions
+
+    engine = Backend(name="e", make_builders=list, provenance=lambda: Provenance(engine="vllm",
+                                                                                   engine_version="0.34.0"))
+    reference = Backend(name="r", make_builders=list)
+    assert versions([engine, reference])["vllm"] == "0.34.0"
+    assert set(versions([reference])) == set(versions())
+    assert "vllm" not in versions([reference])
