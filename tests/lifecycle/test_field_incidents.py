@@ -24,7 +24,6 @@ from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
 FIELD = {b.name: b for b in MUTANT_BACKENDS if b.name.split("-")[1] in {"07f", "07g", "10c", "14e", "14f", "14g",
                                                                          "14h", "14i", "14j", "16d"}}
-                                                                         "14i", "14j", "16d"}}
 TWINS = {b.name: b for b in FIELD_TWINS}
 # each mutant: the check that refuses it and what its headline must carry (bytes, phase, source line, the place)
 EXPECT = {
