@@ -3,6 +3,7 @@
 | mutant | item | mechanism | twin |
 |---|---|---|---|
 | 07f | 1 | a graph captured in warmup, kept before its capture succeeded: a failed capture keeps its pool | resets it |
+| 07g | 1 | a captured step kept on the builder until built: a failed capture keeps it in the graph pool | untracks it |
 | 16d | 20 | wrappers bound to an arena a later growth gave back, reported honestly, never rebound | rebinds |
 | 14e | 11 | a daemon thread started at serving whose frame holds a workspace, never stopped | joins it |
 | 14f | 11 | an ``atexit`` handler registered at serving, its arguments holding a workspace | unregisters it |
@@ -294,6 +295,59 @@ class ResetsFailedCaptureBuilder(_CapturesItsOwnGraph):
         self.graphs.append(graph)
 
 
+# -- item 1, in the engine's own capture: a failed capture keeps what its step made --------------------------------
+# Both under 1 MiB: the caching allocator serves them from a 2 MiB small-block segment, which the graph pool's
+# reserve covers (a 1 to 10 MiB request takes a 20 MiB segment, beyond what graph profiling estimated).
+STEP_PARTIAL_BYTES = 512 * KiB  # a decode step's split-KV partial output, made first while build() plans the step
+STEP_LSE_BYTES = 64 * KiB  # then the merge's log-sum-exp; both freed before build() returns
+
+
+class _TracksStepsInFlight(TorchFlashInferLikeBuilder):
+    """Plans each decode step with two scratch tensors (the split-KV partial output, then the merge's log-sum-exp),
+    tracked in ``in_flight`` while the step is built and freed before ``build()`` returns. In the engine's capture they
+    come from its CUDA-graph pool; when serving, from the default pool (the same source lines: real traffic)."""
+
+    def __init__(self, case: Case):
+        super().__init__(case)
+        self.in_flight: dict[int, list[Tensor]] = {}
+        self.steps = 0
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        super().build(ctx, batch)
+        if batch.kind == "decode":
+            self.steps += 1
+            self.build_step(self.steps)
+
+    def build_step(self, step: int) -> None:
+        raise NotImplementedError
+
+
+class KeepsFailedStepBuilder(_TracksStepsInFlight):
+    """Bug 7g (issue 51, item 1, in the engine's capture): a step is tracked before it is built and untracked only
+    once it is; a capture that runs out of memory at the log-sum-exp keeps the step's partial output in builder state,
+    so its block stays in the engine's graph pool after the failed graph is reset, and every retry keeps one more."""
+
+    def build_step(self, step: int) -> None:
+        import torch
+
+        self.in_flight[step] = [torch.empty(STEP_PARTIAL_BYTES, dtype=torch.uint8, device="cuda")]  # kept if
+        self.in_flight[step].append(torch.empty(STEP_LSE_BYTES, dtype=torch.uint8, device="cuda"))  # this raises
+        del self.in_flight[step]
+
+
+class UntracksFailedStepBuilder(_TracksStepsInFlight):
+    """Correct twin of 7g: a step is untracked whether it was built or raised, so a failed capture keeps nothing."""
+
+    def build_step(self, step: int) -> None:
+        import torch
+
+        self.in_flight[step] = [torch.empty(STEP_PARTIAL_BYTES, dtype=torch.uint8, device="cuda")]
+        try:
+            self.in_flight[step].append(torch.empty(STEP_LSE_BYTES, dtype=torch.uint8, device="cuda"))
+        finally:
+            del self.in_flight[step]
+
+
 # -- item 2: persistent buffers made before the engine's instance snapshot ------------------------------------------
 RUNNER_INIT_BUFFERS: dict[str, int] = {  # what a model runner's __init__ keeps: 36 MiB per GPU, as the report saw
     "inputs_embeds staging": 24 * MiB, "positions": 8 * MiB, "input_ids": 4 * MiB}
@@ -413,6 +467,7 @@ def _twin(name: str, cls: type, policy: EnginePolicy | None = None) -> Backend:
 
 FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-07f-resets-failed-capture", ResetsFailedCaptureBuilder),
+    _twin("twin-07g-untracks-failed-step", UntracksFailedStepBuilder),
     _twin("twin-16d-rebinds-after-growth", RebindsAfterGrowthBuilder),
     _twin("twin-14e-stops-its-thread", StoppedThreadBuilder),
     _twin("twin-14f-unregisters-its-handler", UnregisteredAtexitBuilder),
@@ -431,6 +486,8 @@ def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
     return (
         mutant("mutant-07f-torch-failed-capture-keeps-pool", 7, KeepsFailedCapturePoolBuilder,
                catches=("warmup_retryable",)),
+        mutant("mutant-07g-torch-failed-capture-keeps-step", 7, KeepsFailedStepBuilder,
+               catches=("capture_retryable",)),
         mutant("mutant-16d-bound-to-replaced-arena", 16, BoundToReplacedArenaBuilder,
                catches=("no_use_after_free",)),
         mutant("mutant-14e-torch-daemon-thread-holds-workspace", 14, DaemonThreadBuilder,

@@ -98,9 +98,31 @@ def check_captured_memory_stays(result: LifecycleResult, options: CheckOptions) 
             "place instead of making it again"]
 
 
+def capture_plan(result: LifecycleResult) -> tuple[str, ...]:
+    """The builders that allocated device memory while the engine captured (the capture probe's fault sites)."""
+    names = set(builder_names(result))
+    made = {a.owner for a in result.allocations if a.phase == lc.CAPTURE and a.kind == "device" and a.owner in names}
+    return tuple(name for name in result.builder_names() if name in made)
+
+
+def check_capture_retryable(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """Probed on fresh builders (``lifecycle/probes.py``): the engine's capture fails at each distinct allocation site
+    a builder has in it, the engine resets the failed graphs and captures again. Nothing the failed attempt made
+    stays (no allocation, so nothing keeps the graph pool's segments reserved), its error is the one raised, and the
+    retried capture leaves each builder holding what a clean capture does."""
+    from pytest_kvprofile.lifecycle.probes import capture_retry_violations
+
+    return capture_retry_violations(result.probe, capture_plan(result))
+
+
 CHECKS: tuple[Check, ...] = (
     Check("no_synthetic_workspace_in_capture", "nothing allocates synthetic profiling workspace (or resource "
           "memory) during graph capture", PROFILING, lc.CAPTURE, (9, 13), check_no_synthetic_workspace_in_capture),
     Check("captured_memory_stays", "memory a CUDA-graph capture reads or writes stays alive, where it is, to the end",
           PROFILING, lc.CAPTURE, (4,), check_captured_memory_stays),
+    # needs the warmup after KV sizing: the probe drives its own capture from there; the run's own capture only
+    # names the builders that allocate in it (a run that stopped in capture is refused by the checks of capture)
+    Check("capture_retryable", "a CUDA-graph capture that fails at any builder allocation leaves nothing behind, "
+          "and the engine's second capture holds what a clean one holds", PROFILING, lc.WARMUP, (7,),
+          check_capture_retryable),
 )

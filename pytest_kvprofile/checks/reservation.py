@@ -38,7 +38,8 @@ def check_reservation_exception_safe(result: LifecycleResult, options: CheckOpti
     return out
 
 
-_PROBED = frozenset({"reservation_exception_safe", "warmup_retryable"})  # their own probes: judged on the main run
+# the checks that run their own probes: judged on the main run
+_PROBED = frozenset({"reservation_exception_safe", "warmup_retryable", "capture_retryable"})
 
 
 def _catalog() -> tuple[Check, ...]:

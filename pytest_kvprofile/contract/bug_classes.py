@@ -27,7 +27,8 @@ BUG_CLASSES: tuple[BugClass, ...] = (
     BugClass(4, "arena growth after lock; arena reallocated on rebind (stale pointer in a captured graph)"),
     BugClass(5, "micro-batch arenas aliasing each other"),
     BugClass(6, "builder without a declaration treated as supported; an UNSUPPORTED builder acting opted in"),
-    BugClass(7, "warmup not idempotent; warmup not retryable after a failure"),
+    BugClass(7, "warmup not idempotent; warmup, or a CUDA-graph capture the engine retries, not retryable after a "
+                "failure"),
     BugClass(8, "profile measured once only (persistent baseline and activation peak never seen together), or at "
                 "a smaller shape than serving runs (a forward scratch warmed at 64 tokens, met at the largest batch "
                 "beside its activations)"),
