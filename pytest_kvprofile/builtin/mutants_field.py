@@ -10,6 +10,7 @@
 | 14h | 19 | ``close()`` parks it in a value a module-level ``functools.lru_cache`` returns | as 14g's |
 | 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
+| 04e | 9 | a non-FlashInfer kernel (TurboQuant-like) asks the arena for batch-sized scratch after lock | asks early |
 
 The workspace of 14e to 14j is made inside the profiling window (KV sizing counts it) and held by the builder; what
 each mutant adds is a place that keeps it once every part's ``close()`` ran (torch mode).
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, TorchFlashInferLikeBuilder, Wrapper
 from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.protocol import WorkspaceDeclaration
+from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
@@ -286,6 +289,80 @@ class ResetsFailedCaptureBuilder(_CapturesItsOwnGraph):
         self.graphs.append(graph)
 
 
+# -- item 9: an arena user that is not FlashInfer ----------------------------------------------------------------------
+WARMUP_CONTINUATION_TOKENS = 16  # the continuation prefill its kernel warmup runs (the JIT compile's small batch)
+
+
+class _ContinuationPrefill:
+    """REQUIRED, and no FlashInfer: a quantized-KV attention builder (TurboQuant-like) whose continuation prefill
+    dequantizes the context's K and V into scratch it takes from the shared arena (``ctx.get_workspace``), sized from
+    the batch. Torch mode: its kernel writes the view with torch calls; no FlashInfer ``plan()`` is ever made, so no
+    view of it is FlashInfer workspace."""
+
+    name = "turboquant"
+    torch_mode = True
+    warmup_materializes_persistent = True  # its kernel warmup asks the arena for scratch
+
+    def __init__(self, case: Case):
+        self.case = case
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.REQUIRED
+
+    def scratch_bytes(self, num_tokens: int) -> int:
+        """Dequantized K and V of ``num_tokens`` context tokens in fp16, per rank."""
+        dim = self.case.model.kv_cache_head_dim or self.case.model.head_dim
+        return num_tokens * self.case.heads.kv_cache_heads * dim * 2 * 2
+
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=0, int_bytes=0)
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
+        return ctx.lease()
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        for ub in range(ctx.num_ubatches):
+            self._dequantize(ctx, self.scratch_bytes(WARMUP_CONTINUATION_TOKENS), ub)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        if batch.kind != "decode" and not ctx.dummy:  # a prefill continuing a request reads its quantized context
+            self._dequantize(ctx, self.scratch_bytes(batch.num_tokens), batch.ubatch)
+
+    @staticmethod
+    def _dequantize(ctx: BuilderContext, nbytes: int, ubatch: int) -> None:
+        view = ctx.get_workspace(nbytes, ubatch)
+        if view.tensor is not None:
+            view.tensor[:64].zero_()
+
+
+class LateContinuationScratchBuilder(_ContinuationPrefill):
+    """Bug 4e (issue 51, item 9): declares no float workspace and asks the arena for its continuation-prefill scratch
+    at the batch's size, so the first long continuation at serving asks the locked arena to grow; it catches the
+    refusal and dequantizes in chunks of the arena it has (slower, and the growth it asked for is the bug)."""
+
+    @staticmethod
+    def _dequantize(ctx: BuilderContext, nbytes: int, ubatch: int) -> None:
+        from pytest_kvprofile.contract.workspace import WorkspaceLockedError
+
+        try:
+            _ContinuationPrefill._dequantize(ctx, nbytes, ubatch)
+        except WorkspaceLockedError:
+            _ContinuationPrefill._dequantize(ctx, ctx.workspace.size(ubatch), ubatch)
+
+
+class DeclaredContinuationScratchBuilder(_ContinuationPrefill):
+    """Correct twin of 4e: declares its scratch for ``max_num_batched_tokens`` and asks that view of every
+    micro-batch's arena in its reservation, before lock; no FlashInfer sizing applies to it."""
+
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=self.scratch_bytes(case.envelope.max_num_batched_tokens), int_bytes=0)
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
+        views = [ctx.get_workspace(self.scratch_bytes(self.case.envelope.max_num_batched_tokens), ub)
+                 for ub in range(ctx.num_ubatches)]
+        return ctx.lease(views)
+
+
 def _twin(name: str, cls: type) -> Backend:
     return Backend(name=name, make_builders=lambda case: [cls(case)], description=(cls.__doc__ or "").strip(),
                    origin="builtin", torch_mode=bool(getattr(cls, "torch_mode", False)))
@@ -297,6 +374,7 @@ FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-14e-stops-its-thread", StoppedThreadBuilder),
     _twin("twin-14f-unregisters-its-handler", UnregisteredAtexitBuilder),
     _twin("twin-14g-drops-on-close", DropsOnCloseBuilder),
+    _twin("twin-04e-declares-continuation-scratch", DeclaredContinuationScratchBuilder),
 )
 """The correct twin of each field mutant, by the mutant's id (``twin-<id>-...``)."""
 
@@ -320,6 +398,8 @@ def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
                catches=("no_state_outlives_case",)),
         mutant("mutant-14j-torch-close-parks-on-type-class", 14, ParksOnTypeClassBuilder,
                catches=("no_state_outlives_case",)),
+        mutant("mutant-04e-torch-non-flashinfer-scratch-after-lock", 4, LateContinuationScratchBuilder,
+               catches=("arena_not_grown_after_lock",)),
     )
 
 

@@ -132,6 +132,37 @@ def _required_builders(result: LifecycleResult) -> list[str]:
             if builder_name(b) not in resources and declared_support(b) is ProfilingSupport.REQUIRED]
 
 
+_FLASHINFER_ROLES = (Role.INT_WORKSPACE, Role.PINNED_MIRROR, Role.FLOAT_WORKSPACE, Role.TRTLLM_WORKSPACE)
+
+
+def shows_flashinfer(result: LifecycleResult, name: str) -> bool:
+    """Whether anything of ``name`` is FlashInfer's: a view naming its route, a plan (``ctx.plan_into``, a FlashInfer
+    ``plan()`` seen in torch mode), an int workspace declared or made, a wrapper's workspace role, a bound workspace
+    reported. A builder with none of them (a quantized-KV kernel taking scratch from the arena) is no FlashInfer user:
+    the planner's need does not size its views or its declaration."""
+    decl = result.declared.get(name)
+    return bool(
+        (decl is not None and decl.int_bytes)
+        or any(g.requester == name and g.route is not None for g in result.grants)
+        or any(p.builder == name for p in result.plans)
+        or any(vp.builder == name for vp in result.view_plans)
+        or any(a.owner == name and a.role in _FLASHINFER_ROLES for a in result.allocations)
+        or any(b.owner == name for rec in result.phases for b in rec.bound))
+
+
+def flashinfer_views(result: LifecycleResult, name: str) -> list[ViewGrant]:
+    """The arena views of ``name`` that FlashInfer plans into, which the planner's need sizes: every view of a builder
+    that shows FlashInfer (``shows_flashinfer``), but where its builds tell their plans (``ctx.plan_into(view)``), only
+    the views named for a route and those plans go into; another kernel's view beside them is not FlashInfer's."""
+    views = [g for g in result.grants if g.requester == name]
+    if not views or not shows_flashinfer(result, name):
+        return []
+    told = {(vp.ubatch, vp.nbytes) for vp in result.view_plans if vp.builder == name and vp.target == "view"}
+    if not told:
+        return views
+    return [g for g in views if g.route is not None or (g.ubatch, g.nbytes) in told]
+
+
 def _native_routes(result: LifecycleResult, name: str, views: list[ViewGrant],
                    private: tuple[Allocation, ...]) -> tuple[str, ...]:
     """The case routes the builder's wrappers plan into float workspace, as observed: the routes of FlashInfer
@@ -185,14 +216,14 @@ def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     is what carries ``Role.FLOAT_WORKSPACE`` and, in torch mode, any buffer of its own a ``plan()`` was seen
     planning into (the arena belongs to the engine's manager, not to the builder)."""
     case = result.case
-    views = [g for g in result.grants if g.requester == name]
+    views = flashinfer_views(result, name)
     planned_into = {p.alloc_id for p in result.plans if p.builder == name}
     mine = [a for a in result.allocations
             if a.owner == name and (a.role in _WASTE_ROLES or a.id in planned_into) and _alive_at_closing(a)]
     private = tuple(a for a in mine if a.role is Role.FLOAT_WORKSPACE or a.id in planned_into)
     native = _native_routes(result, name, views, private)
     need, sized = need_for_planned(case, _planned(native, _graph_modes(result, name, views)))
-    decl = result.declared.get(name)
+    decl = result.declared.get(name) if shows_flashinfer(result, name) else None
     declared = _aligned(decl.float_bytes, result.arena_alignment) if decl is not None and decl.float_bytes else 0
     ubatches = _planned_ubatches(result, name, views, declared)
     arena = sum(max([declared, *(g.nbytes for g in views if g.ubatch == u)]) for u in range(ubatches))
@@ -253,7 +284,7 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     """A declaration, or an arena view, shorter than the planner's need for the routes planned into it."""
     need = for_case(result.case)
     case, out = result.case, _graph_mode_mismatches(result, name)
-    views = [g for g in result.grants if g.requester == name]
+    views = flashinfer_views(result, name)
     modes = _graph_modes(result, name, views)
     arena_need, subs = need_for_planned(case, _planned(_native_routes(result, name, views, ()), modes))
     declared_short = bool(views) and declared < arena_need

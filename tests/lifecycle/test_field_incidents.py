@@ -1,4 +1,4 @@
-"""Issue 51, items 1, 11, 19 and 20: incidents of the field re-created as mutants (``builtin/mutants_field.py``),
+"""Issue 51, items 1, 9, 11, 19 and 20: incidents of the field re-created as mutants (``builtin/mutants_field.py``),
 each refused with the bytes, the phase and the source line, each beside a correct twin that passes.
 
 The plain run takes two ci cases per backend (an L40S and a B200 layout); ``-m slow`` sweeps every runnable ci case;
@@ -21,11 +21,14 @@ from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
-FIELD = {b.name: b for b in MUTANT_BACKENDS if b.name.split("-")[1] in {"07f", "14e", "14f", "14g", "14h", "14i",
-                                                                         "14j", "16d"}}
+FIELD = {b.name: b for b in MUTANT_BACKENDS if b.name.split("-")[1] in {"04e", "07f", "14e", "14f", "14g", "14h",
+                                                                         "14i", "14j", "16d"}}
 TWINS = {b.name: b for b in FIELD_TWINS}
 # each mutant: the check that refuses it and what its headline must carry (bytes, phase, source line, the place)
 EXPECT = {
+    "mutant-04e-torch-non-flashinfer-scratch-after-lock": ("arena_not_grown_after_lock", (
+        "turboquant in build() asked the locked arena of ubatch 0 for",
+        "in phase 'serving' (current size 65536 bytes)")),
     "mutant-07f-torch-failed-capture-keeps-pool": ("warmup_retryable", (
         "(20971520 bytes)", "phase 'profile_warmup'", "mutants_field.py:", "graph_pool_", "CUDA-graph capture")),
     "mutant-14e-torch-daemon-thread-holds-workspace": ("no_state_outlives_case", (
@@ -121,6 +124,18 @@ def test_the_correct_twin_passes_every_ci_case(name):
 
 
 ALONE = "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"
+
+
+def test_a_non_flashinfer_arena_user_is_refused_by_the_lock_alone_with_no_flashinfer_sizing():
+    """Item 9: the continuation-prefill scratch asked after lock is the lock's failure; no message sizes it as
+    FlashInfer workspace ("declares 0 bytes ... FlashInfer carves 124.46 MiB"), on a case run alone."""
+    case = next(c for c in ci_cases() if c.id == ALONE)
+    found = verdicts(FIELD["mutant-04e-torch-non-flashinfer-scratch-after-lock"], [case])[case.id]
+    assert set(found) == {"arena_not_grown_after_lock"}, found
+    text = " ".join(found["arena_not_grown_after_lock"])
+    assert "for 33554432 bytes in phase 'serving' (current size 65536 bytes)" in text, text
+    assert "FlashInfer" not in text and "declares" not in text
+    assert verdicts(TWINS["twin-04e-declares-continuation-scratch"], [case]) == {case.id: {}}
 
 
 @pytest.mark.parametrize("backend", ["mutant-14h-torch-close-parks-in-lru-cache",
