@@ -11,6 +11,7 @@
 | 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
 | 04e | 9 | a non-FlashInfer kernel (TurboQuant-like) asks the arena for batch-sized scratch after lock | asks early |
+| 13d | 5 | a resource made in its warmup, which its engine first calls after KV sizing (``builtin/resources.py``) | warmed in window |
 
 The workspace of 14e to 14j is made inside the profiling window (KV sizing counts it) and held by the builder; what
 each mutant adds is a place that keeps it once every part's ``close()`` ran (torch mode).
@@ -27,6 +28,7 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from pytest_kvprofile.builtin.resources import WarmedInWindowDMAOutputWorkspace
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, TorchFlashInferLikeBuilder, Wrapper
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import WorkspaceDeclaration
@@ -368,6 +370,19 @@ def _twin(name: str, cls: type) -> Backend:
                    origin="builtin", torch_mode=bool(getattr(cls, "torch_mode", False)))
 
 
+def _resource_twin(name: str, cls: type) -> Backend:
+    """The FlashInfer-like stub beside a DMA output workspace of class ``cls`` (the case's parameters, else the
+    defaults), as the catalog's resource mutants are made."""
+    from pytest_kvprofile.builtin.resources import DEFAULT_PARAMS
+
+    def resources(case: Case) -> list[Any]:  # Any: PersistentResource, a Protocol the resources satisfy
+        carried = [dict(r.params) for r in case.resources if r.kind == "dma-output-workspace"]
+        return [cls(case, carried[0] if carried else DEFAULT_PARAMS)]
+
+    return Backend(name=name, make_builders=lambda case: [FlashInferLikeBuilder(case)], make_resources=resources,
+                   description=(cls.__doc__ or "").strip(), origin="builtin")
+
+
 FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-07f-resets-failed-capture", ResetsFailedCaptureBuilder),
     _twin("twin-16d-rebinds-after-growth", RebindsAfterGrowthBuilder),
@@ -375,6 +390,7 @@ FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-14f-unregisters-its-handler", UnregisteredAtexitBuilder),
     _twin("twin-14g-drops-on-close", DropsOnCloseBuilder),
     _twin("twin-04e-declares-continuation-scratch", DeclaredContinuationScratchBuilder),
+    _resource_twin("twin-13d-resource-warmed-in-window", WarmedInWindowDMAOutputWorkspace),
 )
 """The correct twin of each field mutant, by the mutant's id (``twin-<id>-...``)."""
 

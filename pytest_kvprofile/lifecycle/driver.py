@@ -763,10 +763,14 @@ class LifecycleRun:
         enabled = self.result.resolution is not None and self.result.resolution.enabled
         self.result.path = PROFILING if enabled else LEGACY
 
-    def _warmup_in_window(self) -> bool:
+    def _warmed_in_window(self) -> list[Builder]:
+        """The parts the engine warms up inside the profiling window: each part where its engine warms it (its
+        ``warmup_materializes_persistent``), so a part whose engine first warms it after KV sizing is warmed there
+        even when another part is warmed in the window; every part, or none, where the policy says so
+        (``EnginePolicy.warmup_in_window``)."""
         if self.policy.warmup_in_window is not None:
-            return self.policy.warmup_in_window
-        return any(getattr(b, "warmup_materializes_persistent", False) for b in self.builders)
+            return list(self.builders) if self.policy.warmup_in_window else []
+        return [b for b in self.builders if getattr(b, "warmup_materializes_persistent", False)]
 
     def _run(self) -> None:
         case, dev = self.case, self.device
@@ -819,9 +823,10 @@ class LifecycleRun:
             self._dummy_forward(case.envelope.max_num_batched_tokens, None)
         self._record_phase(PROFILE_RUN)
 
-        if profiling and self._warmup_in_window():
+        in_window = self._warmed_in_window() if profiling else []
+        if in_window:
             self._enter(PROFILE_WARMUP)
-            for b in self.builders:
+            for b in in_window:
                 self._call(b, "warmup", self.ctx(b))
             self._record_phase(PROFILE_WARMUP)
             if self.policy.replay_after_warmup:
