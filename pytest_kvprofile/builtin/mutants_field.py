@@ -11,7 +11,7 @@
 | 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
 | 04e | 9 | a non-FlashInfer kernel (TurboQuant-like) asks the arena for batch-sized scratch after lock | asks early |
-| 13d | 5 | a resource made in its warmup, which its engine first calls after KV sizing (``builtin/resources.py``) | warmed in window |
+| 13d | 5 | a resource (``builtin/resources.py``) made in its warmup, first called after KV sizing | warmed in window |
 
 The workspace of 14e to 14j is made inside the profiling window (KV sizing counts it) and held by the builder; what
 each mutant adds is a place that keeps it once every part's ``close()`` ran (torch mode).
