@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckDetails, CheckOptions
-from pytest_kvprofile.checks.evidence import fmt_batch, grouped, resource_names
+from pytest_kvprofile.checks.evidence import fmt_batch, grouped, method_site, resource_names
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import (
     ProfilingSupport,
@@ -265,8 +265,10 @@ def check_workspace_covers_planner(result: LifecycleResult, options: CheckOption
         out.extend(_short(result, name, decl.float_bytes))
         int_need = max((need.routes[r].int_bytes for r in sized[name]), default=0)
         if decl.int_bytes < int_need:
-            out.append(f"builder {name!r} reserves {decl.int_bytes} bytes of int workspace per wrapper but the planner "
-                       f"needs {int_need} for routes {', '.join(sized[name])}")
+            out.append(f"builder {name!r} reserves {decl.int_bytes} bytes of int workspace per wrapper "
+                       f"(declared_workspace(){method_site(result, name, 'declared_workspace')}) but the planner "
+                       f"needs {int_need} for routes {', '.join(sized[name])}; declare at least that (FlashInfer's "
+                       "default is 8 MiB)")
     if options.max_waste is not None and cost is not None:
         limit = options.max_waste.limit_bytes(cost.kv_bytes_per_token, cost.kv_pool_bytes)
         if limit is not None and cost.nbytes > limit:
@@ -290,7 +292,8 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     declared_short = bool(views) and declared < arena_need
     if declared_short:
         out.append(
-            f"builder {name!r} declares {bytes_text(declared)} of float workspace but FlashInfer "
+            f"builder {name!r} declares {bytes_text(declared)} of float workspace "
+            f"(declared_workspace(){method_site(result, name, 'declared_workspace')}) but FlashInfer "
             f"{need.flashinfer_version}'s planner carves {size_text(arena_need)} ({need.method}) on "
             f"{case.gpu.num_sm} SMs for routes {_routes_text(subs)} ({_deciding_text(need, subs)}): "
             f"short by {size_text((arena_need - declared))} (Buffer overflow ... Increase the workspace "
@@ -311,14 +314,15 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
                             else need_for_planned(case, _planned((route,), modes)))
         if g.nbytes >= route_need or (declared_short and g.nbytes == _aligned(declared, result.arena_alignment)):
             continue  # covered, or the declaration's shortfall already says it
-        via = f"{g.method}()" if g.method else "a call"
+        via = (f"{g.method}()" if g.method else "a call") + (f" at {g.site}" if g.site else "")
         what = f"route {route!r}" if route else "every route of the case (the views name none)"
         out.append(
             f"builder {name!r} plans {what} into arena views of at most {size_text(g.nbytes)} ({g.nbytes} bytes, "
             f"from {via} in phase {g.phase!r}, ubatch {g.ubatch}) but FlashInfer {need.flashinfer_version}'s planner "
             f"carves {size_text(route_need)} for {', '.join(subs)} ({_deciding_text(need, subs)}): "
             f"short by {size_text((route_need - g.nbytes))} "
-            "(Buffer overflow ... Increase the workspace buffer size)")
+            "(Buffer overflow ... Increase the workspace buffer size); ask views of what `kvprofile size` says for "
+            "that route")
     return out
 
 
@@ -430,7 +434,7 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
     out = []
     for (route, nbytes, alloc_id, graph), phases in sorted(short.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         alloc = allocs.get(alloc_id) if alloc_id is not None else None
-        into = (f"{alloc.role} {alloc.tag!r} of {alloc.owner}" + (f" at {alloc.stack}" if alloc.stack else "")
+        into = (f"{alloc.role} {alloc.tag!r} of {alloc.owner}" + (f" at {alloc.where}" if alloc.where else "")
                 if alloc else "memory outside the simulated device")
         route_need, subs = needs[(route, graph)]
         out.append(
@@ -438,8 +442,8 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
             f"{bytes_text(nbytes)} of float workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, "
             f"but FlashInfer {need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
             f"{', '.join(subs)} ({_deciding_text(need, subs)}): short by {size_text((route_need - nbytes))} "
-            "(Buffer overflow ... Increase the "
-            "workspace buffer size)")
+            "(Buffer overflow ... Increase the workspace buffer size); build the wrapper over a float workspace of "
+            "what `kvprofile size` says for that route")
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import traceback
 import weakref
@@ -136,19 +137,21 @@ class _RecordingMixin:
         except WorkspaceLockedError as exc:
             if requester != LOCK_PROBE and not getattr(exc, "recorded", False):
                 run.result.refusals.append(Refusal(
-                    run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current))
+                    run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current,
+                    _author_site()))
             raise
         finally:
             run._in_manager = False
         grant = ViewGrant(run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr,
-                          view.nbytes, route, run._asked_graph)
+                          view.nbytes, route, run._asked_graph, _author_site() if requester != LOCK_PROBE else "")
         run.result.grants.append(grant)
         run._grant_of[id(view)] = (view, grant)  # two views of one arena may share pointer and bytes, not identity
         return view
 
     def _refused(self, refusal: Refusal) -> None:
         if refusal.requester != LOCK_PROBE:
-            self._run.result.refusals.append(refusal)
+            site = refusal.site or _author_site()
+            self._run.result.refusals.append(dataclasses.replace(refusal, site=site) if site else refusal)
 
     def _caller(self) -> str:
         run = self._run
@@ -1054,6 +1057,22 @@ def _cached_blocks(device: Device) -> tuple[tuple[int, int], ...]:
         return ()
     return tuple((b["address"], b["size"]) for seg in allocator.snapshot() for b in seg["blocks"]
                  if b["state"] == "inactive")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_BACKENDS_DIR = os.path.join(_PACKAGE_DIR, "builtin") + os.sep  # the built-in backends: authors' code
+
+
+def _author_site() -> str:
+    """``path:line in func`` of the innermost frame that is a backend's code (outside the harness; the built-in
+    backends are backends), "" when none is on the stack."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_PACKAGE_DIR) or path.startswith(_BACKENDS_DIR):
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
 
 
 def _caller_site() -> str:

@@ -27,8 +27,8 @@ TWINS = {b.name: b for b in FIELD_TWINS}
 # each mutant: the check that refuses it and what its headline must carry (bytes, phase, source line, the place)
 EXPECT = {
     "mutant-04e-torch-non-flashinfer-scratch-after-lock": ("arena_not_grown_after_lock", (
-        "turboquant in build() asked the locked arena of ubatch 0 for",
-        "in phase 'serving' (current size 65536 bytes)")),
+        "turboquant in build() at ", "mutants_field.py:", "asked the locked arena of ubatch 0 for",
+        "in phase 'serving' (current size 65536 bytes)", "ask that view before lock")),
     "mutant-13d-resource-made-in-late-warmup": ("persistent_memory_visible_at_closing", (
         "invisible to KV sizing (made in phase 'warmup'", "builder 'dma-output-workspace'",
         "'dma output workspace'", "from warmup() in phase 'warmup'")),
