@@ -381,7 +381,8 @@ def _short_for_what_is_planned(result: LifecycleResult, name: str) -> list[str]:
         if vp.nbytes < need:
             out.append(
                 f"builder {name!r} plans {what(vp)} ({planned}) into an arena view named "
-                f"route={named!r} of {bytes_text(vp.nbytes)} (phase {vp.phase!r}, ubatch {vp.ubatch}), but "
+                f"route={named!r} of {bytes_text(vp.nbytes)} (phase {vp.phase!r}, ubatch {vp.ubatch}"
+                + (f", at {vp.site}" if vp.site else "") + "), but "
                 f"FlashInfer's planner carves {bytes_text(need)} for {', '.join(subs)} "
                 f"({_deciding_text(for_case(result.case), subs)}): short by "
                 f"{bytes_text(need - vp.nbytes)} (Buffer overflow ... Increase the workspace buffer size). A view is "
