@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, failing_checks
 from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy, KvSizingMode, Provenance
+from pytest_kvprofile.contract.budget import BudgetArithmetic, BudgetTerm, EngineTerms
 from pytest_kvprofile.contract.lease import Lease, LeaseReleasedError
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -35,6 +36,7 @@ from pytest_kvprofile.contract.workspace import (
 )
 from pytest_kvprofile.lifecycle.driver import make_device, run_lifecycle
 from pytest_kvprofile.lifecycle.record import LifecycleResult
+from pytest_kvprofile.matrix import engine_facts as _engine_facts
 from pytest_kvprofile.matrix.cases import Case, DecodeCapture, Envelope
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
 from pytest_kvprofile.matrix.models import ModelSpec
@@ -44,6 +46,16 @@ from pytest_kvprofile.memory.simulated_gpu import simulated_gpu
 
 __version__ = "0.1.0"
 
+
+def _register_builtin_engines() -> None:
+    """The package's own engines' facts, registered through their hooks, for a program that runs without pytest."""
+    from pytest_kvprofile.registry import builtin_registry
+
+    builtin_registry()
+
+
+_engine_facts.set_fallback_registration(_register_builtin_engines)
+
 __all__ = [
     "CHECKS",
     "ArenaView",
@@ -51,6 +63,8 @@ __all__ = [
     "BackendError",
     "Batch",
     "BoundWorkspace",
+    "BudgetArithmetic",
+    "BudgetTerm",
     "Builder",
     "BuilderContext",
     "Case",
@@ -61,6 +75,7 @@ __all__ = [
     "Device",
     "DeviceOutOfMemory",
     "EnginePolicy",
+    "EngineTerms",
     "Envelope",
     "GpuSpec",
     "KvSizingMode",

@@ -47,6 +47,7 @@ from pytest_kvprofile.contract.support import (
 )
 from pytest_kvprofile.contract.workspace import ManagerKind
 from pytest_kvprofile.lifecycle.parts import model_parts
+from pytest_kvprofile.matrix.engine_facts import EngineFacts, register_engine_facts
 
 if TYPE_CHECKING:
     from pytest_kvprofile.checks.base import Check
@@ -60,13 +61,15 @@ REQUIRED_METHODS = ("reserve_persistent_workspace", "declared_workspace")
 @dataclass
 class Registry:
     """Everything a run can name, in the order it was registered: backends by name and named groups of them (the
-    default group runs when nothing is named), checks (the suite makes one test per check), shared arena managers."""
+    default group runs when nothing is named), checks (the suite makes one test per check), shared arena managers,
+    the engines' facts."""
 
     backends: dict[str, Backend] = field(default_factory=dict)
     groups: dict[str, list[str]] = field(default_factory=dict)
     default_group: str | None = None
     checks: list[Check] = field(default_factory=list)
     managers: dict[str, ManagerKind] = field(default_factory=dict)
+    engines: dict[str, EngineFacts] = field(default_factory=dict)
 
     def add_backends(self, *backends: Backend, group: str | None = None, default: bool = False) -> None:
         """Make ``backends`` nameable; ``group`` names them together (``--kvprofile-backend stubs``), ``default``
@@ -108,6 +111,14 @@ class Registry:
         if kind.name in self.managers:
             raise ValueError(f"two workspace managers are registered as {kind.name!r}")
         self.managers[kind.name] = kind
+
+    def add_engine_facts(self, facts: EngineFacts) -> None:
+        """An engine's facts (``matrix.engine_facts``): kept here, and published to the matrix and the sizing, which
+        read them by role, never by engine (a ValueError where they contradict facts already stated)."""
+        if facts.name in self.engines and self.engines[facts.name] != facts:
+            raise ValueError(f"two engines state facts as {facts.name!r}, and they differ")
+        register_engine_facts(facts)
+        self.engines[facts.name] = facts
 
 
 def builtin_plugins() -> tuple[ModuleType, ...]:

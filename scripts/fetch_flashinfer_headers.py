@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-# The engines' pins (pytest_kvprofile.attention.facts.FLASHINFER_PINS) and the first release of each planner
+# The engines' pins (FLASHINFER_PINS in pytest_kvprofile/engines/*/facts.py) and the first release of each planner
 # generation (pytest_kvprofile.attention.planner.GENERATIONS), read without importing the package's heavy parts.
 DEFAULT_VERSIONS = ("0.6.9", "0.6.12", "0.6.13", "0.6.14", "0.6.15", "0.6.16", "0.6.17", "0.6.18.post1", "0.7.0",
                     "0.7.1", "0.7.2", "0.7.2.post1")

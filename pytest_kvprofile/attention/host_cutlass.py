@@ -1,7 +1,7 @@
 """FlashInfer's CUTLASS sm100 FMHA module (``fmha_cutlass_sm100``) on the simulated device: its ``plan`` on the host.
 
-Why: on Blackwell a ragged prefill wrapper made with ``backend="cutlass"`` (SGLang's ``FlashInferAttnBackend`` makes
-its ragged wrapper so on SM100) plans through ``fmha_varlen_plan``: it allocates its own work lists and launches
+Why: on Blackwell a ragged prefill wrapper made with ``backend="cutlass"`` (an engine's FlashInfer backend may make its
+ragged wrapper so on SM100) plans through ``fmha_varlen_plan``: it allocates its own work lists and launches
 ``blackwell_fmha_plan`` (``include/flashinfer/attention/blackwell/plan.cuh``, one block of 256 threads). The plan
 carves nothing from the float workspace; what it costs is those four tensors per plan. Without a host module the
 first prefill plan of such a backend fails on a CPU machine ("No supported CUDA architectures found").

@@ -2,7 +2,8 @@
 GPU.
 
 Why: a prefill wrapper's ``plan()`` with a custom mask packs it into bits on the device before planning
-(``segment_packbits``, ``flashinfer/quantization/packbits.py``); SGLang's target-verify steps (MTP) plan that way.
+(``segment_packbits``, ``flashinfer/quantization/packbits.py``); an engine's target-verify steps (MTP) may plan
+that way.
 The packing is ``numpy.packbits`` per segment (FlashInfer documents the same semantics), written into the caller's
 output, so the planner after it sees what it sees on a GPU.
 """

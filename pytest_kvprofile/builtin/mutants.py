@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from pytest_kvprofile.attention.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.builtin.mutants_field import field_mutants
 from pytest_kvprofile.builtin.process_state import (
     AFTER_KV,
@@ -30,6 +29,9 @@ from pytest_kvprofile.builtin.stubs import (
     TorchFlashInferLikeBuilder,
     TrtllmGenSizedBuilder,
     Wrapper,
+    vllm_default_fixed_bytes,
+    vllm_default_float_bytes,
+    vllm_trtllm_workspace_bytes,
     with_role,
 )
 from pytest_kvprofile.checks.base import CheckOptions, WasteBudget
@@ -37,7 +39,7 @@ from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, BoundWorkspace, BuilderContext
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.workspace import WorkspaceLockedError
-from pytest_kvprofile.sizing.case import for_case, vllm_default_float_bytes
+from pytest_kvprofile.sizing.case import for_case
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
@@ -274,7 +276,7 @@ class FixedDefaultViewBuilder(FlashInferLikeBuilder):
     sizing loses what the declaration never mentioned."""
 
     def _float_view(self, ctx: BuilderContext, ubatch: int) -> ArenaView:
-        return ctx.get_workspace(max(self.float_bytes(), VLLM_DEFAULT_FLOAT_BYTES), ubatch)
+        return ctx.get_workspace(max(self.float_bytes(), vllm_default_fixed_bytes()), ubatch)
 
 
 class TrtllmNoLseSlabBuilder(TrtllmGenSizedBuilder):
@@ -963,7 +965,7 @@ MUTANT_BACKENDS = MUTANT_BACKENDS + _resource_mutants() + field_mutants(_mutant)
 
 
 class _VllmDefaultArena:
-    """The open vLLM pull request's arena size (``sizing.case.vllm_default_float_bytes``), for a FlashInfer-like
+    """The open vLLM pull request's arena size (``builtin.stubs.vllm_default_float_bytes``), for a FlashInfer-like
     stub."""
 
     case: Case
@@ -986,7 +988,7 @@ class UnusedTrtllmWorkspaceBuilder(FlashInferLikeBuilder):
     vLLM's 394 MiB trtllm-gen workspace, which no route of the case uses."""
 
     def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
-        workspace = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES, "trtllm-gen workspace", role=Role.TRTLLM_WORKSPACE)
+        workspace = ctx.allocate(vllm_trtllm_workspace_bytes(), "trtllm-gen workspace", role=Role.TRTLLM_WORKSPACE)
         try:
             lease = super().reserve_persistent_workspace(ctx)
         except BaseException:
@@ -1007,7 +1009,7 @@ class PrivateFloatWorkspaceBuilder(FlashInferLikeBuilder):
     def _new_wrapper(self, ctx: BuilderContext, route: str, ubatch: int) -> Wrapper:
         w = super()._new_wrapper(ctx, route, ubatch)
         try:
-            self.private[id(w)] = ctx.allocate(VLLM_DEFAULT_FLOAT_BYTES,
+            self.private[id(w)] = ctx.allocate(vllm_default_fixed_bytes(),
                                                f"{route} private float workspace [ubatch {ubatch}]",
                                                role=Role.FLOAT_WORKSPACE)
         except BaseException:

@@ -12,6 +12,10 @@
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
 | 04e | 9 | a non-FlashInfer kernel (TurboQuant-like) asks the arena for batch-sized scratch after lock | asks early |
 | 13d | 5 | a resource (``builtin/resources.py``) made in its warmup, first called after KV sizing | warmed in window |
+| 10c | 2 | 36 MiB of runner buffers made in ``__init__``, before a fork's instance snapshot | snapshot first |
+
+Mutant 10c is an engine's, not a builder's: its twin has the same builder, under an engine that takes its instance
+snapshot before the parts are constructed (upstream vLLM's ``init_device``).
 
 The workspace of 14e to 14j is made inside the profiling window (KV sizing counts it) and held by the builder; what
 each mutant adds is a place that keeps it once every part's ``close()`` ran (torch mode).
@@ -30,9 +34,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pytest_kvprofile.builtin.resources import WarmedInWindowDMAOutputWorkspace
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, TorchFlashInferLikeBuilder, Wrapper
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.memory.budget import InstanceSnapshotBudget
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
@@ -365,9 +370,42 @@ class DeclaredContinuationScratchBuilder(_ContinuationPrefill):
         return ctx.lease(views)
 
 
-def _twin(name: str, cls: type) -> Backend:
+# -- item 2: persistent buffers made before the engine's instance snapshot ------------------------------------------
+RUNNER_INIT_BUFFERS: dict[str, int] = {  # what a model runner's __init__ keeps: 36 MiB per GPU, as the report saw
+    "inputs_embeds staging": 24 * MiB, "positions": 8 * MiB, "input_ids": 4 * MiB}
+
+
+class RunnerInitBuffersBuilder(TorchFlashInferLikeBuilder):
+    """The correct torch-mode stub, with a model runner's persistent buffers (``RUNNER_INIT_BUFFERS``, 36 MiB) made in
+    its ``__init__`` and kept for the engine's life. Correct under an engine whose budget counts them."""
+
+    def __init__(self, case: Case):
+        import torch
+
+        super().__init__(case)
+        self.runner_buffers = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+                               for name, nbytes in RUNNER_INIT_BUFFERS.items()}
+
+
+def fork_budget() -> InstanceSnapshotBudget:
+    """Bug 10c (issue 51, item 2): a vLLM fork takes ``init_snapshot`` after it makes the model runner, so
+    ``total_consumed`` starts after the runner's ``__init__`` buffers, and no other term counts them."""
+    return InstanceSnapshotBudget("after_init", engine="a vLLM fork's memory_profiling")
+
+
+def upstream_budget() -> InstanceSnapshotBudget:
+    """Correct twin of 10c: upstream vLLM takes ``init_snapshot`` in ``init_device``, before the model runner."""
+    return InstanceSnapshotBudget("before_instance")
+
+
+FORK_POLICY = EnginePolicy(budget=fork_budget)
+UPSTREAM_POLICY = EnginePolicy(budget=upstream_budget)
+
+
+def _twin(name: str, cls: type, policy: EnginePolicy | None = None) -> Backend:
     return Backend(name=name, make_builders=lambda case: [cls(case)], description=(cls.__doc__ or "").strip(),
-                   origin="builtin", torch_mode=bool(getattr(cls, "torch_mode", False)))
+                   origin="builtin", torch_mode=bool(getattr(cls, "torch_mode", False)),
+                   policy=policy or EnginePolicy())
 
 
 def _resource_twin(name: str, cls: type) -> Backend:
@@ -391,6 +429,7 @@ FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-14g-drops-on-close", DropsOnCloseBuilder),
     _twin("twin-04e-declares-continuation-scratch", DeclaredContinuationScratchBuilder),
     _resource_twin("twin-13d-resource-warmed-in-window", WarmedInWindowDMAOutputWorkspace),
+    _twin("twin-10c-torch-snapshot-before-runner", RunnerInitBuffersBuilder, UPSTREAM_POLICY),
 )
 """The correct twin of each field mutant, by the mutant's id (``twin-<id>-...``)."""
 
@@ -416,6 +455,8 @@ def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
                catches=("no_state_outlives_case",)),
         mutant("mutant-04e-torch-non-flashinfer-scratch-after-lock", 4, LateContinuationScratchBuilder,
                catches=("arena_not_grown_after_lock",)),
+        mutant("mutant-10c-torch-runner-buffers-before-snapshot", 10, RunnerInitBuffersBuilder, FORK_POLICY,
+               catches=("budget_counts_every_byte",)),
     )
 
 

@@ -9,10 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from pytest_kvprofile.attention.facts import (
-    FLASHINFER_INT_WORKSPACE_BYTES,
-    VLLM_DEFAULT_FLOAT_BYTES,
-)
+from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -22,12 +19,13 @@ from pytest_kvprofile.contract.protocol import (
 )
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
+from pytest_kvprofile.matrix.engine_facts import engine_facts, workspace_rule
 from pytest_kvprofile.sizing.case import (
+    default_float_bytes,
     for_case,
     need_for_planned,
     need_for_routes,
     routes,
-    vllm_default_float_bytes,
 )
 from pytest_kvprofile.sizing.trtllm import trtllm_need, trtllm_routes
 from pytest_kvprofile.units import MiB
@@ -40,6 +38,26 @@ if TYPE_CHECKING:
     from pytest_kvprofile.contract.protocol import Builder
     from pytest_kvprofile.contract.workspace import ArenaView
     from pytest_kvprofile.matrix.cases import Case
+
+VLLM_DEFAULT_RULE = "vllm-default"  # vLLM's default float workspace, as its package names it (engines/vllm/facts.py)
+
+
+def vllm_default_fixed_bytes() -> int:
+    """vLLM's fixed default float workspace (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``), from vLLM's registered
+    facts."""
+    return workspace_rule(VLLM_DEFAULT_RULE).fixed_bytes
+
+
+def vllm_default_float_bytes(case: Case) -> int:
+    """vLLM's default float workspace for the case's rank, grown with batched tokens as vLLM grows it. The open vLLM
+    pull request reserves it on purpose: safe, and a cost in KV capacity."""
+    return default_float_bytes(VLLM_DEFAULT_RULE, case)
+
+
+def vllm_trtllm_workspace_bytes() -> int:
+    """vLLM's one trtllm-gen workspace per process, from vLLM's registered facts."""
+    return engine_facts("vllm").trtllm_workspace_bytes
+
 
 # a buffer a stub keeps: a ledger Allocation in ctx mode (freed through ctx), a plain torch tensor in torch mode
 # (written with torch calls); each mode's code uses it as its own
@@ -387,7 +405,7 @@ class TrtllmGenRoutesBuilder(FlashInferLikeBuilder):
 
     def trtllm_bytes(self) -> int:
         """The trtllm-gen workspace: vLLM's one per process (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``, 394 MiB)."""
-        return VLLM_DEFAULT_FLOAT_BYTES
+        return vllm_trtllm_workspace_bytes()
 
     def planner_need(self) -> int:
         return self.float_bytes()

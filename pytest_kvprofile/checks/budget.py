@@ -1,24 +1,85 @@
-"""Checks of the engine's budget after KV sizing: the overrun and the graph pool's accounting."""
+"""Checks of the engine's budget: every byte alive at the closing measurement in a term, the overrun after KV sizing,
+and the graph pool's accounting."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import pytest_kvprofile.lifecycle.phases as lc
-from pytest_kvprofile.checks.base import Check, CheckDetails, CheckOptions, JsonObject
+from pytest_kvprofile.checks.base import BOTH, Check, CheckDetails, CheckOptions, JsonObject
 from pytest_kvprofile.checks.evidence import (
+    alive_at,
     alive_at_end,
     builder_names,
     grouped,
 )
+from pytest_kvprofile.contract.budget import POINT_TEXT, SNAPSHOT_POINTS, SnapshotPoint
 from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.memory.budget import Budget, tokens_for
-from pytest_kvprofile.memory.device import own_frame
+from pytest_kvprofile.memory.device import Allocation, own_frame
 from pytest_kvprofile.units import MiB, bytes_text, size_text
 
-if TYPE_CHECKING:
-    from pytest_kvprofile.contract.device import Allocation
+
+@dataclass(frozen=True)
+class Uncounted:
+    """What the engine's budget leaves out at the closing measurement: ``reserved``, the bytes this run reserved by
+    then that its persistent terms do not add up to (its own figures); ``alive``, the allocations alive then that no
+    persistent term counts, by the snapshot point they were made before (the earliest a term counts from)."""
+
+    reserved: int
+    alive: dict[SnapshotPoint, list[Allocation]]
+
+    @property
+    def alive_bytes(self) -> int:
+        return sum(a.nbytes for allocs in self.alive.values() for a in allocs)
+
+
+def uncounted_at_closing(result: LifecycleResult) -> Uncounted:
+    """Device memory at the closing measurement that the engine's budget (``result.engine_terms``) does not count."""
+    terms, marks, window = result.engine_terms, result.snapshot_marks, result.window
+    if terms is None or window is None or "closing" not in marks:
+        return Uncounted(0, {})
+    persistent = [t for t in terms.terms if t.since is not None and t.until is not None]
+    spans = [(marks[t.since], marks[t.until]) for t in persistent if t.since in marks and t.until in marks]
+    starts = sorted(persistent, key=lambda t: SNAPSHOT_POINTS.index(t.since or "closing"))
+    alive: dict[SnapshotPoint, list[Allocation]] = {}
+    for i, a in enumerate(result.allocations[:marks["closing"]]):
+        if a.kind != "device" or not alive_at(a, lc.CLOSING) or any(lo <= i < hi for lo, hi in spans):
+            continue
+        missed_by: SnapshotPoint = next(
+            (t.since for t in starts if t.since is not None and i < marks[t.since]), "closing")
+        alive.setdefault(missed_by, []).append(a)
+    made = window.closing_reserved - result.reserved_at_start  # what this run reserved: an earlier run's is not owed
+    return Uncounted(made - sum(t.nbytes for t in persistent), alive)
+
+
+def check_budget_counts_every_byte(result: LifecycleResult, options: CheckOptions) -> list[str]:
+    """Every device byte alive at the closing measurement is in a term of the engine's own KV budget."""
+    missed = uncounted_at_closing(result)
+    if missed.reserved <= 0 and not missed.alive:
+        return []
+    terms, window = result.engine_terms, result.window
+    assert terms is not None and window is not None, "uncounted memory is read against the engine's terms"
+    case = result.case
+    per_token = kv_bytes_per_token(case.model, case.tp, case.dcp)
+    worst = max(missed.reserved, missed.alive_bytes)
+    described = "; ".join(
+        f"{t.name} {size_text(t.nbytes)}" + (
+            f" (what was made after the snapshot {POINT_TEXT[t.since]} and is alive {POINT_TEXT[t.until]})"
+            if t.since is not None and t.until is not None else " (no persistent memory)") for t in terms.terms)
+    made = "; ".join(f"before the snapshot {POINT_TEXT[point]} ({point!r}): {grouped(result, allocs)}"
+                     for point, allocs in missed.alive.items()) or "none alive (freed memory its snapshot saw)"
+    return [
+        f"budget_counts_every_byte: case {case.id}: {bytes_text(missed.alive_bytes)} alive at the closing "
+        f"measurement is in no term of the engine's KV budget; its terms leave {bytes_text(missed.reserved)} of the "
+        f"{size_text(window.closing_reserved)} reserved there uncounted. Sized by these terms, the KV cache is "
+        f"{tokens_for(worst, per_token)} tokens per rank too large ({per_token} B/token), and the first full step runs "
+        f"past total x gmu. Engine: {terms.engine}. Its terms: {described}. Made {made}. Take the engine's snapshot "
+        f"before this memory is made (vLLM's init_device takes its MemorySnapshot before it makes the model "
+        f"runner), or count it in a term"
+    ]
 
 
 def check_no_post_kv_overrun(result: LifecycleResult, options: CheckOptions) -> list[str]:
@@ -127,6 +188,8 @@ def budget_details(result: LifecycleResult) -> CheckDetails:
 
 
 CHECKS: tuple[Check, ...] = (
+    Check("budget_counts_every_byte", "every device byte alive at the closing measurement is in a term of the engine's "
+          "KV budget", BOTH, lc.CLOSING, (10,), check_budget_counts_every_byte),
     Check("no_post_kv_overrun", "peak usage after KV allocation stays within total x gmu", PROFILING,
           lc.WARMUP_REPEAT, (1, 2, 3, 4, 7, 8, 10), check_no_post_kv_overrun, details=budget_details),
     Check("graph_pool_full_high_water", "the CUDA-graph pool is accounted at its full high-water mark",

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.contract.budget import BudgetArithmetic
     from pytest_kvprofile.contract.protocol import Builder
     from pytest_kvprofile.contract.resources import PersistentResource
     from pytest_kvprofile.contract.workspace import ArenaManager, ManagerKind
     from pytest_kvprofile.matrix.cases import Case
+    from pytest_kvprofile.matrix.engine_facts import EngineFacts
 
 REQUIRED_BUILDER_ATTRS = ("name",)
 
@@ -91,6 +93,9 @@ class EnginePolicy:
     per case (vLLM 0.34's extensible KV cache, on by default and off under a few settings), the mode and why.
     ``gate(case)``: the engine's own reason to keep a case on the legacy path even when every builder opts in
     (vLLM's runner: speculative decoding, elastic EP), or None; None (the default) gates nothing.
+    ``budget``: what makes the engine's own KV budget arithmetic for a run (``contract/budget.py``: its terms, each
+    counting between two of the lifecycle's snapshots), which ``budget_counts_every_byte`` reads against the ledger;
+    None: the harness's own (``ProfileWindow.terms``), which counts every byte from the fresh device on.
     """
 
     warmup_in_window: bool | None = None
@@ -102,6 +107,7 @@ class EnginePolicy:
     gate: Callable[[Case], str | None] | None = None
     kv_sizing: KvSizingRule = "profile"
     kv_sizing_for: Callable[[Case], KvSizingMode] | None = None
+    budget: Callable[[], BudgetArithmetic] | None = None
 
     def __post_init__(self) -> None:
         if self.graph_estimate not in GRAPH_ESTIMATES:
@@ -258,8 +264,10 @@ def _importable(module: str) -> bool:
 
 
 class BackendRegistrar(Protocol):
-    """What a ``pytest_kvprofile_register`` hook implementation adds backends and shared arena managers through (the
-    plugin's ``Registry``): the built-ins (``builtin/``, ``engines/``) register through it as a third party does."""
+    """What a ``pytest_kvprofile_register`` hook implementation adds backends, shared arena managers and an engine's
+    facts through (the plugin's ``Registry``): the built-ins (``builtin/``, ``engines/``) register through it as a
+    third party does."""
 
     def add_backends(self, *backends: Backend, group: str | None = None, default: bool = False) -> None: ...
     def add_workspace_manager(self, kind: ManagerKind) -> None: ...
+    def add_engine_facts(self, facts: EngineFacts) -> None: ...

@@ -30,7 +30,9 @@ BUG_CLASSES: tuple[BugClass, ...] = (
     BugClass(7, "warmup not idempotent; warmup not retryable after a failure"),
     BugClass(8, "profile measured once only (persistent baseline and activation peak never seen together)"),
     BugClass(9, "synthetic workspace allocated during graph capture"),
-    BugClass(10, "graph pool accounted as `gross - retained`, which omits live reserved pages and overstates KV"),
+    BugClass(10, "the engine's KV budget leaves out memory it holds, and overstates KV: the graph pool as "
+                 "`gross - retained` (live reserved pages omitted) or not at all, or persistent memory made before the "
+                 "snapshot its terms count from (a vLLM fork's model-runner `__init__` buffers)"),
     BugClass(11, "float workspace sized from a decode-shaped heuristic (16-row tiles keyed on max requests) or a "
                  "fixed default, overflowing the prefill split-KV bound on high-SM GPUs or low-KV-head layouts"),
     BugClass(12, "float workspace sized from a formula for the wrong FlashInfer version"),

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence, TypeAlias
 
 from pytest_kvprofile.contract.backends import EnginePolicy, engine_gate
+from pytest_kvprofile.contract.budget import BudgetArithmetic, SnapshotPoint
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -216,6 +217,8 @@ class LifecycleRun:
         self._in_manager = False
         self._use_index: dict[tuple[object, ...], int] = {}  # MemoryUse.key -> its position in result.uses
         self._atexit: list[Registered] = []  # atexit handlers the parts registered (module_state.atexit_recorded)
+        # the engine's own KV budget arithmetic (EnginePolicy.budget), fed the snapshots; None: the harness's
+        self._arithmetic = self._budget_arithmetic()
         self.result = LifecycleResult(
             backend=getattr(self.backend, "name", str(self.backend)), case=self.case, probe=target,
             policy=self.policy,
@@ -577,10 +580,15 @@ class LifecycleRun:
     def make_builders(self) -> None:
         """Construct the backend's parts for the case, once, on this run's device (phase ``setup``)."""
         self._enter(SETUP)
+        self._snapshot("device_start")
+        self._snapshot("before_instance")
         try:
             self.construct()
         except Exception as exc:  # noqa: BLE001 - a raising factory is reported by every check
             self._fail(f"backend {self.result.backend!r} factory", exc)
+        for alloc in self.result.allocations[self.result.snapshot_marks["before_instance"]:]:
+            self.result.alloc_origin.setdefault(alloc.id, "__init__")  # what the parts' constructors made
+        self._snapshot("after_init")
         modules: dict[str, set[str]] = {}
         for p in self.builders:
             modules.setdefault(type(getattr(p, "resource", p)).__module__, set()).add(builder_name(p))
@@ -766,6 +774,22 @@ class LifecycleRun:
         enabled = self.result.resolution is not None and self.result.resolution.enabled
         self.result.path = PROFILING if enabled else LEGACY
 
+    def _budget_arithmetic(self) -> BudgetArithmetic | None:
+        """The engine's own KV budget arithmetic for this run (``EnginePolicy.budget``); None: the harness's."""
+        return self.policy.budget() if self.policy.budget is not None else None
+
+    def _snapshot(self, point: SnapshotPoint) -> None:
+        """The lifecycle reached ``point``: mark the ledger there, and let the engine's arithmetic measure."""
+        self.result.snapshot_marks[point] = len(self.result.allocations)
+        if point == "device_start":  # what an earlier run left reserved (a real GPU), which no term of this run owes
+            self.result.reserved_at_start = self.device.memory_reserved()
+        if self._arithmetic is None:
+            return
+        try:
+            self._arithmetic.snapshot(point, self.device)
+        except Exception as exc:  # noqa: BLE001 - the engine's arithmetic failing is a recorded outcome
+            self._fail(f"engine (budget arithmetic {self._arithmetic.name})", exc)
+
     def _warmed_in_window(self) -> list[Builder]:
         """The parts the engine warms up inside the profiling window: each part where its engine warms it (its
         ``warmup_materializes_persistent``), so a part whose engine first warms it after KV sizing is warmed there
@@ -784,6 +808,7 @@ class LifecycleRun:
             observer.before_instance(dev)
         with self._max_split():
             self._alloc_engine(case.weights_bytes, "model", "weights")
+        self._snapshot("after_weights")
         self._record_phase(SETUP)
 
         self._enter(BASELINE)
@@ -792,6 +817,7 @@ class LifecycleRun:
         baseline_reserved = dev.memory_reserved()
         self._baseline_allocated = dev.memory_allocated()
         self.in_window = True
+        self._snapshot("baseline")
         for observer in self.observers:
             observer.window_opens(dev)
         self._record_phase(BASELINE)
@@ -842,6 +868,7 @@ class LifecycleRun:
         for observer in self.observers:
             self.result.observed_non_kv[observer.name] = observer.window_closes(dev)
         peak_allocated = dev.max_memory_allocated()
+        self._snapshot("closing")
         dev.empty_cache()
         self.result.window = ProfileWindow(
             weights=case.weights_bytes,
@@ -851,6 +878,7 @@ class LifecycleRun:
             closing_allocated=dev.memory_allocated(),
             peak_allocated=peak_allocated,
         )
+        self._engine_terms()
         self.in_window = False
         self.result.released_before_closing = tuple(r.owner for r in self.result.leases if r.lease.released)
         self._record_phase(CLOSING)
@@ -955,6 +983,17 @@ class LifecycleRun:
             self.device.free(act)
             self.in_dummy_forward = False
         self.device.free(out)
+
+    def _engine_terms(self) -> None:
+        """The engine's budget as terms (``result.engine_terms``): its own arithmetic's, else the harness's."""
+        assert self.result.window is not None
+        if self._arithmetic is None:
+            self.result.engine_terms = self.result.window.terms()
+            return
+        try:
+            self.result.engine_terms = self._arithmetic.terms()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"engine (budget arithmetic {self._arithmetic.name})", exc)
 
     def _size_kv(self) -> None:
         case, dev, window = self.case, self.device, self.result.window

@@ -36,6 +36,7 @@ from pytest_kvprofile.units import bytes_text, size_text
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.backends import Backend
+    from pytest_kvprofile.contract.budget import BudgetArithmetic
     from pytest_kvprofile.contract.device import Allocation, Device, DeviceEvent
 
 T = TypeVar("T")
@@ -59,6 +60,11 @@ class _ProbeRun(LifecycleRun):
         if lc.PHASE_INDEX[phase] >= lc.PHASE_INDEX[self.stop_at]:
             self.reached = phase == self.stop_at and self.stop_before_reserving is None
             raise _Stop
+
+    def _budget_arithmetic(self) -> BudgetArithmetic | None:
+        """A probe judges a warmup, never the budget: the engine's own arithmetic is not run (the harness's terms
+        are recorded as in any run)."""
+        return None
 
     def _call(self, builder: Builder, method: Hook, *args: BuilderContext | Batch) -> object:
         if method == "reserve_persistent_workspace" and builder_name(builder) == self.stop_before_reserving:

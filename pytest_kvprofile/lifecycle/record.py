@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from pytest_kvprofile.contract.backends import EnginePolicy, KvSizingMode, kv_sizing_mode
+from pytest_kvprofile.contract.budget import EngineTerms
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import SupportResolution, builder_name
@@ -273,6 +274,10 @@ class LifecycleResult:
     second_engine: SecondEngine | None = None  # a second engine in the same process, when state held memory
     aborted_in: str | None = None
     observed_non_kv: dict[str, int] = field(default_factory=dict)  # an engine's own profiler's non-KV bytes, by name
+    # the ledger's length at each snapshot point the run reached (contract/budget.py: SNAPSHOT_POINTS)
+    snapshot_marks: dict[str, int] = field(default_factory=dict)
+    engine_terms: EngineTerms | None = None  # the engine's KV budget as terms, at the closing measurement
+    reserved_at_start: int = 0  # the device's reserved bytes before the run made anything (snapshot device_start)
     # the run's teardown (``driver.close_parts`` calls it once): the parts' close() on the run's device
     closer: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 

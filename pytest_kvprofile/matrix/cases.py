@@ -1,6 +1,6 @@
 """What a matrix expands into: engine limits (the envelope), cases and the resources they carry.
 
-Capture sizes are tokens, as vLLM's ``cudagraph_capture_sizes`` are. A decode step captured at S
+Capture sizes are tokens, as an engine's CUDA-graph capture sizes are. A decode step captured at S
 tokens carries ``S // (1 + mtp)`` requests of ``1 + mtp`` query tokens each; :meth:`Envelope.decode_captures`
 is the one place that turns capture sizes into captured batches, and both the lifecycle and the
 sizing module read it.
@@ -34,7 +34,7 @@ class DecodeCapture:
 
 @dataclass(frozen=True)
 class Envelope:
-    """The engine limits a case is profiled and sized for (vLLM's scheduler and compilation config).
+    """The engine limits a case is profiled and sized for (the engine's scheduler and compilation config).
 
     ``cuda_graph_sizes`` are capture sizes in tokens; an empty tuple means no CUDA graphs.
     """
@@ -53,7 +53,7 @@ class Envelope:
 
         A capture of S tokens plans ``S // (1 + mtp)`` requests. Sizes that hold no whole request,
         more requests than ``max_num_seqs`` or more tokens than ``max_num_batched_tokens`` are never
-        a uniform decode step, so they are not captured (vLLM drops them the same way); two sizes
+        a uniform decode step, so they are not captured (the engine drops them the same way); two sizes
         that plan the same requests are one capture.
         """
         memo: dict[int, tuple[DecodeCapture, ...]] = self.__dict__.setdefault("_decode_captures", {})

@@ -1,12 +1,16 @@
-"""KV-cache dtypes a matrix may name: what one cached element costs, what the engine calls it, what plans it.
+"""KV-cache dtypes a matrix may name: what one cached element costs and what plans it.
 
-One table, so the bytes a token costs (KV capacity, costs in KV tokens), the element size FlashInfer's planners see
-(``sizeof(DTypeKV)``: the decode tile and occupancy) and the string vLLM is configured with never disagree.
+One table, so the bytes a token costs (KV capacity, costs in KV tokens) and the element size FlashInfer's planners
+see (``sizeof(DTypeKV)``: the decode tile and occupancy) never disagree. What each engine calls a dtype, and on which
+GPUs it routes one to trtllm-gen only, are the engine's facts (``engines/<name>/facts.py``, read through
+``matrix.engine_facts``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pytest_kvprofile.matrix.engine_facts import route_policy
 
 __all__ = ["KV_DTYPES", "KvDtype", "kv_dtype", "kv_dtype_names"]
 
@@ -17,23 +21,20 @@ class KvDtype:
 
     ``data_bits`` per element; block-scaled types (NVFP4) add one ``scale_bytes`` scale per ``scale_block``
     elements of a head's row. ``planner_bytes`` is ``sizeof(DTypeKV)`` in FlashInfer's FA2 kernels (NVFP4: its
-    packed ``uint8`` storage). ``min_cc_major``: the GPUs that can read it. ``trtllm_only_cc_majors``: the GPUs on
-    which the engine runs it on trtllm-gen only, never FA2 (vLLM 0.33 reads NVFP4 with FA2 on SM8x/9x/12x and with
-    trtllm-gen on SM10x); ``fa2_max_head_dim``: the largest head FlashInfer builds its FA2 decode for (0: any).
+    packed ``uint8`` storage). ``min_cc_major``: the GPUs that can read it. ``fa2_max_head_dim``: the largest head
+    FlashInfer builds its FA2 decode for (0: any). The GPUs on which the engine runs it on trtllm-gen only, never
+    FA2, are the route policy's (``RoutePolicy.trtllm_only``).
     """
 
     name: str
     data_bits: int
-    vllm: str  # vLLM's --kv-cache-dtype for it
     torch: str  # the torch dtype a FlashInfer plan() is given as kv_data_type ("" where FA2 has none)
     planner_bytes: int
     scale_block: int = 0
     scale_bytes: int = 0
     min_cc_major: int = 0
     quantized: bool = False
-    trtllm_only_cc_majors: tuple[int, ...] = ()
     fa2_max_head_dim: int = 0
-    sglang: str = ""  # SGLang's --kv-cache-dtype for it ("" where the SGLang adapter expresses none)
 
     @property
     def model_torch(self) -> str:
@@ -53,9 +54,10 @@ class KvDtype:
         ``compute_capability``: a GPU where FA2 reads the dtype (callers of the one-argument form before NVFP4 ran
         off SM100)."""
         major, minor = compute_capability or (0, 0)
-        if major in self.trtllm_only_cc_majors:
-            return (f"KV dtype {self.name} runs on FlashInfer's trtllm-gen kernels only on sm_{major}{minor} (vLLM's "
-                    "FlashInfer backend reads it with FA2 on SM8x/9x/12x only)")
+        trtllm_only = route_policy().trtllm_only_on(self.name, major)
+        if trtllm_only is not None:
+            return (f"KV dtype {self.name} runs on FlashInfer's trtllm-gen kernels only on sm_{major}{minor} "
+                    f"({trtllm_only.why})")
         if self.fa2_max_head_dim and head_dim > self.fa2_max_head_dim:
             return (f"KV dtype {self.name} at head dim {head_dim}: FlashInfer builds its FA2 decode for it up to "
                     f"head dim {self.fa2_max_head_dim} only (larger heads: SM100+ kernels)")
@@ -71,17 +73,16 @@ class KvDtype:
 
 
 KV_DTYPES: dict[str, KvDtype] = {d.name: d for d in (
-    KvDtype("bf16", 16, "auto", "bfloat16", 2, sglang="auto"),
-    KvDtype("auto", 16, "auto", "bfloat16", 2, sglang="auto"),  # the model's dtype; the matrices' models are bf16
-    KvDtype("fp16", 16, "auto", "float16", 2, sglang="auto"),
-    KvDtype("fp32", 32, "auto", "float32", 4),
-    KvDtype("fp8", 8, "fp8", "float8_e4m3fn", 1, quantized=True, sglang="fp8_e4m3"),  # vLLM's "fp8" is E4M3 on CUDA
-    KvDtype("fp8_e4m3", 8, "fp8_e4m3", "float8_e4m3fn", 1, quantized=True, sglang="fp8_e4m3"),
-    KvDtype("fp8_e5m2", 8, "fp8_e5m2", "float8_e5m2", 1, quantized=True, sglang="fp8_e5m2"),
-    # NVFP4: E2M1 values, one E4M3 scale per 16 of a row. vLLM 0.33 plans it on FA2 as packed uint8 (FlashInfer's
-    # DTypeKV) on SM8x/9x/12x, on trtllm-gen only on SM10x (its FlashInferBackend.supports_kv_cache_dtype)
-    KvDtype("nvfp4", 4, "nvfp4", "uint8", 1, scale_block=16, scale_bytes=1, min_cc_major=8, quantized=True,
-            trtllm_only_cc_majors=(10, 11), fa2_max_head_dim=256, sglang="nvfp4"),
+    KvDtype("bf16", 16, "bfloat16", 2),
+    KvDtype("auto", 16, "bfloat16", 2),  # the model's dtype; the matrices' models are bf16
+    KvDtype("fp16", 16, "float16", 2),
+    KvDtype("fp32", 32, "float32", 4),
+    KvDtype("fp8", 8, "float8_e4m3fn", 1, quantized=True),  # E4M3, as the engines read "fp8" on CUDA
+    KvDtype("fp8_e4m3", 8, "float8_e4m3fn", 1, quantized=True),
+    KvDtype("fp8_e5m2", 8, "float8_e5m2", 1, quantized=True),
+    # NVFP4: E2M1 values, one E4M3 scale per 16 of a row, planned on FA2 as packed uint8 (FlashInfer's DTypeKV)
+    KvDtype("nvfp4", 4, "uint8", 1, scale_block=16, scale_bytes=1, min_cc_major=8, quantized=True,
+            fa2_max_head_dim=256),
 )}
 
 

@@ -79,7 +79,7 @@ class RankHeads:
     """What one rank's wrappers see.
 
     ``heads_q_decode`` is larger than ``heads_q`` under DCP: queries are all-gathered across the DCP
-    group, so the decode wrapper is planned with ``heads_q * dcp`` query heads (vLLM plans it so).
+    group, so the decode wrapper is planned with ``heads_q * dcp`` query heads (the engine plans it so).
     """
 
     heads_q: int

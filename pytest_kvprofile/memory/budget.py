@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from pytest_kvprofile.contract.backends import KvSizingRule
+from pytest_kvprofile.contract.budget import BudgetTerm, EngineTerms, SnapshotPoint
+from pytest_kvprofile.contract.device import Device
 from pytest_kvprofile.units import GiB, MiB
 
 KV_ALIGN = 2 * MiB  # the KV cache is carved in allocator-block multiples, so sizing never rounds up
@@ -44,6 +46,61 @@ class ProfileWindow:
 
     def persistent_allocated(self, baseline_allocated: int) -> int:
         return self.closing_allocated - baseline_allocated
+
+    def terms(self) -> EngineTerms:
+        """The harness's own budget as terms (``non_kv``): everything reserved at the baseline, counted from the fresh
+        device on, then what the window added; so every byte alive at the closing measurement is in a term."""
+        return EngineTerms(HARNESS_ENGINE, (
+            BudgetTerm("baseline_reserved", self.baseline_reserved, "device_start", "baseline",
+                       "memory_reserved() at the baseline, after empty_cache (memory/budget.py: ProfileWindow)"),
+            BudgetTerm("consumed", self.consumed, "baseline", "closing",
+                       "closing reserved - baseline reserved, both after empty_cache"),
+            BudgetTerm("transient_headroom", self.transient_headroom, formula="peak allocated - closing allocated"),
+            BudgetTerm("nontorch", self.nontorch, formula="the device's non-torch bytes (CUDA context, NCCL)"),
+        ))
+
+
+HARNESS_ENGINE = "the harness's engine (memory/budget.py: ProfileWindow.non_kv)"
+
+
+class InstanceSnapshotBudget:
+    """vLLM 0.33's ``memory_profiling`` arithmetic, in plain Python, with its instance snapshot taken at ``at``.
+
+    ``non_kv = total_consumed + transient_peak_headroom``: ``total_consumed`` is the device's free memory at the
+    instance snapshot minus its free memory at the closing measurement (after ``empty_cache``), so it counts what was
+    made after that snapshot and is alive at the closing one. Upstream vLLM takes the snapshot in ``init_device``,
+    before the model runner exists (``at="before_instance"``); a fork that takes it after the runner's ``__init__``
+    (``at="after_init"``) counts none of the buffers the constructor made. ``engines/vllm/memory.py`` runs vLLM's own
+    code with the same points and is held to the same terms.
+    """
+
+    def __init__(self, at: SnapshotPoint = "before_instance", engine: str = "vLLM 0.33 memory_profiling"):
+        self.at = at
+        self.name = f"{engine} (instance snapshot {at})"
+        self._free_at: int | None = None
+        self._closing: tuple[int, int] | None = None  # (free, transient headroom) at the closing measurement
+
+    def snapshot(self, point: SnapshotPoint, device: Device) -> None:
+        if point == self.at:
+            self._free_at = _free(device)
+        elif point == "closing":
+            device.empty_cache()  # memory_profiling's exit: gc.collect(); empty_cache(); then it measures
+            self._closing = (_free(device), device.max_memory_allocated() - device.memory_allocated())
+
+    def terms(self) -> EngineTerms:
+        if self._free_at is None or self._closing is None:
+            raise RuntimeError(f"{self.name}: terms() before its snapshots ({self.at!r} and 'closing') were taken")
+        free, headroom = self._closing
+        return EngineTerms(self.name, (
+            BudgetTerm("total_consumed", self._free_at - free, self.at, "closing",
+                       f"free memory at the instance snapshot ({self.at}) - free memory after profiling"),
+            BudgetTerm("transient_peak_headroom", headroom, formula="torch peak - torch allocated after profiling"),
+        ))
+
+
+def _free(device: Device) -> int:
+    """The device's free memory as ``cudaMemGetInfo`` reports it (vLLM's ``MemorySnapshot.free_memory``)."""
+    return device.mem_get_info()[0]
 
 
 @dataclass(frozen=True)

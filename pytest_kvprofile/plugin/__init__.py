@@ -134,7 +134,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("kvprofile_gpu", "run the GPU tier (like --kvprofile-gpu)", type="bool", default=False)
     parser.addini("kvprofile_matrix", "matrix YAML files (like --kvprofile-matrix)", type="paths", default=[])
     parser.addini("kvprofile_json", "JSON report path (like --kvprofile-json)", default="")
-    parser.addini("kvprofile_backends", "backends (like --kvprofile-backend)", type="linelist", default=[])
+    parser.addini("kvprofile_backend", "backends (like --kvprofile-backend)", type="linelist", default=[])
+    parser.addini("kvprofile_backends", "the former spelling of kvprofile_backend, still read when it is unset",
+                  type="linelist", default=[])
     parser.addini("kvprofile_verdict", "verdict document path (like --kvprofile-verdict)", default="")
     parser.addini("kvprofile_html", "HTML page path (like --kvprofile-html)", default="")
     parser.addini("kvprofile_timeout", "per-check time limit in seconds (0: none)", default="0")
@@ -151,7 +153,7 @@ def _settings(config: pytest.Config, registry: Registry) -> Settings:
     opt = config.option
     gpu = opt.kvprofile_gpu if opt.kvprofile_gpu is not None else config.getini("kvprofile_gpu")
     matrices = opt.kvprofile_matrix or [str(p) for p in config.getini("kvprofile_matrix")]
-    backends = opt.kvprofile_backend or config.getini("kvprofile_backends")
+    backends = opt.kvprofile_backend or config.getini("kvprofile_backend") or config.getini("kvprofile_backends")
     timeout = opt.kvprofile_timeout
     if timeout is None:
         timeout = _ini_float(config, "kvprofile_timeout")
@@ -303,7 +305,7 @@ def _backends_line(session: KvprofileSession) -> str:
     shown = ", ".join(names[:HEADER_NAMES]) + (f" and {len(names) - HEADER_NAMES} more"
                                                 if len(names) > HEADER_NAMES else "")
     if session.settings.backend_specs:
-        why = "named by --kvprofile-backend or kvprofile_backends"
+        why = "named by --kvprofile-backend or kvprofile_backend"
     elif all(b.origin in ("builtin", "mutant") for b in session.backends):
         why = "the built-in stubs: no backend named, installed or returned by the hook"
     else:

@@ -25,5 +25,7 @@ def pytest_kvprofile_update_json(config: pytest.Config, report: JsonObject) -> N
 def pytest_kvprofile_register(registry: Registry) -> None:
     """Make backends, checks and shared arena managers nameable in this run: ``registry.add_backends(*backends,
     group=None)``, ``registry.add_checks(*checks)`` (the suite makes a test of each, after the built-in ones),
-    ``registry.add_workspace_manager(ManagerKind(...))``. Called once at configure, in every process, before the
-    backends are resolved. The package's own backends, checks and managers register through it too."""
+    ``registry.add_workspace_manager(ManagerKind(...))``; an engine states its facts with
+    ``registry.add_engine_facts(EngineFacts(...))`` (workspaces, KV-dtype names, route policy:
+    ``matrix.engine_facts``). Called once at configure, in every process, before the backends are resolved. The
+    package's own backends, checks, managers and engines register through it too."""

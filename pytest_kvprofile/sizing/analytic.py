@@ -47,7 +47,7 @@ DEFAULT_INT_WORKSPACE = FLASHINFER_INT_WORKSPACE_BYTES  # per wrapper
 class PlanEnvelope:
     """Every batch the engine's scheduler can hand one ``plan()``.
 
-    ``cuda_graph_sizes`` are capture sizes in tokens (vLLM pads a step to the next one); under
+    ``cuda_graph_sizes`` are capture sizes in tokens (the engine pads a step to the next one); under
     CUDA graphs they bound the tokens of a graph-planned step. ``mtp`` is the number of
     speculative tokens: decode requests carry ``1 + mtp`` query tokens.
     """

@@ -13,21 +13,21 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-from pytest_kvprofile.attention.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.matrix.cases import Case
+from pytest_kvprofile.matrix.engine_facts import route_policy, workspace_rule
 from pytest_kvprofile.sizing.analytic import PlanEnvelope
 from pytest_kvprofile.sizing.requirement import SizingResult, required_workspace
 
-DECODE_TC_MIN_GROUP = 4  # vLLM plans decode on tensor cores from a GQA group of 4 (and always under MTP)
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an inline matrix GPU without one is sized as a Hopper part
 _MEMO = "_kvprofile_for_case"  # per-case answers, in the (frozen) case's instance dict like cached_property
 _ROUTE_MEMO = "_kvprofile_route_need"  # need_for_routes' answers per set of routes, kept the same way
 
 
 def decode_tensor_cores(case: Case) -> bool:
-    """Whether the case's decode wrapper runs the tensor-core (prefill) planner."""
+    """Whether the case's decode wrapper runs the tensor-core (prefill) planner, as the route policy says
+    (``RoutePolicy.decode_tensor_cores``: from a GQA group, and under MTP)."""
     heads = case.heads
-    return case.mtp > 0 or heads.heads_q // heads.heads_kv >= DECODE_TC_MIN_GROUP
+    return route_policy().decode_tensor_cores(heads.heads_q, heads.heads_kv, case.mtp)
 
 
 def routes(case: Case) -> tuple[str, ...]:
@@ -125,8 +125,8 @@ def need_for_routes(case: Case, planned: Iterable[str] | None) -> tuple[int, tup
 
 def need_for_planned(case: Case, planned: Iterable[PlannedRoute]) -> tuple[int, tuple[str, ...]]:
     """:func:`need_for_routes` for the sub-routes a builder plans: each route with the CUDA-graph mode its plans use
-    (vLLM plans prefill without graphs only, decode with and without). A mode the case does not size (graphs on a
-    case that captures none) stands for the route's every sub-route."""
+    (an engine may plan prefill without graphs only, decode with and without). A mode the case does not size (graphs
+    on a case that captures none) stands for the route's every sub-route."""
     wanted = frozenset(planned)
     memo: dict[frozenset[PlannedRoute], tuple[int, tuple[str, ...]]] = case.__dict__.setdefault(_ROUTE_MEMO, {})
     answer = memo.get(wanted)
@@ -142,8 +142,8 @@ def need_for_planned(case: Case, planned: Iterable[PlannedRoute]) -> tuple[int, 
     return answer
 
 
-def vllm_default_float_bytes(case: Case) -> int:
-    """vLLM's default FlashInfer float workspace for the case's rank: max(394 MiB, batched tokens x rank query
-    heads x head dim x 16 B). The open vLLM pull request reserves it on purpose: safe, and a cost in KV capacity."""
-    tokens = case.envelope.max_num_batched_tokens
-    return max(VLLM_DEFAULT_FLOAT_BYTES, tokens * case.heads.heads_q * case.model.head_dim * 16)
+def default_float_bytes(rule: str, case: Case) -> int:
+    """An engine's default float workspace ``rule`` (``EngineFacts.float_workspaces``) for the case's rank: its fixed
+    bytes, grown to batched tokens x rank query heads x head dim x its bytes per element where the engine grows it."""
+    return workspace_rule(rule).bytes_for(case.envelope.max_num_batched_tokens, case.heads.heads_q,
+                                          case.model.head_dim)

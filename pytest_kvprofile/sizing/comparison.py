@@ -17,7 +17,7 @@ from pytest_kvprofile.matrix.models import (
     kv_bytes_per_token,
 )
 from pytest_kvprofile.sizing.case import for_case
-from pytest_kvprofile.sizing.rules import FIXED_SIZES, seed004_rule
+from pytest_kvprofile.sizing.rules import fixed_sizes, seed004_rule
 from pytest_kvprofile.units import MiB
 
 # one row of the report as JSON writes it: each key has its own type (case_row lists them), read by key
@@ -25,10 +25,10 @@ ReportRow: TypeAlias = dict[str, Any]
 # a layout as sizing_report takes it: a TP int, a (tp, dcp[, mtp]) sequence, or a mapping or object with tp/dcp/mtp
 LayoutSpec: TypeAlias = Any
 
-# vLLM's default capture sizes (tokens) top out at 512.
-VLLM_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+# The report's capture sizes (tokens): 1, 2, 4, every 8 to 248, every 16 from 256 to 512 (an engine's usual default).
+REPORT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 REPORT_ENVELOPE = Envelope(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32768, page_size=16,
-                           cuda_graph_sizes=VLLM_CAPTURE_SIZES)
+                           cuda_graph_sizes=REPORT_CAPTURE_SIZES)
 
 
 def _layouts(layouts: Iterable[LayoutSpec]) -> list[tuple[int, int, int]]:
@@ -67,7 +67,7 @@ def case_row(case: Case, *, use_oracle: bool | None = None) -> ReportRow:
     res = for_case(case, use_oracle=use_oracle)
     kv_tok = kv_bytes_per_token(model, case.tp, case.dcp)
     need = res.float_bytes
-    comps = [_compare(n, b, need, kv_tok) for n, b in FIXED_SIZES.items()]
+    comps = [_compare(n, b, need, kv_tok) for n, b in fixed_sizes().items()]
     comps.append(_compare("seed004-rule", seed004_rule(
         heads.heads_q, heads.heads_kv, model.head_dim, gpu.num_sm, head_dim_vo=model.head_dim_vo), need, kv_tok))
     qo, kv, graph = res.worst_batch if res.worst_batch else ((), (), False)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from pytest_kvprofile.sizing.analytic import PlanEnvelope
 from pytest_kvprofile.sizing.requirement import required_workspace
-from pytest_kvprofile.sizing.rules import FIXED_SIZES
+from pytest_kvprofile.sizing.rules import fixed_sizes
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def plot_requirement(rows: Sequence[ReportRow], out: Path,
     fig, ax = plt.subplots(figsize=(8, 5))
     for gpu, pts in curves.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=gpu)
-    for name, size in FIXED_SIZES.items():
+    for name, size in fixed_sizes().items():
         ax.axhline(size / MiB, linestyle="--", linewidth=0.8, color="grey")
         ax.annotate(name, (tokens[0], size / MiB), fontsize=7, va="bottom")
     ax.set_xscale("log", base=2)

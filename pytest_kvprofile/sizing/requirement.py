@@ -5,7 +5,7 @@ and int workspace bytes the installed FlashInfer's planners carve for the worst 
 enabled route, and that batch. The closed form comes from :mod:`.analytic`; the host oracle
 (:mod:`.oracle`, FlashInfer's planners compiled for the CPU) confirms it on the worst batch.
 
-Routes share one float arena in vLLM (the global workspace manager hands every wrapper the same
+Routes share one float arena (an engine's global workspace manager hands every wrapper the same
 buffer, and the wrappers of one step plan one after another), so the float requirement is the
 *maximum* over routes, not the sum. Each wrapper has its own int buffer, so ``int_bytes`` is the
 per-wrapper maximum.

@@ -1,4 +1,5 @@
-"""Workspace sizes people use today, and the published rules the suite measures them against.
+"""Workspace sizes people use today, and the published rules the suite measures them against (the engines' own
+sizes are registered by their packages: ``matrix.engine_facts``).
 
 Why: the sizing report puts the exact requirement next to these, and the suite's mutant builders
 size their workspace with the two buggy rules (bug classes 11 and 12) so the sizing check can be
@@ -7,21 +8,20 @@ shown to catch them.
 
 from __future__ import annotations
 
-from pytest_kvprofile.attention.facts import (
-    FLASHINFER_RECOMMENDED_FLOAT_BYTES,
-    SGLANG_FLOAT_BYTES,
-    TENSORRT_LLM_FLOAT_BYTES,
-    VLLM_DEFAULT_FLOAT_BYTES,
-)
+from pytest_kvprofile.attention.facts import FLASHINFER_RECOMMENDED_FLOAT_BYTES, TENSORRT_LLM_FLOAT_BYTES
 from pytest_kvprofile.attention.planner import ceil_div
+from pytest_kvprofile.matrix.engine_facts import workspace_rules
 from pytest_kvprofile.units import MiB
 
-FIXED_SIZES: dict[str, int] = {
-    "flashinfer-default": FLASHINFER_RECOMMENDED_FLOAT_BYTES,
-    "vllm-default": VLLM_DEFAULT_FLOAT_BYTES,
-    "sglang": SGLANG_FLOAT_BYTES,
-    "tensorrt-llm": TENSORRT_LLM_FLOAT_BYTES,
-}
+
+def fixed_sizes() -> dict[str, int]:
+    """The fixed float workspaces the report compares, by name: FlashInfer's recommended one, each registered engine's
+    default (``EngineFacts.float_workspaces``, largest first, whatever order plugins register in), TensorRT-LLM's
+    published one."""
+    engines = sorted(workspace_rules(), key=lambda rule: (-rule.fixed_bytes, rule.name))
+    return {"flashinfer-default": FLASHINFER_RECOMMENDED_FLOAT_BYTES,
+            **{rule.name: rule.fixed_bytes for rule in engines},
+            "tensorrt-llm": TENSORRT_LLM_FLOAT_BYTES}
 
 
 def _align(x: int, a: int) -> int:

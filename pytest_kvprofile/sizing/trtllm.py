@@ -3,16 +3,16 @@
 ``attention/trtllm.py`` holds FlashInfer's launcher carve; this module feeds it the case's worst launch, as the
 engines call it:
 
-- **decode, MHA** (vLLM's ``FlashInferImpl`` with ``trtllm_batch_decode_with_kv_cache``): under DCP the query is
+- **decode, MHA** (an engine's FlashInfer attention with ``trtllm_batch_decode_with_kv_cache``): under DCP the query is
   all-gathered over the DCP group in the head dimension and LSE is asked for, so the slab is sized for
   ``heads_q x dcp`` heads, every decode request of a step (at most ``max_num_seqs``, and at most
   ``max_num_batched_tokens // (1 + mtp)``) at ``q_len = 1 + mtp``.
-- **decode, MLA** (``trtllm_batch_decode_with_kv_cache_mla``; vLLM's ``FlashInferMLASparseImpl`` sizes its workspace
-  by this very rule, ``compute_trtllm_sparse_mla_workspace_bytes``): every token of a step at ``q_len = 1``, up to
+- **decode, MLA** (``trtllm_batch_decode_with_kv_cache_mla``; an engine's sparse MLA attention may size its workspace
+  by this very rule): every token of a step at ``q_len = 1``, up to
   ``max_num_batched_tokens``, over ``heads_q x dcp`` heads. The scratch is over the latent (``kv_cache_head_dim``)
   with 2-CTA MMA.
 - **prefill** (the context kernel): no multi-CTA KV scratch. Its LSE slab under DCP is asked only after the engine
-  checks it fits (vLLM's ``TrtllmDCPContextWrapper.fits_workspace``) and falls back otherwise: no hard need.
+  checks it fits (its DCP context wrapper's ``fits_workspace``) and falls back otherwise: no hard need.
 
 Without DCP no LSE is asked, so only the scratch counts.
 """

@@ -12,15 +12,16 @@ import json
 
 import pytest
 
-from pytest_kvprofile.attention.facts import VLLM_DEFAULT_FLOAT_BYTES
+from pytest_kvprofile.builtin.stubs import vllm_default_float_bytes
 from pytest_kvprofile.checks.base import CheckOptions, CheckOutcome, WasteBudget, parse_waste_budget
 from pytest_kvprofile.checks.workspace import case_waste, check_workspace_covers_planner
+from pytest_kvprofile.engines.vllm.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.registry import builtin_backends
 from pytest_kvprofile.report.summary import waste_costs, waste_lines, waste_reason
-from pytest_kvprofile.sizing.case import need_for_routes, vllm_default_float_bytes
+from pytest_kvprofile.sizing.case import need_for_routes
 from pytest_kvprofile.units import MiB
 
 CI = packaged_matrix("ci")

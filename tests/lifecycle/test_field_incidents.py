@@ -1,5 +1,6 @@
-"""Issue 51, items 1, 5, 9, 11, 19 and 20: incidents of the field re-created as mutants (``builtin/mutants_field.py``),
-each refused with the bytes, the phase and the source line, each beside a correct twin that passes.
+"""Issue 51, items 1, 2, 5, 9, 11, 19 and 20: incidents of the field re-created as mutants
+(``builtin/mutants_field.py``), each refused with the bytes, the phase and the source line, each beside a correct
+twin that passes.
 
 The plain run takes two ci cases per backend (an L40S and a B200 layout); ``-m slow`` sweeps every runnable ci case;
 one case run alone through the plugin shows the verdict does not depend on what ran before it.
@@ -21,8 +22,8 @@ from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
-FIELD = {b.name: b for b in MUTANT_BACKENDS if b.name.split("-")[1] in {"04e", "07f", "13d", "14e", "14f", "14g",
-                                                                         "14h", "14i", "14j", "16d"}}
+FIELD = {b.name: b for b in MUTANT_BACKENDS if b.name.split("-")[1] in {"04e", "07f", "10c", "13d", "14e", "14f",
+                                                                         "14g", "14h", "14i", "14j", "16d"}}
 TWINS = {b.name: b for b in FIELD_TWINS}
 # each mutant: the check that refuses it and what its headline must carry (bytes, phase, source line, the place)
 EXPECT = {
@@ -34,6 +35,10 @@ EXPECT = {
         "'dma output workspace'", "from warmup() in phase 'warmup'")),
     "mutant-07f-torch-failed-capture-keeps-pool": ("warmup_retryable", (
         "(20971520 bytes)", "phase 'profile_warmup'", "mutants_field.py:", "graph_pool_", "CUDA-graph capture")),
+    "mutant-10c-torch-runner-buffers-before-snapshot": ("budget_counts_every_byte", (
+        "36.00 MiB (37748736 bytes) alive at the closing measurement", "leave 44.00 MiB (46137344 bytes)",
+        "__init__() in phase 'setup'", "mutants_field.py:", "('after_init')", "a vLLM fork's memory_profiling",
+        "tokens per rank too large")),
     "mutant-14e-torch-daemon-thread-holds-workspace": ("no_state_outlives_case", (
         "(4194304 bytes)", "phase 'reservation'", "mutants_field.py:", "thread 'kvprofile-field-poller' (daemon)")),
     "mutant-14f-torch-atexit-holds-workspace": ("no_state_outlives_case", (
@@ -173,6 +178,23 @@ def test_one_case_run_alone_through_the_plugin(pytester, backend):
         assert result.ret == 1, text[-2000:]
         result.assert_outcomes(failed=1)
         assert "close() left device memory" in text and "(4194304 bytes)" in text, text[-3000:]
+    else:
+        assert result.ret == 0, text[-2000:]
+        result.assert_outcomes(passed=len(FIELD_TWINS))
+
+
+@pytest.mark.parametrize("backend", ["mutant-10c-torch-runner-buffers-before-snapshot",
+                                     "pytest_kvprofile.builtin.mutants_field:twins"])
+def test_runner_buffers_before_the_snapshot_alone_through_the_plugin(pytester, backend):
+    """Item 2: the fork's budget is refused on a case run alone; every twin, 10c's among them, passes there."""
+    result = pytester.runpytest_inprocess(
+        "--kvprofile", "--kvprofile-matrix", str(packaged_matrix("ci")), "--kvprofile-backend", backend,
+        "-k", f"budget_counts_every_byte and {ALONE}", "-p", "no:cacheprovider", "-q")
+    text = result.stdout.str()
+    if backend.startswith("mutant"):
+        assert result.ret == 1, text[-2000:]
+        result.assert_outcomes(failed=1)
+        assert "(37748736 bytes) alive at the closing measurement is in no term" in text, text[-3000:]
     else:
         assert result.ret == 0, text[-2000:]
         result.assert_outcomes(passed=len(FIELD_TWINS))

@@ -74,9 +74,9 @@ def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_double
     assert "test_own.py::test_own" in with_suite.stdout.lines
     # deselected: teardown_clean (no stub closes) and test_layout_is_possible (every ci layout is possible); the
     # B200's NVFP4 layouts are refused (test_engine_accepts_layout)
-    with_suite.stdout.fnmatch_lines(["3265/3267 tests collected (2 deselected)*"])
+    with_suite.stdout.fnmatch_lines(["3781/3783 tests collected (2 deselected)*"])
     named = pytester.runpytest("--kvprofile", "--pyargs", "pytest_kvprofile.suite", *args)
-    named.stdout.fnmatch_lines(["3264/3266 tests collected (2 deselected)*"])
+    named.stdout.fnmatch_lines(["3780/3782 tests collected (2 deselected)*"])
     without = pytester.runpytest("test_own.py", *args)
     without.stdout.fnmatch_lines(["*1 test collected*"])
 

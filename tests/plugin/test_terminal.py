@@ -117,7 +117,7 @@ def test_the_header_names_the_backends_and_why_these(pytester, suite_args):
     assert any(ln.startswith("kvprofile: backends (the built-in stubs: no backend named, installed or returned by "
                              "the hook): stub-flashinfer, stub-") for ln in plain.stdout.lines)
     named = pytester.runpytest(*suite_args, *STUB, "--collect-only")
-    named.stdout.fnmatch_lines(["kvprofile: backends (named by --kvprofile-backend or kvprofile_backends): "
+    named.stdout.fnmatch_lines(["kvprofile: backends (named by --kvprofile-backend or kvprofile_backend): "
                                 "stub-flashinfer"])
     pytester.makeconftest("""
 import dataclasses
@@ -185,3 +185,13 @@ def test_the_oracle_compile_and_its_fallback_are_said_on_the_terminal(pytester, 
     result = pytester.runpytest(*args)
     result.stdout.fnmatch_lines(["kvprofile: FlashInfer's planner did not compile (nvcc: error: the test breaks it): "
                                  "the analytic model sizes instead*"])
+
+
+@pytest.mark.parametrize("key", ["kvprofile_backend", "kvprofile_backends"])
+def test_the_backend_ini_key_is_spelled_as_the_option_and_the_former_spelling_still_narrows(pytester, suite_args,
+                                                                                            key):
+    """``--kvprofile-backend``'s ini twin is ``kvprofile_backend``; ``kvprofile_backends``, the spelling of earlier
+    releases, still narrows the run when the new key is unset."""
+    pytester.makeini(f"[pytest]\n{key} = stub-gdn\n")
+    result = pytester.runpytest(*suite_args, "--collect-only")
+    result.stdout.fnmatch_lines(["kvprofile: backends (named by --kvprofile-backend or kvprofile_backend): stub-gdn"])

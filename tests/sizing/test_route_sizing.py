@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from pytest_kvprofile.attention.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.builtin.flashinfer_real import RealFlashInferBuilder
 from pytest_kvprofile.checks.catalog import CheckOptions, WasteBudget, failing_checks
 from pytest_kvprofile.checks.workspace import case_waste, check_workspace_covers_planner
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
+from pytest_kvprofile.engines.vllm.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.sizing.case import need_for_planned, need_for_routes

@@ -7,10 +7,10 @@ import pytest
 from pytest_kvprofile.matrix.gpus import lookup_gpu
 from pytest_kvprofile.matrix.models import ModelSpec, rank_heads
 from pytest_kvprofile.sizing import PlanEnvelope, required_workspace
-from pytest_kvprofile.sizing.comparison import REPORT_ENVELOPE, VLLM_CAPTURE_SIZES, report_headline, sizing_report
+from pytest_kvprofile.sizing.comparison import REPORT_CAPTURE_SIZES, REPORT_ENVELOPE, report_headline, sizing_report
 from pytest_kvprofile.sizing.rules import (
-    FIXED_SIZES,
     decode_shaped_heuristic,
+    fixed_sizes,
     formula_06x,
     seed004_rule,
 )
@@ -30,13 +30,13 @@ def test_seed004_table(label, hq, hkv, d, sm, mib):
 
 
 def test_fixed_sizes():
-    assert FIXED_SIZES == {"flashinfer-default": 128 * MiB, "vllm-default": 394 * MiB,
+    assert fixed_sizes() == {"flashinfer-default": 128 * MiB, "vllm-default": 394 * MiB,
                            "sglang": 384 * MiB, "tensorrt-llm": 320 * MiB}
 
 
 # Raw plans over vLLM's capture sizes as full steps (a what-if, not a matrix case).
 VLLM_GRAPHS = PlanEnvelope(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=32768, page_size=16,
-                           cuda_graph=True, cuda_graph_sizes=VLLM_CAPTURE_SIZES)
+                           cuda_graph=True, cuda_graph_sizes=REPORT_CAPTURE_SIZES)
 
 
 def test_seed004_cases_through_the_oracle(oracle, capsys):
@@ -107,7 +107,7 @@ def test_sizing_report_rows_and_headline():
     row = rows[0]
     assert row["model"] == "qwen3-8b" and row["gpu"] == "L40S" and row["tp"] == 1
     names = [c["name"] for c in row["compare"]]
-    assert names == [*FIXED_SIZES, "seed004-rule"]
+    assert names == [*fixed_sizes(), "seed004-rule"]
     for comp in row["compare"]:
         assert comp["delta_bytes"] == comp["bytes"] - row["required_float_bytes"]
         assert comp["status"] in ("overflow", "waste", "exact")

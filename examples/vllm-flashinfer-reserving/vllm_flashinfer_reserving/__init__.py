@@ -27,8 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvprofile import Backend, Batch, BuilderContext, ProfilingSupport, WorkspaceDeclaration
-from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES, VLLM_DEFAULT_FLOAT_BYTES
+from pytest_kvprofile.attention.facts import FLASHINFER_INT_WORKSPACE_BYTES
 from pytest_kvprofile.engines.batches import window_batches
+from pytest_kvprofile.engines.vllm.facts import VLLM_DEFAULT_FLOAT_BYTES
 from pytest_kvprofile.engines.vllm.flashinfer import VllmFlashInferBuilder, engine_refusal
 from pytest_kvprofile.engines.vllm.gdn import VllmGdnBuilder
 from pytest_kvprofile.engines.vllm.release import vllm_provenance

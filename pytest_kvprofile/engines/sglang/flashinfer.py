@@ -55,6 +55,7 @@ from pytest_kvprofile.contract.protocol import Batch
 from pytest_kvprofile.engines.adapter import EngineAdapter, EngineBuildError, Patches, device_active, engine_backend
 from pytest_kvprofile.engines.batches import capture_sizes, pad_to_capture, runner_batch
 from pytest_kvprofile.engines.model_config import config_dir, decoder_config
+from pytest_kvprofile.engines.sglang.facts import SGLANG_FACTS
 from pytest_kvprofile.engines.sglang.standins import (
     SGLANG_INSTALL_HINT,
     import_sglang_flashinfer,
@@ -114,6 +115,15 @@ def model_dtype(case: Case) -> str:
     return case.model.kv.model_torch
 
 
+def kv_cache_dtype(case: Case) -> str:
+    """SGLang's ``--kv-cache-dtype`` for the case (``engines/sglang/facts.py``); check_expressible refuses the rest."""
+    spelled = SGLANG_FACTS.kv_cache_dtype(case.model.kv_dtype)
+    if spelled is None:
+        raise UnexpressibleSglangCase(f"case {case.id}: KV dtype {case.model.kv_dtype!r} has no SGLang "
+                                      "--kv-cache-dtype (engines/sglang/facts.py)")
+    return spelled
+
+
 def hf_config(case: Case) -> dict[str, object]:
     """The ``config.json`` of a plain GQA decoder with the case's head layout, under the architecture its model name
     implies."""
@@ -160,7 +170,7 @@ def server_args_kwargs(case: Case, model_path: str, attention_backend: str = "fl
     env = case.envelope
     return dict(
         model_path=model_path, skip_tokenizer_init=True, load_format="dummy", device="cuda", random_seed=0,
-        attention_backend=attention_backend, dtype=model_dtype(case), kv_cache_dtype=case.model.kv.sglang,
+        attention_backend=attention_backend, dtype=model_dtype(case), kv_cache_dtype=kv_cache_dtype(case),
         page_size=env.page_size, context_length=env.max_model_len, max_running_requests=env.max_num_seqs,
         chunked_prefill_size=env.max_num_batched_tokens, max_prefill_tokens=env.max_num_batched_tokens,
         tp_size=case.tp, dcp_size=case.dcp, mem_fraction_static=case.gmu,
@@ -205,8 +215,8 @@ def check_expressible(case: Case, attention_backend: str = "flashinfer") -> None
             f"case {case.id}: MTP with {case.mtp} speculative tokens runs SGLang's FlashInferMultiStepDraftBackend "
             f"({case.mtp - 1} draft decode backends, fed by the Triton kernel generate_draft_decode_kv_indices, which "
             "has no host version here); MTP 1 runs (target verify and draft extend)")
-    if not model.kv.sglang:
-        expressed = sorted(name for name, kv in KV_DTYPES.items() if kv.sglang)
+    if SGLANG_FACTS.kv_cache_dtype(model.kv_dtype) is None:
+        expressed = sorted(name for name in KV_DTYPES if SGLANG_FACTS.kv_cache_dtype(name) is not None)
         raise UnexpressibleSglangCase(f"case {case.id}: KV dtype {model.kv_dtype!r} is not expressed by this adapter "
                                       f"(SGLang's FP4 caches take a KV quantization method and a dequant workspace; "
                                       f"expressed: {', '.join(expressed)})")

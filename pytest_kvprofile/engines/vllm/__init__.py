@@ -3,7 +3,8 @@
 ``flashinfer.py`` drives vLLM's ``FlashInferMetadataBuilder`` as its runners integrate it; ``config.py`` makes a
 case vLLM's config; ``release.py`` asks the installed wheel what differs between releases; ``workspace.py`` is vLLM's
 own ``WorkspaceManager`` as the run's arena; ``memory.py`` vLLM's ``memory_profiling``; ``gdn.py`` its GDN builder;
-``pull_request.py`` the open pull request's API; ``standins.py`` what a CPU-only machine lacks (docs/vllm.md).
+``pull_request.py`` the open pull request's API; ``facts.py`` its workspaces, KV-dtype names, route policy and
+FlashInfer pins; ``standins.py`` what a CPU-only machine lacks (docs/vllm.md).
 vLLM is imported by ``make_builders`` only, never here.
 """
 
@@ -41,10 +42,12 @@ def _vllm_unavailable() -> str | None:
 
 @hookimpl(tryfirst=True)
 def pytest_kvprofile_register(registry: BackendRegistrar) -> None:
-    """vLLM's own builders (vLLM imported by ``make_builders`` only) and vLLM's own shared arena manager."""
+    """vLLM's facts, its own builders (vLLM imported by ``make_builders`` only) and its own shared arena manager."""
     from pytest_kvprofile.contract.workspace import ManagerKind
+    from pytest_kvprofile.engines.vllm.facts import VLLM_FACTS
     from pytest_kvprofile.engines.vllm.flashinfer import VLLM_BACKENDS
 
+    registry.add_engine_facts(VLLM_FACTS)
     registry.add_backends(*VLLM_BACKENDS)
     registry.add_workspace_manager(ManagerKind(
         "vllm", _vllm_for_run, _vllm_plain, _vllm_unavailable,

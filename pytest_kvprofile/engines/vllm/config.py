@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, cast
 
 from pytest_kvprofile.engines.model_config import config_dir, decoder_config
+from pytest_kvprofile.engines.vllm.facts import VLLM_FACTS
 from pytest_kvprofile.matrix.cases import Case
 
 if TYPE_CHECKING:
@@ -186,7 +187,11 @@ def model_dtype(case: Case) -> Literal["bfloat16", "float16"]:
 
 def cache_dtype(case: Case) -> str:
     """vLLM's ``--kv-cache-dtype`` for the case ("auto": the model's dtype)."""
-    return case.model.kv.vllm
+    spelled = VLLM_FACTS.kv_cache_dtype(case.model.kv_dtype)
+    if spelled is None:
+        raise UnexpressibleCase(f"case {case.id}: KV dtype {case.model.kv_dtype!r} has no vLLM --kv-cache-dtype "
+                                "(engines/vllm/facts.py)")
+    return spelled
 
 
 def _torch_dtype(case: Case) -> Any:  # Any: a torch.dtype, read by name with getattr

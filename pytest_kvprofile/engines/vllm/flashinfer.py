@@ -63,6 +63,7 @@ from pytest_kvprofile.engines.vllm.config import (
     resolve_kv_cache_layout,
     standin_layers,
 )
+from pytest_kvprofile.engines.vllm.memory import vllm_budget
 from pytest_kvprofile.engines.vllm.release import EXTENSIBLE, has_v1_runner, kv_sizing_mode, vllm_provenance
 from pytest_kvprofile.engines.vllm.selector import backend_class_of, selector_refusal
 from pytest_kvprofile.engines.vllm.standins import (
@@ -140,9 +141,11 @@ def vllm_kv_sizing(case: Case) -> KvSizingMode:
 
 
 VLLM_POLICY = EnginePolicy(workspace_manager="vllm", manager_factory=_vllm_for_run, gate=speculative_gate,
-                           kv_sizing_for=vllm_kv_sizing)
+                           kv_sizing_for=vllm_kv_sizing, budget=vllm_budget)
 """How vLLM's runner integrates its builders: vLLM's own WorkspaceManager as the arena (the pull request's builder
-reserves nothing without it), its runner's gate, and the sizing point of the installed release on each case."""
+reserves nothing without it), its runner's gate, the sizing point of the installed release on each case, and vLLM's
+own KV budget arithmetic (``memory_profiling`` from its ``init_device`` snapshot), which ``budget_counts_every_byte``
+reads against the ledger."""
 
 
 class VllmBuildError(EngineBuildError):
