@@ -943,6 +943,7 @@ def _resource_mutants() -> tuple[Backend, ...]:
         CaptureStagingDMAOutputWorkspace,
         LazyDMAOutputWorkspace,
         OversizedDMAOutputWorkspace,
+        WarmupMadeDMAOutputWorkspace,
     )
 
     return (
@@ -955,6 +956,8 @@ def _resource_mutants() -> tuple[Backend, ...]:
                          catches=("resource_capacity_honoured",)),
         _resource_mutant("mutant-13c-resource-in-capture", CaptureStagingDMAOutputWorkspace,
                          catches=("no_synthetic_workspace_in_capture",)),
+        _resource_mutant("mutant-13d-resource-made-in-late-warmup", WarmupMadeDMAOutputWorkspace,
+                         catches=("no_post_kv_overrun", "persistent_memory_visible_at_closing")),
     )
 
 

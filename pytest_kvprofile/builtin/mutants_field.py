@@ -11,6 +11,8 @@
 | 14h | 19 | ``close()`` parks it in a value a module-level ``functools.lru_cache`` returns | as 14g's |
 | 14i | 19 | ``close()`` parks it in a module-level ``threading.local()`` | as 14g's |
 | 14j | 19 | ``close()`` parks it on a class made with ``type()``, kept in a module-level dict | as 14g's |
+| 04e | 9 | a non-FlashInfer kernel (TurboQuant-like) asks the arena for batch-sized scratch after lock | asks early |
+| 13d | 5 | a resource (``builtin/resources.py``) made in its warmup, first called after KV sizing | warmed in window |
 | 10c | 2 | 36 MiB of runner buffers made in ``__init__``, before a fork's instance snapshot | snapshot first |
 | 08b | 3 | a GDN chunked-scan scratch (72 KiB a token) freed in ``build()``, warmed at 64 tokens | warms at 8192 |
 
@@ -32,6 +34,7 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from pytest_kvprofile.builtin.resources import WarmedInWindowDMAOutputWorkspace
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, TorchFlashInferLikeBuilder, Wrapper
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import WorkspaceDeclaration
@@ -348,6 +351,80 @@ class UntracksFailedStepBuilder(_TracksStepsInFlight):
             del self.in_flight[step]
 
 
+# -- item 9: an arena user that is not FlashInfer ----------------------------------------------------------------------
+WARMUP_CONTINUATION_TOKENS = 16  # the continuation prefill its kernel warmup runs (the JIT compile's small batch)
+
+
+class _ContinuationPrefill:
+    """REQUIRED, and no FlashInfer: a quantized-KV attention builder (TurboQuant-like) whose continuation prefill
+    dequantizes the context's K and V into scratch it takes from the shared arena (``ctx.get_workspace``), sized from
+    the batch. Torch mode: its kernel writes the view with torch calls; no FlashInfer ``plan()`` is ever made, so no
+    view of it is FlashInfer workspace."""
+
+    name = "turboquant"
+    torch_mode = True
+    warmup_materializes_persistent = True  # its kernel warmup asks the arena for scratch
+
+    def __init__(self, case: Case):
+        self.case = case
+
+    def get_persistent_workspace_memory_profiling_support(self) -> ProfilingSupport:
+        return ProfilingSupport.REQUIRED
+
+    def scratch_bytes(self, num_tokens: int) -> int:
+        """Dequantized K and V of ``num_tokens`` context tokens in fp16, per rank."""
+        dim = self.case.model.kv_cache_head_dim or self.case.model.head_dim
+        return num_tokens * self.case.heads.kv_cache_heads * dim * 2 * 2
+
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=0, int_bytes=0)
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
+        return ctx.lease()
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        for ub in range(ctx.num_ubatches):
+            self._dequantize(ctx, self.scratch_bytes(WARMUP_CONTINUATION_TOKENS), ub)
+
+    def build(self, ctx: BuilderContext, batch: Batch) -> None:
+        if batch.kind != "decode" and not ctx.dummy:  # a prefill continuing a request reads its quantized context
+            self._dequantize(ctx, self.scratch_bytes(batch.num_tokens), batch.ubatch)
+
+    @staticmethod
+    def _dequantize(ctx: BuilderContext, nbytes: int, ubatch: int) -> None:
+        view = ctx.get_workspace(nbytes, ubatch)
+        if view.tensor is not None:
+            view.tensor[:64].zero_()
+
+
+class LateContinuationScratchBuilder(_ContinuationPrefill):
+    """Bug 4e (issue 51, item 9): declares no float workspace and asks the arena for its continuation-prefill scratch
+    at the batch's size, so the first long continuation at serving asks the locked arena to grow; it catches the
+    refusal and dequantizes in chunks of the arena it has (slower, and the growth it asked for is the bug)."""
+
+    @staticmethod
+    def _dequantize(ctx: BuilderContext, nbytes: int, ubatch: int) -> None:
+        from pytest_kvprofile.contract.workspace import WorkspaceLockedError
+
+        try:
+            _ContinuationPrefill._dequantize(ctx, nbytes, ubatch)
+        except WorkspaceLockedError:
+            _ContinuationPrefill._dequantize(ctx, ctx.workspace.size(ubatch), ubatch)
+
+
+class DeclaredContinuationScratchBuilder(_ContinuationPrefill):
+    """Correct twin of 4e: declares its scratch for ``max_num_batched_tokens`` and asks that view of every
+    micro-batch's arena in its reservation, before lock; no FlashInfer sizing applies to it."""
+
+    def declared_workspace(self, case: Case) -> WorkspaceDeclaration:
+        return WorkspaceDeclaration(float_bytes=self.scratch_bytes(case.envelope.max_num_batched_tokens), int_bytes=0)
+
+    def reserve_persistent_workspace(self, ctx: BuilderContext) -> Lease:
+        views = [ctx.get_workspace(self.scratch_bytes(self.case.envelope.max_num_batched_tokens), ub)
+                 for ub in range(ctx.num_ubatches)]
+        return ctx.lease(views)
+
+
 # -- item 2: persistent buffers made before the engine's instance snapshot ------------------------------------------
 RUNNER_INIT_BUFFERS: dict[str, int] = {  # what a model runner's __init__ keeps: 36 MiB per GPU, as the report saw
     "inputs_embeds staging": 24 * MiB, "positions": 8 * MiB, "input_ids": 4 * MiB}
@@ -465,6 +542,19 @@ def _twin(name: str, cls: type, policy: EnginePolicy | None = None) -> Backend:
                    policy=policy or EnginePolicy())
 
 
+def _resource_twin(name: str, cls: type) -> Backend:
+    """The FlashInfer-like stub beside a DMA output workspace of class ``cls`` (the case's parameters, else the
+    defaults), as the catalog's resource mutants are made."""
+    from pytest_kvprofile.builtin.resources import DEFAULT_PARAMS
+
+    def resources(case: Case) -> list[Any]:  # Any: PersistentResource, a Protocol the resources satisfy
+        carried = [dict(r.params) for r in case.resources if r.kind == "dma-output-workspace"]
+        return [cls(case, carried[0] if carried else DEFAULT_PARAMS)]
+
+    return Backend(name=name, make_builders=lambda case: [FlashInferLikeBuilder(case)], make_resources=resources,
+                   description=(cls.__doc__ or "").strip(), origin="builtin")
+
+
 FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-07f-resets-failed-capture", ResetsFailedCaptureBuilder),
     _twin("twin-07g-untracks-failed-step", UntracksFailedStepBuilder),
@@ -472,6 +562,8 @@ FIELD_TWINS: tuple[Backend, ...] = (
     _twin("twin-14e-stops-its-thread", StoppedThreadBuilder),
     _twin("twin-14f-unregisters-its-handler", UnregisteredAtexitBuilder),
     _twin("twin-14g-drops-on-close", DropsOnCloseBuilder),
+    _twin("twin-04e-declares-continuation-scratch", DeclaredContinuationScratchBuilder),
+    _resource_twin("twin-13d-resource-warmed-in-window", WarmedInWindowDMAOutputWorkspace),
     _twin("twin-10c-torch-snapshot-before-runner", RunnerInitBuffersBuilder, UPSTREAM_POLICY),
     Backend(name="twin-08b-scan-warmed-at-serving-shape", make_builders=_hybrid(ScanWarmedAtServingShapeBuilder),
             description=(ScanWarmedAtServingShapeBuilder.__doc__ or "").strip(), origin="builtin"),
@@ -502,6 +594,8 @@ def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
                catches=("no_state_outlives_case",)),
         mutant("mutant-14j-torch-close-parks-on-type-class", 14, ParksOnTypeClassBuilder,
                catches=("no_state_outlives_case",)),
+        mutant("mutant-04e-torch-non-flashinfer-scratch-after-lock", 4, LateContinuationScratchBuilder,
+               catches=("arena_not_grown_after_lock",)),
         mutant("mutant-10c-torch-runner-buffers-before-snapshot", 10, RunnerInitBuffersBuilder, FORK_POLICY,
                catches=("budget_counts_every_byte",)),
         mutant("mutant-08b-gdn-scan-warmed-at-64-tokens", 8, ScanWarmedAtChunkBuilder, None,

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_PARAMS", "RESOURCE_KINDS", "CaptureStagingDMAOutputWorkspace", "DMAOutputWorkspace",
-    "LazyDMAOutputWorkspace", "OversizedDMAOutputWorkspace", "case_resources",
+    "LazyDMAOutputWorkspace", "OversizedDMAOutputWorkspace", "WarmedInWindowDMAOutputWorkspace",
+    "WarmupMadeDMAOutputWorkspace", "case_resources",
 ]
 
 
@@ -51,3 +52,22 @@ class CaptureStagingDMAOutputWorkspace(DMAOutputWorkspace):
         if ctx.capturing:
             staging = ctx.allocate(4 * MiB, "dma staging buffer")
             ctx.free(staging)
+
+
+class WarmupMadeDMAOutputWorkspace(DMAOutputWorkspace):
+    """Resource mutant (d), issue 51 item 5: makes its buffer in its warmup, which its engine first calls after KV
+    sizing (it does not say its warmup materializes persistent memory), and leases nothing. Beside a builder the
+    engine warms inside the window, an engine that warmed every part there hid it."""
+
+    def materialize(self, ctx: BuilderContext) -> Lease:
+        return ctx.lease([])
+
+    def warmup(self, ctx: BuilderContext) -> None:
+        self._allocate(ctx)
+
+
+class WarmedInWindowDMAOutputWorkspace(WarmupMadeDMAOutputWorkspace):
+    """Correct twin of (d): the same buffer made in its warmup, which its engine warms inside the profiling window
+    (``warmup_materializes_persistent``), so the closing measurement counts it."""
+
+    warmup_materializes_persistent = True

@@ -34,6 +34,8 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
             out.append(
                 f"the float arena moved or resized in phase {phase!r}: {_fmt_arena(closing.arena)} at the closing "
                 f"measurement, {_fmt_arena(rec.arena)} now (captured CUDA graphs hold the old pointer)"
+                f"{_grown_by(result, phase)}. Declare the largest float bytes you ask for (declared_workspace), so "
+                "the engine reserves them before the closing measurement, and ask no larger view after it"
             )
             break
     capture = result.phase(lc.CAPTURE)
@@ -48,6 +50,16 @@ def check_arena_stable_after_closing(result: LifecycleResult, options: CheckOpti
             for b in moved[:4])
         out.append(f"workspace pointers bound at capture changed before replay: {detail}")
     return out
+
+
+def _grown_by(result: LifecycleResult, phase: str) -> str:
+    """The largest view asked in ``phase`` (what grew the arena there): who, how much, from which call and line."""
+    asked = [g for g in result.grants if g.phase == phase]
+    if not asked:
+        return ""
+    g = max(asked, key=lambda g: g.nbytes)
+    where = f" at {g.site}" if g.site else ""
+    return f"; {g.requester} asked for {bytes_text(g.nbytes)} from {g.method or 'a call'}(){where}"
 
 
 def _fmt_arena(arena: tuple[ArenaView, ...]) -> str:
@@ -67,7 +79,8 @@ def check_arena_not_grown_after_lock(result: LifecycleResult, options: CheckOpti
     for r, n in counts.items():
         times = f" ({n} times)" if n > 1 else ""
         out.append(f"arena_not_grown_after_lock: {r.describe()}{times}; the locked arena refused to grow (whether "
-                   "or not the builder caught the WorkspaceLockedError and fell back on its own buffer)")
+                   "or not the builder caught the WorkspaceLockedError and fell back on its own buffer). Declare "
+                   "the largest float bytes any batch asks for (declared_workspace), or ask that view before lock")
     for err in result.errors:
         if err.exc_type == "WorkspaceLockedError" and (err.phase, err.who) not in refused:
             out.append(f"{err.who} asked the locked arena to grow in phase {err.phase!r}: {err.message}")
@@ -116,7 +129,8 @@ def check_ubatch_arenas_disjoint(result: LifecycleResult, options: CheckOptions)
                 where = f"inside ubatch {other[0]}'s arena" if other else "outside its arena"
                 out.append(
                     f"phase {rec.name!r}: {bound.owner}'s {bound.workspace.role} for ubatch {ub} points {where} "
-                    f"(ptr {ptr:#x}, {size_text(nbytes)})"
+                    f"(ptr {ptr:#x}, {size_text(nbytes)}). Bind each micro-batch's wrappers to a view of its own "
+                    "arena: ctx.get_workspace(nbytes, ubatch)"
                 )
         if out:
             break
@@ -154,7 +168,7 @@ def _planned_float_unreported(result: LifecycleResult) -> list[str]:
             f"ubatch_arenas_disjoint: {who}'s wrapper {wrappers[0]}"
             + (f" (and {len(wrappers) - 1} more)" if len(wrappers) > 1 else "")
             + f" plan()s into {bytes_text(a.nbytes)} of float workspace {a.tag!r} made in phase {a.phase!r}"
-            + (f" at {a.stack}" if a.stack else "")
+            + (f" at {a.where}" if a.where else "")
             + f" (first plan in phase {plans[0].phase!r}), but bound_workspaces() reports none of it: it reports "
             f"{shown}. The harness judges what a wrapper is built over and plans into, not what is reported: build "
             "each wrapper over the arena view it asks for (its tensor as float_workspace_buffer), or, for a buffer "

@@ -53,6 +53,8 @@ def check_no_synthetic_workspace_in_capture(result: LifecycleResult, options: Ch
         return [
             "no_synthetic_workspace_in_capture: builder or resource memory that real traffic never needs was "
             "allocated while a CUDA graph was being captured: " + grouped(result, bad)
+            + ". Skip synthetic profiling work while ctx.capturing, and make what a captured step needs before "
+            "capture"
         ]
     return []
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def fmt_alloc(a: Allocation) -> str:
-    where = f" at {a.stack}" if getattr(a, "stack", None) else ""
+    where = f" at {a.where}" if a.where else ""
     return f"{a.owner}: {a.tag!r} {bytes_text(a.nbytes)} in phase {a.phase!r}{where}"
 
 
@@ -40,13 +40,6 @@ def live_device_bytes(result: LifecycleResult, owner: str, at_phase: Phase) -> i
                if a.owner == owner and a.kind == "device" and alive_at(a, at_phase))
 
 
-def lease_released_sites(result: LifecycleResult, owner: str) -> set[tuple[str, str, int]]:
-    """(owner, tag, bytes) of the owner's leased allocations freed at lease release: what rebind may re-create."""
-    ids = {aid for rec in result.leases if rec.owner == owner for aid in rec.allocation_ids}
-    return {(a.owner, a.tag, a.nbytes) for a in result.allocations
-            if a.id in ids and a.freed_phase == lc.LEASE_RELEASE}
-
-
 def site(a: Allocation) -> tuple[str, str, str | None]:
     """Where an allocation comes from: owner, tag and (torch mode) source line."""
     return (a.owner, a.tag, getattr(a, "stack", None))
@@ -69,7 +62,7 @@ def grouped(result: LifecycleResult, allocs: list[Allocation],
         method = result.alloc_origin.get(a.id) or "-"
         if a.owner in resources:
             method = _RESOURCE_METHODS.get(method, method)
-        key: _GroupKey = (a.owner, a.tag, a.nbytes, method, a.phase, getattr(a, "stack", None) or "")
+        key: _GroupKey = (a.owner, a.tag, a.nbytes, method, a.phase, a.where or "")
         groups.setdefault(key, []).append(a)
 
     def order(item: tuple[_GroupKey, list[Allocation]]) -> tuple[int, int, _GroupKey]:
@@ -84,6 +77,15 @@ def grouped(result: LifecycleResult, allocs: list[Allocation],
         parts.append(f"{owner}: {tag!r} {bytes_text(nbytes)}{times} from {method}() in phase "
                      f"{phase!r}{where}")
     return "; ".join(parts)
+
+
+def method_site(result: LifecycleResult, name: str, method: str) -> str:
+    """`` at path:line`` of the method ``name``'s part defines (where its author changes it), "" when unknown."""
+    part = next((b for b in result.builders if getattr(b, "name", None) == name), None)
+    part = getattr(part, "resource", part)  # a resource's own method, not its adapter's
+    code = getattr(getattr(getattr(type(part), method, None), "__func__", getattr(type(part), method, None)),
+                   "__code__", None)
+    return f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
 
 
 def resource_names(result: LifecycleResult) -> set[str]:

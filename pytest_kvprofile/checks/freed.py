@@ -100,7 +100,7 @@ def _bound_message(result: LifecycleResult, bound: BoundRecord, old: Allocation,
     w = bound.workspace
     gen = _generation(result, old, w.ubatch)
     which = f"generation {gen} of micro-batch {w.ubatch}'s arena" if gen else f"micro-batch {w.ubatch}'s arena"
-    made = f" (made in phase {old.phase!r}{' at ' + old.stack if old.stack else ''})"
+    made = f" (made in phase {old.phase!r}{' at ' + old.where if old.where else ''})"
     now = f"; the live arena is generation {live}" if live else ""
     return (f"no_use_after_free: {bound.owner}'s wrapper {w.role!r} [ubatch {w.ubatch}] is bound in phase {phase!r} "
             f"to {bytes_text(w.nbytes)} at ptr {w.ptr:#x}, inside {which}{made}, which a growth gave back in "

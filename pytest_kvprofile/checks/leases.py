@@ -60,7 +60,9 @@ def check_persistent_memory_visible_at_closing(result: LifecycleResult, options:
         out.append(
             f"persistent_memory_visible_at_closing: case {result.case.id}: builder {owner!r}: "
             f"{bytes_text(excess)} invisible to KV sizing ({where}held {bytes_text(held)} at the closing "
-            f"measurement, {bytes_text(live)} in phase {phase!r}). Made after {when} and still alive: {made}{context}"
+            f"measurement, {bytes_text(live)} in phase {phase!r}). Made after {when} and still alive: {made}{context}. "
+            "Make it inside the profiling window (reserve_persistent_workspace, under the lease) and reuse it, or "
+            "free it before the call returns"
         )
     return out
 
@@ -105,9 +107,14 @@ def _unmatched(result: LifecycleResult, owner: str,
 
 def check_lease_outlives_closing_measurement(result: LifecycleResult, options: CheckOptions) -> list[str]:
     out = []
-    for owner in result.released_before_closing:
-        out.append(f"the lease of {owner!r} was released before the closing measurement")
     by_id = {a.id: a for a in result.allocations}
+    for owner in result.released_before_closing:
+        held = [by_id[aid] for rec in result.leases if rec.owner == owner for aid in rec.allocation_ids
+                if by_id[aid].kind == "device"]
+        what = f": {grouped(result, held)}" if held else ""
+        out.append(f"the lease of {owner!r} was released before the closing measurement, so KV sizing never saw "
+                   f"what it held{what}. Do not release it yourself: the engine releases it after the closing "
+                   "measurement")
     for rec in result.leases:
         early = [by_id[aid] for aid in rec.allocation_ids
                  if by_id[aid].kind == "device" and by_id[aid].freed_phase in lc.WINDOW_PHASES + (lc.BASELINE,)]

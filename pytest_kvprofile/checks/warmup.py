@@ -39,6 +39,7 @@ def check_warmup_idempotent(result: LifecycleResult, options: CheckOptions) -> l
     return [
         f"warmup_idempotent: a repeated warmup (phase {lc.WARMUP_REPEAT!r}) allocated {what}; warmup runs once "
         "and a second call allocates nothing: " + grouped(result, repeat, first=lambda a: alive_at_end(a))
+        + ". Return early once warmed (keep what it tuned, not its scratch)"
     ]
 
 

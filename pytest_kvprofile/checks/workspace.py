@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckDetails, CheckOptions
-from pytest_kvprofile.checks.evidence import fmt_batch, grouped, resource_names
+from pytest_kvprofile.checks.evidence import fmt_batch, grouped, method_site, resource_names
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import (
     ProfilingSupport,
@@ -132,6 +132,37 @@ def _required_builders(result: LifecycleResult) -> list[str]:
             if builder_name(b) not in resources and declared_support(b) is ProfilingSupport.REQUIRED]
 
 
+_FLASHINFER_ROLES = (Role.INT_WORKSPACE, Role.PINNED_MIRROR, Role.FLOAT_WORKSPACE, Role.TRTLLM_WORKSPACE)
+
+
+def shows_flashinfer(result: LifecycleResult, name: str) -> bool:
+    """Whether anything of ``name`` is FlashInfer's: a view naming its route, a plan (``ctx.plan_into``, a FlashInfer
+    ``plan()`` seen in torch mode), an int workspace declared or made, a wrapper's workspace role, a bound workspace
+    reported. A builder with none of them (a quantized-KV kernel taking scratch from the arena) is no FlashInfer user:
+    the planner's need does not size its views or its declaration."""
+    decl = result.declared.get(name)
+    return bool(
+        (decl is not None and decl.int_bytes)
+        or any(g.requester == name and g.route is not None for g in result.grants)
+        or any(p.builder == name for p in result.plans)
+        or any(vp.builder == name for vp in result.view_plans)
+        or any(a.owner == name and a.role in _FLASHINFER_ROLES for a in result.allocations)
+        or any(b.owner == name for rec in result.phases for b in rec.bound))
+
+
+def flashinfer_views(result: LifecycleResult, name: str) -> list[ViewGrant]:
+    """The arena views of ``name`` that FlashInfer plans into, which the planner's need sizes: every view of a builder
+    that shows FlashInfer (``shows_flashinfer``), but where its builds tell their plans (``ctx.plan_into(view)``), only
+    the views named for a route and those plans go into; another kernel's view beside them is not FlashInfer's."""
+    views = [g for g in result.grants if g.requester == name]
+    if not views or not shows_flashinfer(result, name):
+        return []
+    told = {(vp.ubatch, vp.nbytes) for vp in result.view_plans if vp.builder == name and vp.target == "view"}
+    if not told:
+        return views
+    return [g for g in views if g.route is not None or (g.ubatch, g.nbytes) in told]
+
+
 def _native_routes(result: LifecycleResult, name: str, views: list[ViewGrant],
                    private: tuple[Allocation, ...]) -> tuple[str, ...]:
     """The case routes the builder's wrappers plan into float workspace, as observed: the routes of FlashInfer
@@ -185,14 +216,14 @@ def builder_waste(result: LifecycleResult, name: str) -> BuilderWaste:
     is what carries ``Role.FLOAT_WORKSPACE`` and, in torch mode, any buffer of its own a ``plan()`` was seen
     planning into (the arena belongs to the engine's manager, not to the builder)."""
     case = result.case
-    views = [g for g in result.grants if g.requester == name]
+    views = flashinfer_views(result, name)
     planned_into = {p.alloc_id for p in result.plans if p.builder == name}
     mine = [a for a in result.allocations
             if a.owner == name and (a.role in _WASTE_ROLES or a.id in planned_into) and _alive_at_closing(a)]
     private = tuple(a for a in mine if a.role is Role.FLOAT_WORKSPACE or a.id in planned_into)
     native = _native_routes(result, name, views, private)
     need, sized = need_for_planned(case, _planned(native, _graph_modes(result, name, views)))
-    decl = result.declared.get(name)
+    decl = result.declared.get(name) if shows_flashinfer(result, name) else None
     declared = _aligned(decl.float_bytes, result.arena_alignment) if decl is not None and decl.float_bytes else 0
     ubatches = _planned_ubatches(result, name, views, declared)
     arena = sum(max([declared, *(g.nbytes for g in views if g.ubatch == u)]) for u in range(ubatches))
@@ -234,8 +265,10 @@ def check_workspace_covers_planner(result: LifecycleResult, options: CheckOption
         out.extend(_short(result, name, decl.float_bytes))
         int_need = max((need.routes[r].int_bytes for r in sized[name]), default=0)
         if decl.int_bytes < int_need:
-            out.append(f"builder {name!r} reserves {decl.int_bytes} bytes of int workspace per wrapper but the planner "
-                       f"needs {int_need} for routes {', '.join(sized[name])}")
+            out.append(f"builder {name!r} reserves {decl.int_bytes} bytes of int workspace per wrapper "
+                       f"(declared_workspace(){method_site(result, name, 'declared_workspace')}) but the planner "
+                       f"needs {int_need} for routes {', '.join(sized[name])}; declare at least that (FlashInfer's "
+                       "default is 8 MiB)")
     if options.max_waste is not None and cost is not None:
         limit = options.max_waste.limit_bytes(cost.kv_bytes_per_token, cost.kv_pool_bytes)
         if limit is not None and cost.nbytes > limit:
@@ -253,13 +286,14 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
     """A declaration, or an arena view, shorter than the planner's need for the routes planned into it."""
     need = for_case(result.case)
     case, out = result.case, _graph_mode_mismatches(result, name)
-    views = [g for g in result.grants if g.requester == name]
+    views = flashinfer_views(result, name)
     modes = _graph_modes(result, name, views)
     arena_need, subs = need_for_planned(case, _planned(_native_routes(result, name, views, ()), modes))
     declared_short = bool(views) and declared < arena_need
     if declared_short:
         out.append(
-            f"builder {name!r} declares {bytes_text(declared)} of float workspace but FlashInfer "
+            f"builder {name!r} declares {bytes_text(declared)} of float workspace "
+            f"(declared_workspace(){method_site(result, name, 'declared_workspace')}) but FlashInfer "
             f"{need.flashinfer_version}'s planner carves {size_text(arena_need)} ({need.method}) on "
             f"{case.gpu.num_sm} SMs for routes {_routes_text(subs)} ({_deciding_text(need, subs)}): "
             f"short by {size_text((arena_need - declared))} (Buffer overflow ... Increase the workspace "
@@ -280,14 +314,15 @@ def _short(result: LifecycleResult, name: str, declared: int) -> list[str]:
                             else need_for_planned(case, _planned((route,), modes)))
         if g.nbytes >= route_need or (declared_short and g.nbytes == _aligned(declared, result.arena_alignment)):
             continue  # covered, or the declaration's shortfall already says it
-        via = f"{g.method}()" if g.method else "a call"
+        via = (f"{g.method}()" if g.method else "a call") + (f" at {g.site}" if g.site else "")
         what = f"route {route!r}" if route else "every route of the case (the views name none)"
         out.append(
             f"builder {name!r} plans {what} into arena views of at most {size_text(g.nbytes)} ({g.nbytes} bytes, "
             f"from {via} in phase {g.phase!r}, ubatch {g.ubatch}) but FlashInfer {need.flashinfer_version}'s planner "
             f"carves {size_text(route_need)} for {', '.join(subs)} ({_deciding_text(need, subs)}): "
             f"short by {size_text((route_need - g.nbytes))} "
-            "(Buffer overflow ... Increase the workspace buffer size)")
+            "(Buffer overflow ... Increase the workspace buffer size); ask views of what `kvprofile size` says for "
+            "that route")
     return out
 
 
@@ -346,7 +381,8 @@ def _short_for_what_is_planned(result: LifecycleResult, name: str) -> list[str]:
         if vp.nbytes < need:
             out.append(
                 f"builder {name!r} plans {what(vp)} ({planned}) into an arena view named "
-                f"route={named!r} of {bytes_text(vp.nbytes)} (phase {vp.phase!r}, ubatch {vp.ubatch}), but "
+                f"route={named!r} of {bytes_text(vp.nbytes)} (phase {vp.phase!r}, ubatch {vp.ubatch}"
+                + (f", at {vp.site}" if vp.site else "") + "), but "
                 f"FlashInfer's planner carves {bytes_text(need)} for {', '.join(subs)} "
                 f"({_deciding_text(for_case(result.case), subs)}): short by "
                 f"{bytes_text(need - vp.nbytes)} (Buffer overflow ... Increase the workspace buffer size). A view is "
@@ -399,7 +435,7 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
     out = []
     for (route, nbytes, alloc_id, graph), phases in sorted(short.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         alloc = allocs.get(alloc_id) if alloc_id is not None else None
-        into = (f"{alloc.role} {alloc.tag!r} of {alloc.owner}" + (f" at {alloc.stack}" if alloc.stack else "")
+        into = (f"{alloc.role} {alloc.tag!r} of {alloc.owner}" + (f" at {alloc.where}" if alloc.where else "")
                 if alloc else "memory outside the simulated device")
         route_need, subs = needs[(route, graph)]
         out.append(
@@ -407,8 +443,8 @@ def _short_plans(result: LifecycleResult, name: str) -> list[str]:
             f"{bytes_text(nbytes)} of float workspace ({into}) x {len(phases)}, first in phase {phases[0]!r}, "
             f"but FlashInfer {need.flashinfer_version}'s planner carves {size_text(route_need)} for the worst batch of "
             f"{', '.join(subs)} ({_deciding_text(need, subs)}): short by {size_text((route_need - nbytes))} "
-            "(Buffer overflow ... Increase the "
-            "workspace buffer size)")
+            "(Buffer overflow ... Increase the workspace buffer size); build the wrapper over a float workspace of "
+            "what `kvprofile size` says for that route")
     return out
 
 

@@ -76,8 +76,9 @@ class BackendError(ValueError):
 class EnginePolicy:
     """How the engine integrates the backend; the correct values are the defaults.
 
-    ``warmup_in_window``: None means "when any builder says its warmup materializes persistent
-    resources". ``graph_estimate`` (one of ``GRAPH_ESTIMATES``): "high_water" (the pool's full high-water mark),
+    ``warmup_in_window``: None means "each part where its engine warms it": inside the window the parts whose
+    ``warmup_materializes_persistent`` says so, the others first after KV sizing; True warms every part inside the
+    window, False none. ``graph_estimate`` (one of ``GRAPH_ESTIMATES``): "high_water" (the pool's full high-water mark),
     "gross_minus_retained" (the older accounting that omits live reserved pages) or "none" (CUDA graphs not
     accounted at all: an old vLLM default; the whole pool is invisible to KV sizing, a cost the checks report);
     any other value is a usage error (``BackendError``). ``profile_max_split_mib``:

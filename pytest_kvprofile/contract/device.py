@@ -39,6 +39,13 @@ class Allocation:
     alive: bool = True
     freed_phase: str | None = None
     role: Role = Role.OTHER  # what it is for (contract/roles.py); torch mode may set it when a wrapper takes it
+    site: str | None = None  # ctx mode: the builder's line that called ``ctx.allocate`` (messages only; see ``where``)
+
+    @property
+    def where(self) -> str | None:
+        """The source line a message names: the allocating frame (``stack``, torch mode), else the builder's line
+        that called ``ctx.allocate`` (``site``)."""
+        return self.stack or self.site
 
     @property
     def end(self) -> int:

@@ -34,6 +34,8 @@ lifecycle driver implements.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Literal, Protocol
 
@@ -41,6 +43,8 @@ from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.roles import Role
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from pytest_kvprofile.contract.device import Allocation, Device
     from pytest_kvprofile.contract.support import ProfilingSupport
     from pytest_kvprofile.contract.workspace import ArenaManager, ArenaView
@@ -193,8 +197,12 @@ class BuilderContext:
 
     def allocate(self, nbytes: int, tag: str, *, pinned_host: bool = False,
                  role: Role | str = Role.OTHER) -> Allocation:
-        """Device (or pinned host) memory in the ledger, attributed to this builder; ``role`` says what it is for."""
-        return self._run.device.allocate(int(nbytes), owner=self.owner, tag=tag, pinned_host=pinned_host, role=role)
+        """Device (or pinned host) memory in the ledger, attributed to this builder; ``role`` says what it is for.
+        The builder's line that called it is kept as the allocation's ``site``, which messages name."""
+        alloc = self._run.device.allocate(int(nbytes), owner=self.owner, tag=tag, pinned_host=pinned_host, role=role)
+        if alloc.stack is None:
+            alloc.site = caller_site()
+        return alloc
 
     def free(self, alloc: Allocation) -> None:
         self._run.device.free(alloc)
@@ -234,6 +242,35 @@ class BuilderContext:
 
     def lease(self, resources: Iterable[object] = (), on_release: Callable[[], None] | None = None) -> Lease:
         return Lease(self.owner, resources, on_release)
+
+
+def caller_site() -> str:
+    """``path:line in func`` of the builder code that called into the context (the first frame outside this file),
+    followed by ``(builder call site ...)`` where it differs from the innermost frame of the file of the builder
+    method the harness called (as ``memory.device.builder_call_site`` says it for torch mode)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    here = _frame_site(frame)
+    frames: list[FrameType] = []
+    entry: FrameType | None = frame
+    while entry is not None and not (entry.f_back is not None and entry.f_back.f_code.co_name == "call_optional"
+                                     and entry.f_back.f_code.co_filename == __file__):
+        frames.append(entry)
+        entry = entry.f_back
+    if entry is None:
+        return here
+    while frames and entry.f_code.co_filename.startswith(_CONTRACT_DIR):  # an adapter (a resource's): its callee
+        entry = frames.pop()
+    site = _frame_site(next(f for f in [*frames, entry] if f.f_code.co_filename == entry.f_code.co_filename))
+    return here if site == here else f"{here} (builder call site {site})"
+
+
+_CONTRACT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _frame_site(frame: FrameType) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def call_optional(builder: Builder, method: Hook, *args: BuilderContext | Batch) -> object:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import traceback
 import weakref
@@ -139,19 +140,21 @@ class _RecordingMixin:
         except WorkspaceLockedError as exc:
             if requester != LOCK_PROBE and not getattr(exc, "recorded", False):
                 run.result.refusals.append(Refusal(
-                    run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current))
+                    run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current,
+                    _author_site()))
             raise
         finally:
             run._in_manager = False
         grant = ViewGrant(run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr,
-                          view.nbytes, route, run._asked_graph)
+                          view.nbytes, route, run._asked_graph, _author_site() if requester != LOCK_PROBE else "")
         run.result.grants.append(grant)
         run._grant_of[id(view)] = (view, grant)  # two views of one arena may share pointer and bytes, not identity
         return view
 
     def _refused(self, refusal: Refusal) -> None:
         if refusal.requester != LOCK_PROBE:
-            self._run.result.refusals.append(refusal)
+            site = refusal.site or _author_site()
+            self._run.result.refusals.append(dataclasses.replace(refusal, site=site) if site else refusal)
 
     def _caller(self) -> str:
         run = self._run
@@ -826,10 +829,14 @@ class LifecycleRun:
         except Exception as exc:  # noqa: BLE001 - the engine's arithmetic failing is a recorded outcome
             self._fail(f"engine (budget arithmetic {self._arithmetic.name})", exc)
 
-    def _warmup_in_window(self) -> bool:
+    def _warmed_in_window(self) -> list[Builder]:
+        """The parts the engine warms up inside the profiling window: each part where its engine warms it (its
+        ``warmup_materializes_persistent``), so a part whose engine first warms it after KV sizing is warmed there
+        even when another part is warmed in the window; every part, or none, where the policy says so
+        (``EnginePolicy.warmup_in_window``)."""
         if self.policy.warmup_in_window is not None:
-            return self.policy.warmup_in_window
-        return any(getattr(b, "warmup_materializes_persistent", False) for b in self.builders)
+            return list(self.builders) if self.policy.warmup_in_window else []
+        return [b for b in self.builders if getattr(b, "warmup_materializes_persistent", False)]
 
     def _run(self) -> None:
         case, dev = self.case, self.device
@@ -890,9 +897,10 @@ class LifecycleRun:
             self._dummy_forward(case.envelope.max_num_batched_tokens, None)
         self._record_phase(PROFILE_RUN)
 
-        if profiling and self._warmup_in_window():
+        in_window = self._warmed_in_window() if profiling else []
+        if in_window:
             self._enter(PROFILE_WARMUP)
-            for b in self.builders:
+            for b in in_window:
                 self._call(b, "warmup", self.ctx(b))
             self._record_phase(PROFILE_WARMUP)
             if self.policy.replay_after_warmup:
@@ -1133,6 +1141,22 @@ def _cached_blocks(device: Device) -> tuple[tuple[int, int], ...]:
         return ()
     return tuple((b["address"], b["size"]) for seg in allocator.snapshot() for b in seg["blocks"]
                  if b["state"] == "inactive")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_BACKENDS_DIR = os.path.join(_PACKAGE_DIR, "builtin") + os.sep  # the built-in backends: authors' code
+
+
+def _author_site() -> str:
+    """``path:line in func`` of the innermost frame that is a backend's code (outside the harness; the built-in
+    backends are backends), "" when none is on the stack."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_PACKAGE_DIR) or path.startswith(_BACKENDS_DIR):
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
 
 
 def _caller_site() -> str:

@@ -285,7 +285,8 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
     if leaked:
         out.append(
             f"builder {name!r}: a warmup {where} that failed at its allocation #{k + 1} leaked "
-            + "; ".join(f"{a.tag!r} {size_text(a.nbytes)}" for a in leaked[:4])
+            + "; ".join(f"{a.tag!r} {size_text(a.nbytes)}" + (f" at {a.where}" if a.where else "") for a in leaked[:4])
+            + ". Free what a failed warmup made before it raises (try/finally), or reuse it on the retry"
         )
     try:
         _warmup(run, b)
@@ -305,7 +306,8 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
             parts.append("extra " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in got - expected))
         out.append(
             f"builder {name!r}: after a warmup {where} failed at allocation #{k + 1} and was retried, its persistent "
-            f"memory differs from a clean warmup's ({'; '.join(parts)}): the warmup was left half-built"
+            f"memory differs from a clean warmup's ({'; '.join(parts)}): the warmup was left half-built. Mark it "
+            "warmed only once it completed, and undo (or finish) a failed attempt's partial work on the retry"
         )
     return out
 

@@ -94,9 +94,11 @@ class Refusal:
     ubatch: int
     requested: int
     current: int
+    site: str = ""  # ``path:line in func`` of the requester's code that asked ("" when unknown)
 
     def describe(self) -> str:
         via = f" in {self.method}()" if self.method else ""
+        via += f" at {self.site}" if self.site else ""
         return (f"{self.requester}{via} asked the locked arena of ubatch {self.ubatch} for {self.requested} bytes "
                 f"in phase {self.phase!r} (current size {self.current} bytes)")
 
@@ -119,6 +121,7 @@ class ViewGrant:
     nbytes: int
     route: str | None = None
     cuda_graph: bool | None = None  # ``get_workspace(cuda_graph=)``: the route's plans only with (without) graphs
+    site: str = ""  # ``path:line in func`` of the requester's code that asked ("" when unknown)
 
 
 @dataclass(frozen=True)
