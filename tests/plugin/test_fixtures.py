@@ -64,7 +64,7 @@ def test_kvprofile_alone_collects_the_default_matrix(pytester):
     result = pytester.runpytest("--kvprofile", "--collect-only", "-q", "-p", "no:cacheprovider")
     assert result.ret == 0
     # deselected: teardown_clean (no stub closes); the B200's NVFP4 layouts are refused (test_engine_accepts_layout)
-    result.stdout.fnmatch_lines(["*113448/113449 tests collected (1 deselected)*"])
+    result.stdout.fnmatch_lines(["*117576/117577 tests collected (1 deselected)*"])
 
 
 def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_doubled(pytester):
@@ -74,9 +74,9 @@ def test_paths_on_the_command_line_are_collected_too_and_the_suite_is_not_double
     assert "test_own.py::test_own" in with_suite.stdout.lines
     # deselected: teardown_clean (no stub closes) and test_layout_is_possible (every ci layout is possible); the
     # B200's NVFP4 layouts are refused (test_engine_accepts_layout)
-    with_suite.stdout.fnmatch_lines(["3925/3927 tests collected (2 deselected)*"])
+    with_suite.stdout.fnmatch_lines(["4069/4071 tests collected (2 deselected)*"])
     named = pytester.runpytest("--kvprofile", "--pyargs", "pytest_kvprofile.suite", *args)
-    named.stdout.fnmatch_lines(["3924/3926 tests collected (2 deselected)*"])
+    named.stdout.fnmatch_lines(["4068/4070 tests collected (2 deselected)*"])
     without = pytester.runpytest("test_own.py", *args)
     without.stdout.fnmatch_lines(["*1 test collected*"])
 
