@@ -416,6 +416,16 @@ def _merge_backend(found: list[tuple[str, JsonObject]]) -> JsonObject:
 
 VERDICT_BOUND = 1_000_000  # bytes: the verdict of the default matrix (the correct stubs) stays below this
 VERDICT_MESSAGE_CHARS = 600  # what the verdict keeps of a failure's message; the JSON report keeps it all
+VERDICT_MESSAGE_TAIL = 160  # of those, the message's end: a refusal ends with what to do
+
+
+def cut_message(msg: str) -> str:
+    """A failure's message as the verdict keeps it: whole up to ``VERDICT_MESSAGE_CHARS``, else its head (the rule
+    and the bytes) and its tail (the remedy), the middle marked as cut."""
+    if len(msg) <= VERDICT_MESSAGE_CHARS:
+        return msg
+    head = VERDICT_MESSAGE_CHARS - VERDICT_MESSAGE_TAIL
+    return f"{msg[:head]} [... cut; the JSON report has it all ...] {msg[-VERDICT_MESSAGE_TAIL:]}"
 DETAILED_COSTS = 3  # the costs (waste, legacy) per backend the verdict keeps, the largest
 
 
@@ -425,7 +435,8 @@ def slim_verdict(doc: JsonObject) -> JsonObject:
 
     - ``cases``: every case id of the backends' matrices, once; ranges of their indices (``"0-5,9"``) stand for them;
     - ``planned``: ``[{"checks": [...], "cases": RANGES}]``, the cases grouped by the checks that apply;
-    - ``results``: the results that did not pass, each message cut to ``VERDICT_MESSAGE_CHARS``;
+    - ``results``: the results that did not pass, each message cut to ``VERDICT_MESSAGE_CHARS``
+      (its head and its remedy: ``cut_message``);
       ``passed``: RANGES, the cases whose every other planned check passed; ``passed_some``: {case: checks} for the
       cases where only some did;
     - ``waste``, ``legacy_cost``: the ``DETAILED_COSTS`` largest, ``waste_cases``/``legacy_cases`` their counts.
@@ -445,8 +456,8 @@ def slim_verdict(doc: JsonObject) -> JsonObject:
                 continue
             other[r["case"]].add(r["check"])
             msg = r.get("message")
-            if msg and len(msg) > VERDICT_MESSAGE_CHARS:
-                msg = f"{msg[:VERDICT_MESSAGE_CHARS]} [... cut; the JSON report has it all]"
+            if msg:
+                msg = cut_message(msg)
             kept.append(dict(r, message=msg))
         rest = [c for c, checks in passed.items() if c in index and checks == set(planned.get(c, ())) - other[c]]
         groups: dict[tuple[str, ...], list[int]] = defaultdict(list)

@@ -55,9 +55,21 @@ def test_a_written_verdict_reads_back_whole(fail_every):
         assert sorted(map(key, a["results"])) == sorted(map(key, b["results"]))
     if fail_every:
         msgs = [r["message"] for b in slim["backends"] for r in b["results"]]
-        assert msgs and all(len(m) < 700 and m.endswith("the JSON report has it all]") for m in msgs)
+        assert msgs and all(len(m) < 700 and "[... cut; the JSON report has it all ...]" in m for m in msgs)
 
 
 def test_ranges_round_trip():
     assert ranges([5, 0, 1, 2, 9, 10]) == "0-2,5,9-10" and from_ranges("0-2,5,9-10") == [0, 1, 2, 5, 9, 10]
     assert ranges([]) == "" and from_ranges("") == []
+
+
+def test_a_cut_message_keeps_its_head_and_its_remedy():
+    """The verdict cuts a long message in the middle: the rule and bytes at its head and what to do at its end stay
+    (issue 52 item 11); a short one is kept whole."""
+    from pytest_kvprofile.report.documents import VERDICT_MESSAGE_CHARS, cut_message
+
+    msg = "3128 bytes invisible to KV sizing; " + "x" * 2000 + " Reserve it in reserve_persistent_workspace()."
+    cut = cut_message(msg)
+    assert cut.startswith("3128 bytes invisible") and cut.endswith("Reserve it in reserve_persistent_workspace().")
+    assert "[... cut; the JSON report has it all ...]" in cut and len(cut) < VERDICT_MESSAGE_CHARS + 60
+    assert cut_message("short") == "short"
