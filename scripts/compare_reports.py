@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Compare two ``--kvprofile-json`` reports result by result.
+
+Usage::
+
+    scripts/compare_reports.py BEFORE.json AFTER.json [--messages]
+
+A result is keyed by (backend, case, check). It differs when it is in one report only, or when its outcome,
+waste or budget differs. With ``--messages`` a failure's message counts too, with source ``file.py:LINE``
+locations blanked (a refactor moves lines, not verdicts). Exit 0 when nothing differs, 1 when something does,
+2 on a file that is not a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+_LOCATION = re.compile(r"[\w./-]+\.py:\d+")
+_COMPARED = ("outcome", "waste", "budget")
+
+
+def _load(path: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
+    try:
+        document = json.loads(path.read_text())
+        results = document["results"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"compare_reports: {path} is not a --kvprofile-json report ({exc})") from None
+    return {(r["backend"], r["case"], r["check"]): r for r in results}
+
+
+def _view(result: dict[str, Any], messages: bool) -> dict[str, Any]:
+    view = {key: result.get(key) for key in _COMPARED}
+    if messages:
+        view["message"] = _LOCATION.sub("FILE:LINE", str(result.get("message", "")))
+    return view
+
+
+def differences(before: dict[tuple[str, str, str], dict[str, Any]],
+                after: dict[tuple[str, str, str], dict[str, Any]], messages: bool) -> list[str]:
+    lines: list[str] = []
+    for key in sorted(before.keys() | after.keys()):
+        label = " / ".join(key)
+        if key not in after:
+            lines.append(f"only before: {label}")
+        elif key not in before:
+            lines.append(f"only after: {label}")
+        else:
+            old, new = _view(before[key], messages), _view(after[key], messages)
+            for field in old:
+                if old[field] != new[field]:
+                    lines.append(f"{label}: {field} {old[field]!r} -> {new[field]!r}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    parser.add_argument("--messages", action="store_true", help="also compare failure messages")
+    args = parser.parse_args(argv)
+    before, after = _load(args.before), _load(args.after)
+    lines = differences(before, after, args.messages)
+    for line in lines[:200]:
+        print(line)
+    if len(lines) > 200:
+        print(f"... and {len(lines) - 200} more")
+    print(f"{len(before | after)} results compared, {len(lines)} differ")
+    return 1 if lines else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
