@@ -5,10 +5,10 @@ Usage::
 
     scripts/compare_reports.py BEFORE.json AFTER.json [--messages]
 
-A result is keyed by (backend, case, check). It differs when it is in one report only, or when its outcome,
-waste or budget differs. With ``--messages`` a failure's message counts too, with source ``file.py:LINE``
-locations blanked (a refactor moves lines, not verdicts). Exit 0 when nothing differs, 1 when something does,
-2 on a file that is not a report.
+A result is keyed by (backend, case, check). It differs when it is in one report only, or when its
+outcome, waste or budget differs. ``--subset`` compares only the backends AFTER ran. With ``--messages``
+a failure's message counts too, with source ``file.py:LINE`` locations blanked (a refactor moves lines,
+not verdicts). Exit 0 when nothing differs, 1 when something does, 2 on a file that is not a report.
 """
 
 from __future__ import annotations
@@ -62,8 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--messages", action="store_true", help="also compare failure messages")
+    parser.add_argument("--subset", action="store_true",
+                        help="compare only the backends AFTER ran (a quick run against a full baseline)")
     args = parser.parse_args(argv)
     before, after = _load(args.before), _load(args.after)
+    if args.subset:
+        ran = {backend for backend, _, _ in after}
+        before = {key: result for key, result in before.items() if key[0] in ran}
     lines = differences(before, after, args.messages)
     for line in lines[:200]:
         print(line)

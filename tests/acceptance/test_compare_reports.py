@@ -53,3 +53,11 @@ def test_a_file_that_is_not_a_report_is_named(tmp_path: Path) -> None:
     bad.write_text("[]")
     with pytest.raises(SystemExit, match="bad.json is not a --kvprofile-json report"):
         _module().main([str(bad), str(bad)])
+
+
+def test_subset_compares_only_the_backends_the_second_report_ran(tmp_path: Path) -> None:
+    other = {**_result(), "backend": "other"}
+    before = _report(tmp_path / "a.json", _result(), other)
+    after = _report(tmp_path / "b.json", _result())
+    assert _module().main([str(before), str(after)]) == 1
+    assert _module().main([str(before), str(after), "--subset"]) == 0
