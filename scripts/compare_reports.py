@@ -29,7 +29,8 @@ def _load(path: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
         document = json.loads(path.read_text())
         results = document["results"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(f"compare_reports: {path} is not a --kvprofile-json report ({exc})") from None
+        print(f"compare_reports: {path} is not a --kvprofile-json report ({exc})", file=sys.stderr)
+        raise SystemExit(2) from None
     return {(r["backend"], r["case"], r["check"]): r for r in results}
 
 

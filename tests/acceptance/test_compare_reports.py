@@ -48,11 +48,13 @@ def test_an_outcome_a_message_or_a_missing_result_differs(tmp_path: Path,
     assert "only before: b / c2 / k" in out and "only after: b / c3 / k" in out
 
 
-def test_a_file_that_is_not_a_report_is_named(tmp_path: Path) -> None:
+def test_a_file_that_is_not_a_report_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
-    with pytest.raises(SystemExit, match="bad.json is not a --kvprofile-json report"):
+    with pytest.raises(SystemExit) as exit_info:
         _module().main([str(bad), str(bad)])
+    assert exit_info.value.code == 2
+    assert "bad.json is not a --kvprofile-json report" in capsys.readouterr().err
 
 
 def test_subset_compares_only_the_backends_the_second_report_ran(tmp_path: Path) -> None:
