@@ -45,6 +45,7 @@ from typing import (
 )
 
 from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy, Provenance
+from pytest_kvprofile.contract.device import Device
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.contract.support import ProfilingSupport
 
@@ -118,6 +119,22 @@ def engine_backend(name: str, make_builders: Callable[[Case], Iterable[Builder]]
     return Backend(name=name, make_builders=make_builders, origin=origin, version=version, torch_mode=True,
                    refuses_layout=refuses_layout, requires=(engine,), install_hint=install_hint,
                    description=description, policy=policy or EnginePolicy(), provenance=provenance)
+
+
+@contextlib.contextmanager
+def torch_on(device: Device) -> Iterator[None]:
+    """torch "cuda" (and ``torch.accelerator``) answered by ``device``, for an engine's own memory code: the run's
+    simulation when it is in torch mode on this device, a scope of its own otherwise; the GPU tier's device already
+    is torch's."""
+    from pytest_kvprofile.memory.device import SimDevice
+    from pytest_kvprofile.memory.torch_mode import SimulatedCuda, active_simulation
+
+    sim = active_simulation()
+    if not isinstance(device, SimDevice) or (sim is not None and sim.device is device):
+        yield
+        return
+    with SimulatedCuda(device):
+        yield
 
 
 def device_active() -> bool:

@@ -103,6 +103,8 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.engines.vllm.pull_request": "vLLM's builder class is subclassed when a backend first makes "
                                                   "builders; torch inside its methods",
     "pytest_kvprofile.engines.vllm.memory": "vLLM's memory_profiling runs around the window of a vLLM backend only",
+    "pytest_kvprofile.engines.sglang.budget": "SGLang's get_available_gpu_memory runs at the snapshots of an SGLang "
+                                              "post-capture backend only",
     "pytest_kvprofile.engines.vllm.standins": "the CPU stand-ins patch vLLM and torch only for a vLLM backend's run",
     "pytest_kvprofile.engines.vllm.gdn": "vLLM's GDN builder is imported by the hybrid backend's make_builders only",
     "pytest_kvprofile.engines.vllm.workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",

@@ -38,6 +38,7 @@ from pytest_kvprofile.contract.backends import Backend, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.adapter import EngineAdapter
+from pytest_kvprofile.engines.sglang.budget import sglang_budget
 from pytest_kvprofile.engines.sglang.flashinfer import (
     DRAFT,
     SglangEngine,
@@ -196,7 +197,8 @@ def _post_capture_backend(name: str, adapter: type[SglangPostCaptureAdapter], wh
     return sglang_backend(
         name, adapter, f"SGLang's own {what} on SGLang's post-capture KV sizing path (SGLANG_ENABLE_POST_CAPTURE_KV_"
         "SIZING=1: KV sized after the backend and its graphs), unmodified, on the simulated GPU",
-        EnginePolicy(gate=functools.partial(post_capture_gate, attention_backend=attention), kv_sizing="post_capture"))
+        EnginePolicy(gate=functools.partial(post_capture_gate, attention_backend=attention), kv_sizing="post_capture",
+                     budget=sglang_budget))
 
 
 SGLANG_POST_CAPTURE_BACKENDS: tuple[Backend, ...] = (
