@@ -137,6 +137,8 @@ LAZY_HEAVY: dict[str, str] = {
 # (tests/acceptance/test_lazy_imports.py checks the plugin loads none of them).
 EAGER_HEAVY: dict[str, str] = {
     "pytest_kvprofile.memory.torch_mode": "serves torch \"cuda\" calls: it subclasses torch's TorchFunctionMode",
+    "pytest_kvprofile.memory.torch_dispatch": "torch mode's TorchFunctionMode; imported by torch_mode only",
+    "pytest_kvprofile.memory.cuda_standins": "torch mode's torch.cuda stand-ins; imported by torch_mode only",
 }
 
 
