@@ -22,7 +22,7 @@ from typing import (
     NoReturn,
 )
 
-from pytest_kvprofile.contract.device import Allocation, Device, DeviceEvent
+from pytest_kvprofile.contract.device import Allocation, DeviceEvent
 from pytest_kvprofile.contract.roles import Role, as_role
 from pytest_kvprofile.contract.workspace import TorchSimulation
 from pytest_kvprofile.memory.allocator import (
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = [
     "own_frame",
     "Allocation",
-    "Device",
     "DeviceEvent",
     "DeviceOutOfMemory",
     "EventSource",
