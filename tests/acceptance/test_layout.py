@@ -93,6 +93,7 @@ LAZY_HEAVY: dict[str, str] = {
                                                 "torch tensors when built; the catalog lists it without either",
     "pytest_kvprofile.builtin.mutants": "torch-mode mutants allocate with torch when built, not when listed",
     "pytest_kvprofile.builtin.mutants_field": "field mutants allocate with torch when built, not when listed",
+    "pytest_kvprofile.builtin.mutants_workspaces": "torch-mode mutants allocate with torch when built, not when listed",
     "pytest_kvprofile.builtin.process_state": "its builders keep torch tensors per process, made when built",
     "pytest_kvprofile.builtin.stubs": "torch-mode stubs allocate with torch when built, not when listed",
     "pytest_kvprofile.contract.workspace": "an arena is a torch tensor only on a device in torch mode",
