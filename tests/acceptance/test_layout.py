@@ -109,6 +109,9 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.engines.vllm.workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",
     "pytest_kvprofile.engines.sglang.flashinfer": "SGLang is imported by make_builders and refuses_layout only, never "
                                                   "at plugin import",
+    "pytest_kvprofile.engines.sglang.case_config": "SGLang's ServerArgs and ModelConfig, made in a case's run or "
+                                                   "refusal only",
+    "pytest_kvprofile.engines.sglang.runner": "SGLang's pools and kernels, made when an SGLang adapter runs only",
     "pytest_kvprofile.engines.sglang.memory": "SGLang's default mem_fraction_static, resolved by SGLang when a row "
                                               "is made (scripts/sglang_table.py), never at plugin import",
     "pytest_kvprofile.engines.sglang.post_capture": "SGLang's post_capture_kv_sizing_planned answers the engine's "
