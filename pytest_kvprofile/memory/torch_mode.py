@@ -303,7 +303,10 @@ class SimulatedCuda:
         self._patch_accelerator(replacements)
 
     def _cuda_replacements(self) -> dict[str, object]:
-        """What each ``torch.cuda`` name answers while this simulation is active: the device's ledger."""
+        """What each ``torch.cuda`` name answers while this simulation is active: the device's ledger.
+
+        Long because it is one table: a name and its answer per line, read as a whole (splitting it would split the
+        table, not the logic)."""
         dev = self.device
 
         def ignore_device(fn: Callable[[], object]) -> Callable[..., object]:
