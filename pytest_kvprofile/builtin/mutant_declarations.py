@@ -11,12 +11,12 @@ description is its builder's docstring. ``catches=`` lists the checks it fails o
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from pytest_kvprofile.checks.base import CheckOptions, WasteBudget
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
+from pytest_kvprofile.contract.bug_classes import mutant_class
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.protocol import Builder
@@ -27,7 +27,6 @@ __all__ = ["DECLARED", "OVERFLOWS_ITS_ARENA", "WASTE_BUDGET", "WASTE_OPTIONS", "
            "resource_mutant"]
 
 T = TypeVar("T", bound=type)
-_NAME = re.compile(r"mutant-(\d+)[a-z]?-[a-z0-9-]+")
 
 # Waste is refused only over a budget, so the mutants whose bug can be an oversized workspace are judged under one:
 # two micro-batch arenas x one 2 MiB caching-allocator block, the slack sizing mutants were judged with before.
@@ -64,10 +63,10 @@ DECLARED: dict[str, Mutant] = {}
 
 def bug_class_of(name: str) -> int:
     """The bug class a mutant's name carries: ``mutant-15j-...`` is class 15."""
-    match = _NAME.fullmatch(name)
-    if match is None:
+    number = mutant_class(name)
+    if number is None:
         raise ValueError(f"mutant name {name!r} is not mutant-<class><letter>-<words>")
-    return int(match[1])
+    return number
 
 
 def _declare(backend: Backend, catches: tuple[str, ...], options: CheckOptions | None) -> None:
@@ -94,7 +93,7 @@ def mutant(name: str, *, catches: tuple[str, ...], policy: EnginePolicy | None =
 
         backend = Backend(name=name, make_builders=make, policy=policy or EnginePolicy(),
                           description=(main.__doc__ or "").strip(), origin="mutant",
-                          bug_class=bug_class_of(name), torch_mode=bool(getattr(main, "torch_mode", False)))
+                          torch_mode=bool(getattr(main, "torch_mode", False)))
         _declare(backend, catches, options)
         return cls
 
@@ -118,7 +117,7 @@ def resource_mutant(name: str, *, catches: tuple[str, ...]) -> Callable[[T], T]:
             return [made]
 
         backend = Backend(name=name, make_builders=make, make_resources=resources,
-                          description=(cls.__doc__ or "").strip(), origin="mutant", bug_class=bug_class_of(name))
+                          description=(cls.__doc__ or "").strip(), origin="mutant")
         _declare(backend, catches, None)
         return cls
 
