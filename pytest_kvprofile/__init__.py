@@ -11,6 +11,7 @@ from __future__ import annotations
 from pytest_kvprofile.checks.catalog import CHECKS, Check, CheckOptions, failing_checks
 from pytest_kvprofile.contract.backends import Backend, BackendError, EnginePolicy, KvSizingMode, Provenance
 from pytest_kvprofile.contract.budget import BudgetArithmetic, BudgetTerm, EngineTerms
+from pytest_kvprofile.contract.device import Device
 from pytest_kvprofile.contract.lease import Lease, LeaseReleasedError
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -41,7 +42,7 @@ from pytest_kvprofile.matrix.cases import Case, DecodeCapture, Envelope
 from pytest_kvprofile.matrix.gpus import GpuSpec, lookup_gpu
 from pytest_kvprofile.matrix.models import ModelSpec
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrix, packaged_matrix
-from pytest_kvprofile.memory.device import Device, DeviceOutOfMemory, SimDevice
+from pytest_kvprofile.memory.device import DeviceOutOfMemory, SimDevice
 from pytest_kvprofile.memory.simulated_gpu import simulated_gpu
 
 __version__ = "0.1.0"

@@ -489,12 +489,12 @@ def mla_refusal(case: Case) -> str | None:
             f"build and the simulated device does not serve (case {case.id})")
 
 
-def _backend(name: str, cls: type, description: str, origin: str, bug: int | None = None) -> Backend:
+def _backend(name: str, cls: type, description: str, origin: str) -> Backend:
     def make(case: Case) -> list[Builder]:
         return [cls(case)]
 
     make.__qualname__ = f"make_{name.replace('-', '_')}"
-    return Backend(name=name, make_builders=make, description=description, origin=origin, bug_class=bug,
+    return Backend(name=name, make_builders=make, description=description, origin=origin,
                    torch_mode=True, refuses_layout=mla_refusal)
 
 
@@ -504,11 +504,11 @@ REAL_FLASHINFER_BACKENDS: tuple[Backend, ...] = (
 )
 REAL_FLASHINFER_MUTANTS: tuple[Backend, ...] = (
     _backend("mutant-01d-flashinfer-lazy-wrappers", LazyRealFlashInferBuilder, (LazyRealFlashInferBuilder.__doc__ or "")
-             .split("\n")[0], "mutant", bug=1),
+             .split("\n")[0], "mutant"),
     _backend("mutant-15i-flashinfer-shared-int-workspace", SharedIntWorkspaceRealBuilder,
-             (SharedIntWorkspaceRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),
+             (SharedIntWorkspaceRealBuilder.__doc__ or "").split("\n")[0], "mutant"),
     _backend("mutant-15k-flashinfer-decode-plans-into-prefill-int", DecodeIntIntoPrefillRealBuilder,
-             (DecodeIntIntoPrefillRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=15),
+             (DecodeIntIntoPrefillRealBuilder.__doc__ or "").split("\n")[0], "mutant"),
     _backend("mutant-05f-flashinfer-private-float-reported-as-arena", PrivateFloatReportedAsArenaRealBuilder,
-             (PrivateFloatReportedAsArenaRealBuilder.__doc__ or "").split("\n")[0], "mutant", bug=5),
+             (PrivateFloatReportedAsArenaRealBuilder.__doc__ or "").split("\n")[0], "mutant"),
 )

@@ -22,9 +22,9 @@ snapshot before the parts are constructed (upstream vLLM's ``init_device``).
 The workspace of 14e to 14j is made inside the profiling window (KV sizing counts it) and held by the builder; what
 each mutant adds is a place that keeps it once every part's ``close()`` ran (torch mode).
 
-``field_mutants(mutant)`` makes the catalog's backends with the catalog's own constructor (``builtin/mutants.py``
-passes ``_mutant``), so this module imports nothing of that one; ``FIELD_TWINS`` are the correct twins, which the
-tests run on every ci case beside their mutants.
+Each mutant declares itself on its builder class (``@mutant``, ``builtin/mutant_declarations.py``), so this module
+imports nothing of the catalog (``builtin/mutants.py``); ``FIELD_TWINS`` are the correct twins, which the tests run on
+every ci case beside their mutants.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from pytest_kvprofile.builtin.mutant_declarations import mutant
 from pytest_kvprofile.builtin.resources import WarmedInWindowDMAOutputWorkspace
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder, TorchFlashInferLikeBuilder, Wrapper
 from pytest_kvprofile.contract.backends import Backend, EnginePolicy
@@ -48,9 +49,6 @@ if TYPE_CHECKING:
     from pytest_kvprofile.contract.lease import Lease
     from pytest_kvprofile.contract.protocol import Batch, Builder, BuilderContext
     from pytest_kvprofile.matrix.cases import Case
-
-# the catalog's constructor: ``_mutant(name, bug class, builder class, *, catches=...)``
-MakeMutant = Callable[..., Backend]
 
 GROWTH_BYTES = 2 * MiB  # what the in-window warmup asks beyond the declaration: the growth that retires the arena
 
@@ -75,6 +73,7 @@ class _KeepsWrappersAcrossGrowth(FlashInferLikeBuilder):
         ctx.plan_into(w.int_workspace)  # the float plan goes where the wrapper is bound, unannounced
 
 
+@mutant("mutant-16d-bound-to-replaced-arena", catches=("no_use_after_free",))
 class BoundToReplacedArenaBuilder(_KeepsWrappersAcrossGrowth):
     """Bug 16d (issue 51, item 20): never rebinds, so every wrapper stays bound to the arena the growth gave back and
     plans into freed memory at serving; ``bound_workspaces()`` says so, no ``ctx.plan_into`` does."""
@@ -159,6 +158,7 @@ class _SideWorkspace(TorchFlashInferLikeBuilder):
         """Where ``close()`` leaves the workspace (nowhere: the correct twins)."""
 
 
+@mutant("mutant-14e-torch-daemon-thread-holds-workspace", catches=("no_state_outlives_case",))
 class DaemonThreadBuilder(_SideWorkspace):
     """Bug 14e (issue 51, item 11): a daemon thread started at the first serving step polls with the workspace in its
     frame; ``close()`` never stops it, so the workspace outlives the engine."""
@@ -182,6 +182,7 @@ class StoppedThreadBuilder(DaemonThreadBuilder):
         super().close()
 
 
+@mutant("mutant-14f-torch-atexit-holds-workspace", catches=("no_state_outlives_case",))
 class AtexitHandlerBuilder(_SideWorkspace):
     """Bug 14f (issue 51, item 11): registers an exit handler at the first serving step with the workspace as its
     argument; ``close()`` never unregisters it, so the workspace lives until the process exits."""
@@ -202,6 +203,7 @@ class UnregisteredAtexitBuilder(AtexitHandlerBuilder):
         super().close()
 
 
+@mutant("mutant-14g-torch-close-parks-in-module-dict", catches=("no_state_outlives_case",))
 class ParksInModuleDictBuilder(_SideWorkspace):
     """Bug 14g (issue 51, item 11): ``close()`` parks its workspace in a module-level dict (a process-global cache
     for a later engine that never looks there): the workspace outlives the engine."""
@@ -210,6 +212,7 @@ class ParksInModuleDictBuilder(_SideWorkspace):
         _PARKED[id(self)] = workspace
 
 
+@mutant("mutant-14h-torch-close-parks-in-lru-cache", catches=("no_state_outlives_case",))
 class ParksInLruCacheBuilder(_SideWorkspace):
     """Bug 14h (issue 51, item 19): ``close()`` appends its workspace to the list a module-level
     ``functools.lru_cache`` returns: a cached value keeps it."""
@@ -218,6 +221,7 @@ class ParksInLruCacheBuilder(_SideWorkspace):
         _parking("workspaces").append(workspace)
 
 
+@mutant("mutant-14i-torch-close-parks-in-thread-local", catches=("no_state_outlives_case",))
 class ParksInThreadLocalBuilder(_SideWorkspace):
     """Bug 14i (issue 51, item 19): ``close()`` leaves its workspace on a module-level ``threading.local()``."""
 
@@ -225,6 +229,7 @@ class ParksInThreadLocalBuilder(_SideWorkspace):
         _PARKED_LOCAL.workspace = workspace
 
 
+@mutant("mutant-14j-torch-close-parks-on-type-class", catches=("no_state_outlives_case",))
 class ParksOnTypeClassBuilder(_SideWorkspace):
     """Bug 14j (issue 51, item 19): ``close()`` leaves its workspace on a class made with ``type()`` and kept in a
     module-level dict."""
@@ -270,6 +275,7 @@ class _CapturesItsOwnGraph(TorchFlashInferLikeBuilder):
         return output
 
 
+@mutant("mutant-07f-torch-failed-capture-keeps-pool", catches=("warmup_retryable",))
 class KeepsFailedCapturePoolBuilder(_CapturesItsOwnGraph):
     """Bug 7f (issue 51, item 1): keeps the graph before its capture succeeds, so a capture that runs out of memory
     leaves a graph that still holds its private pool; the retry captures into a new pool beside it."""
@@ -325,6 +331,7 @@ class _TracksStepsInFlight(TorchFlashInferLikeBuilder):
         raise NotImplementedError
 
 
+@mutant("mutant-07g-torch-failed-capture-keeps-step", catches=("capture_retryable",))
 class KeepsFailedStepBuilder(_TracksStepsInFlight):
     """Bug 7g (issue 51, item 1, in the engine's capture): a step is tracked before it is built and untracked only
     once it is; a capture that runs out of memory at the log-sum-exp keeps the step's partial output in builder state,
@@ -397,6 +404,7 @@ class _ContinuationPrefill:
             view.tensor[:64].zero_()
 
 
+@mutant("mutant-04e-torch-non-flashinfer-scratch-after-lock", catches=("arena_not_grown_after_lock",))
 class LateContinuationScratchBuilder(_ContinuationPrefill):
     """Bug 4e (issue 51, item 9): declares no float workspace and asks the arena for its continuation-prefill scratch
     at the batch's size, so the first long continuation at serving asks the locked arena to grow; it catches the
@@ -430,18 +438,6 @@ RUNNER_INIT_BUFFERS: dict[str, int] = {  # what a model runner's __init__ keeps:
     "inputs_embeds staging": 24 * MiB, "positions": 8 * MiB, "input_ids": 4 * MiB}
 
 
-class RunnerInitBuffersBuilder(TorchFlashInferLikeBuilder):
-    """The correct torch-mode stub, with a model runner's persistent buffers (``RUNNER_INIT_BUFFERS``, 36 MiB) made in
-    its ``__init__`` and kept for the engine's life. Correct under an engine whose budget counts them."""
-
-    def __init__(self, case: Case):
-        import torch
-
-        super().__init__(case)
-        self.runner_buffers = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-                               for name, nbytes in RUNNER_INIT_BUFFERS.items()}
-
-
 def fork_budget() -> InstanceSnapshotBudget:
     """Bug 10c (issue 51, item 2): a vLLM fork takes ``init_snapshot`` after it makes the model runner, so
     ``total_consumed`` starts after the runner's ``__init__`` buffers, and no other term counts them."""
@@ -455,6 +451,19 @@ def upstream_budget() -> InstanceSnapshotBudget:
 
 FORK_POLICY = EnginePolicy(budget=fork_budget)
 UPSTREAM_POLICY = EnginePolicy(budget=upstream_budget)
+
+
+@mutant("mutant-10c-torch-runner-buffers-before-snapshot", policy=FORK_POLICY, catches=("budget_counts_every_byte",))
+class RunnerInitBuffersBuilder(TorchFlashInferLikeBuilder):
+    """The correct torch-mode stub, with a model runner's persistent buffers (``RUNNER_INIT_BUFFERS``, 36 MiB) made in
+    its ``__init__`` and kept for the engine's life. Correct under an engine whose budget counts them."""
+
+    def __init__(self, case: Case):
+        import torch
+
+        super().__init__(case)
+        self.runner_buffers = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+                               for name, nbytes in RUNNER_INIT_BUFFERS.items()}
 
 
 # -- item 3: a transient that meets the activations at serving size ------------------------------------------------
@@ -495,6 +504,8 @@ class _ChunkedScanBuilder:
             self._scan(ctx, batch.num_tokens, batch.ubatch)
 
 
+@mutant("mutant-08b-gdn-scan-warmed-at-64-tokens", extra=(FlashInferLikeBuilder,), catches=("no_post_kv_overrun",
+        "transient_peak_profiled"))
 class ScanWarmedAtChunkBuilder(_ChunkedScanBuilder):
     """Bug 8b (issue 51, item 3): warms the scan at T = 64 tokens, as vLLM's GDN layer does in the profile run
     (``_warmup_prefill_kernels``, ``T = FLA_CHUNK_SIZE``); serving scans ``max_num_batched_tokens``, whose scratch
@@ -571,36 +582,6 @@ FIELD_TWINS: tuple[Backend, ...] = (
             description=(ScanInReservedWorkspaceBuilder.__doc__ or "").strip(), origin="builtin"),
 )
 """The correct twin of each field mutant, by the mutant's id (``twin-<id>-...``)."""
-
-
-def field_mutants(mutant: MakeMutant) -> tuple[Backend, ...]:
-    """The field mutants, made with the catalog's constructor (which records their expected catches)."""
-    return (
-        mutant("mutant-07f-torch-failed-capture-keeps-pool", 7, KeepsFailedCapturePoolBuilder,
-               catches=("warmup_retryable",)),
-        mutant("mutant-07g-torch-failed-capture-keeps-step", 7, KeepsFailedStepBuilder,
-               catches=("capture_retryable",)),
-        mutant("mutant-16d-bound-to-replaced-arena", 16, BoundToReplacedArenaBuilder,
-               catches=("no_use_after_free",)),
-        mutant("mutant-14e-torch-daemon-thread-holds-workspace", 14, DaemonThreadBuilder,
-               catches=("no_state_outlives_case",)),
-        mutant("mutant-14f-torch-atexit-holds-workspace", 14, AtexitHandlerBuilder,
-               catches=("no_state_outlives_case",)),
-        mutant("mutant-14g-torch-close-parks-in-module-dict", 14, ParksInModuleDictBuilder,
-               catches=("no_state_outlives_case",)),
-        mutant("mutant-14h-torch-close-parks-in-lru-cache", 14, ParksInLruCacheBuilder,
-               catches=("no_state_outlives_case",)),
-        mutant("mutant-14i-torch-close-parks-in-thread-local", 14, ParksInThreadLocalBuilder,
-               catches=("no_state_outlives_case",)),
-        mutant("mutant-14j-torch-close-parks-on-type-class", 14, ParksOnTypeClassBuilder,
-               catches=("no_state_outlives_case",)),
-        mutant("mutant-04e-torch-non-flashinfer-scratch-after-lock", 4, LateContinuationScratchBuilder,
-               catches=("arena_not_grown_after_lock",)),
-        mutant("mutant-10c-torch-runner-buffers-before-snapshot", 10, RunnerInitBuffersBuilder, FORK_POLICY,
-               catches=("budget_counts_every_byte",)),
-        mutant("mutant-08b-gdn-scan-warmed-at-64-tokens", 8, ScanWarmedAtChunkBuilder, None,
-               (FlashInferLikeBuilder,), catches=("no_post_kv_overrun", "transient_peak_profiled")),
-    )
 
 
 def twins() -> list[Backend]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pytest_kvprofile.builtin.mutant_declarations import resource_mutant
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.lifecycle.resources import (
     DEFAULT_PARAMS,
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 
+@resource_mutant("mutant-13a-resource-lazy", catches=("no_post_kv_overrun", "no_synthetic_workspace_in_capture",
+        "persistent_memory_visible_at_closing"))
 class LazyDMAOutputWorkspace(DMAOutputWorkspace):
     """Resource mutant (a): allocates on first use, after KV sizing."""
 
@@ -36,6 +39,7 @@ class LazyDMAOutputWorkspace(DMAOutputWorkspace):
         return ctx.lease([])
 
 
+@resource_mutant("mutant-13b-resource-over-capacity", catches=("resource_capacity_honoured",))
 class OversizedDMAOutputWorkspace(DMAOutputWorkspace):
     """Resource mutant (b): allocates more than the capacity it declared (a rounding to whole rings)."""
 
@@ -44,6 +48,7 @@ class OversizedDMAOutputWorkspace(DMAOutputWorkspace):
             self.buffer = ctx.allocate(self.capacity_bytes + 16 * MiB, "dma output workspace")
 
 
+@resource_mutant("mutant-13c-resource-in-capture", catches=("no_synthetic_workspace_in_capture",))
 class CaptureStagingDMAOutputWorkspace(DMAOutputWorkspace):
     """Resource mutant (c): allocates a staging buffer inside graph capture."""
 
@@ -54,6 +59,8 @@ class CaptureStagingDMAOutputWorkspace(DMAOutputWorkspace):
             ctx.free(staging)
 
 
+@resource_mutant("mutant-13d-resource-made-in-late-warmup", catches=("no_post_kv_overrun",
+        "persistent_memory_visible_at_closing"))
 class WarmupMadeDMAOutputWorkspace(DMAOutputWorkspace):
     """Resource mutant (d), issue 51 item 5: makes its buffer in its warmup, which its engine first calls after KV
     sizing (it does not say its warmup materializes persistent memory), and leases nothing. Beside a builder the

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from pytest_kvprofile.checks.catalog import CheckOptions, failing_checks
 from pytest_kvprofile.contract.backends import layout_refusal
+from pytest_kvprofile.contract.bug_classes import mutant_class
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def sweep(backends: Iterable[Backend], cases: Iterable[Case],
     cases = [c for c in cases if c.skip_reason is None]
     out = []
     for backend in backends:
-        s = Sweep(backend.name, backend.bug_class)
+        s = Sweep(backend.name, mutant_class(backend.name))
         for case in cases:
             if layout_refusal(backend, case) is not None:
                 continue

@@ -164,7 +164,6 @@ class Backend:
     description: str = ""
     expected_failures: tuple[tuple[str, str], ...] = ()
     origin: str = ""  # where it was registered from; filled in by the registry
-    bug_class: int | None = None
     torch_mode: bool = False  # builders allocate with plain torch "cuda" calls, served by the simulated device
     make_resources: Callable[[Case], Iterable[PersistentResource]] | None = None  # None: the resources the case carries
     refuses_layout: Callable[[Case], str | None] | None = None

@@ -1,14 +1,16 @@
 """The bug classes the contract forbids: one numbered record each.
 
-Checks name the classes they catch (``Check.bugs``), mutants the class they carry (``Backend.bug_class``), and
-the list in ``docs/contract.md`` is this table (``tests/acceptance/test_catalogs.py`` fails on any difference).
+Checks name the classes they catch (``Check.bugs``), mutants the class they carry (the number in their name,
+``mutant_class``), and the list in ``docs/contract.md`` is this table (``tests/acceptance/test_catalogs.py`` fails
+on any difference).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["BUG_CLASSES", "BugClass", "bug_class"]
+__all__ = ["BUG_CLASSES", "BugClass", "bug_class", "mutant_class"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,16 @@ BUG_CLASSES: tuple[BugClass, ...] = (
     BugClass(19, "workspace waste over the budget a project sets (`--kvprofile-max-waste`): a cost, never a safety "
                  "failure, so refused only under a budget", safety=False),
 )
+
+
+_MUTANT_NAME = re.compile(r"mutant-(\d+)[a-z]?-[a-z0-9-]+")
+
+
+def mutant_class(name: str) -> int | None:
+    """The bug class a mutant's name carries (``mutant-15j-...`` is class 15); None for a name that is not a mutant's.
+    A mutant declares its class once, in its name (``builtin/mutant_declarations.py``)."""
+    match = _MUTANT_NAME.fullmatch(name)
+    return int(match[1]) if match else None
 
 
 def bug_class(number: int) -> BugClass:

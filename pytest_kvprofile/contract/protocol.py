@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Literal, Protoco
 
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.roles import Role
+from pytest_kvprofile.contract.support import ProfilingSupport
 
 if TYPE_CHECKING:
     from types import FrameType
 
     from pytest_kvprofile.contract.device import Allocation, Device
-    from pytest_kvprofile.contract.support import ProfilingSupport
     from pytest_kvprofile.contract.workspace import ArenaManager, ArenaView
     from pytest_kvprofile.matrix.cases import Case
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
-
-if TYPE_CHECKING:
-    from pytest_kvprofile.contract.protocol import Builder
+from typing import Iterable
 
 DECLARATION_METHOD = "get_persistent_workspace_memory_profiling_support"
 
@@ -34,8 +31,10 @@ def builder_name(builder: object) -> str:
     return str(getattr(builder, "name", None) or type(builder).__name__)
 
 
-def declared_support(builder: Builder) -> ProfilingSupport:
+def declared_support(builder: object) -> ProfilingSupport:
     """The builder's declaration; a builder without the method is UNSUPPORTED (fail-closed).
+
+    Any object: the declaration is read by name, so this module needs no ``Builder`` type (``protocol.py`` imports it).
 
     Anything but a ProfilingSupport member is an error rather than a guess: a builder that answers
     ``True`` or ``"REQUIRED"`` would be taken as supported by a truthiness test, which is exactly the
@@ -68,7 +67,7 @@ class SupportResolution:
         return tuple(n for n, s in self.declarations if s is ProfilingSupport.REQUIRED)
 
 
-def resolve_support(builders: Iterable[Builder], engine_gate: str | None = None) -> SupportResolution:
+def resolve_support(builders: Iterable[object], engine_gate: str | None = None) -> SupportResolution:
     """Enabled only if every builder is REQUIRED or NEUTRAL and at least one is REQUIRED, and the engine does not
     keep the case off the path anyway (``engine_gate``: its reason, as ``EnginePolicy.gate`` gives it; vLLM's
     runner takes the path without speculative decoding and elastic EP only)."""

@@ -8,7 +8,7 @@ move; growth after lock is an error that says who asked, for how much, and what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Callable, ContextManager, Protocol
 
 from pytest_kvprofile.contract.device import Allocation, Device
 from pytest_kvprofile.contract.roles import Role
@@ -17,8 +17,18 @@ from pytest_kvprofile.units import MiB
 if TYPE_CHECKING:
     from torch import Tensor
 
-# memory/torch_mode.py's SimulatedCuda (owner_scope, allocation_of): the contract sits below memory and cannot name it
-TorchSimulation: TypeAlias = Any
+
+class TorchSimulation(Protocol):
+    """A torch-mode simulation as the contract uses it: ``memory/torch_mode.py``'s ``SimulatedCuda``, which the
+    contract, below memory, cannot name."""
+
+    @property
+    def device(self) -> Device: ...
+    def owner_scope(self, owner: str, tag: str | None = None) -> ContextManager[None]: ...
+    def allocation_of(self, tensor: Tensor) -> Allocation | None: ...
+    def __enter__(self) -> TorchSimulation: ...
+    def __exit__(self, *exc: object) -> None: ...
+
 
 OWNER = "workspace-manager"
 
@@ -89,7 +99,10 @@ def checked_request(requester: str, nbytes: int, ubatch: int, num_ubatches: int,
 class WorkspaceManager:
     """Owns one float arena per micro-batch; grows on demand until ``lock()``."""
 
-    def __init__(self, device: Device, num_ubatches: int = 1, alignment: int = 256, arena_tensors: bool = False):
+    def __init__(self, device: Device, num_ubatches: int = 1, alignment: int = 256,
+                 arena_tensors: Callable[[], TorchSimulation] | None = None):
+        """``arena_tensors``: a factory of a torch-mode simulation of ``device`` (``lambda: SimulatedCuda(dev)``), so
+        views carry tensors outside torch mode too; inside torch mode they always do."""
         if num_ubatches < 1:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
         self.device = device
@@ -160,14 +173,13 @@ class WorkspaceManager:
 
     def _allocate(self, nbytes: int, tag: str) -> tuple[Allocation | None, Tensor | None]:
         """The arena's ledger entry and, on a simulated device in torch mode or on request, its tensor."""
-        # A simulated device answers both (``SimDevice.active_simulation``/``torch_simulation``); a CUDA device neither.
+        # A simulated device answers (``SimDevice.active_simulation``); a CUDA device does not.
         active = getattr(self.device, "active_simulation", None)
         sim = active() if active is not None else None
         if sim is not None:
             return _arena_tensor(sim, nbytes, tag)
-        simulation = getattr(self.device, "torch_simulation", None)
-        if self.arena_tensors and simulation is not None:
-            with simulation() as sim:
+        if self.arena_tensors is not None:
+            with self.arena_tensors() as sim:
                 return _arena_tensor(sim, nbytes, tag)
         return self.device.allocate(nbytes, owner=OWNER, tag=tag, role=Role.FLOAT_ARENA), None
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence, TypeAlias
 
 from pytest_kvprofile.contract.backends import EnginePolicy, engine_gate
 from pytest_kvprofile.contract.budget import BudgetArithmetic, SnapshotPoint
+from pytest_kvprofile.contract.device import Device
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import (
     Batch,
@@ -97,7 +98,7 @@ from pytest_kvprofile.memory.budget import (
     available_kv_bytes,
     tokens_for,
 )
-from pytest_kvprofile.memory.device import Allocation, Device, DeviceOutOfMemory, ForeignUse
+from pytest_kvprofile.memory.device import Allocation, DeviceOutOfMemory, ForeignUse
 from pytest_kvprofile.memory.host_memory import return_freed_host_memory
 
 if TYPE_CHECKING:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from pytest_kvprofile.contract.backends import EnginePolicy, KvSizingMode, kv_sizing_mode
 from pytest_kvprofile.contract.budget import EngineTerms
+from pytest_kvprofile.contract.device import Device
 from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import SupportResolution, builder_name
@@ -21,7 +22,7 @@ from pytest_kvprofile.lifecycle.module_state import ModuleHeld, SecondEngine
 from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import Budget, ProfileWindow
-from pytest_kvprofile.memory.device import Allocation, Device, ForeignUse
+from pytest_kvprofile.memory.device import Allocation, ForeignUse
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.backends import Backend

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from pytest_kvprofile.memory.device import Device
+from pytest_kvprofile.contract.device import Device
 
 
 @runtime_checkable

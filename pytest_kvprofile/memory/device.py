@@ -22,8 +22,9 @@ from typing import (
     NoReturn,
 )
 
-from pytest_kvprofile.contract.device import Allocation, Device, DeviceEvent
+from pytest_kvprofile.contract.device import Allocation, DeviceEvent
 from pytest_kvprofile.contract.roles import Role, as_role
+from pytest_kvprofile.contract.workspace import TorchSimulation
 from pytest_kvprofile.memory.allocator import (
     DEVICE_ADDRESS_BASE,
     Block,
@@ -37,12 +38,10 @@ from pytest_kvprofile.memory.allocator import (
 
 if TYPE_CHECKING:
     from pytest_kvprofile.matrix.gpus import GpuSpec
-    from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
 __all__ = [
     "own_frame",
     "Allocation",
-    "Device",
     "DeviceEvent",
     "DeviceOutOfMemory",
     "EventSource",
@@ -536,19 +535,13 @@ class SimDevice(EventSource):
 
     # -- torch mode ------------------------------------------------------------------------------------
 
-    def active_simulation(self) -> SimulatedCuda | None:
+    def active_simulation(self) -> TorchSimulation | None:
         """The innermost active torch-mode simulation (``memory/torch_mode.py``) if it serves this device, else None.
 
         Why here: the contract's workspace manager asks its device instead of importing torch mode (the contract
-        imports nothing above it); torch mode, which imports torch, is read only when something loaded it.
+        imports nothing above it). Torch mode imports this module and torch, so it is looked up, not imported: read
+        only when something loaded it.
         """
         torch_mode = sys.modules.get("pytest_kvprofile.memory.torch_mode")
         sim = torch_mode.active_simulation() if torch_mode is not None else None
         return sim if sim is not None and sim.device is self else None
-
-    def torch_simulation(self) -> SimulatedCuda:
-        """A new torch-mode simulation of this device: a context manager serving torch "cuda" from this ledger
-        (``WorkspaceManager(arena_tensors=True)`` outside torch mode)."""
-        from pytest_kvprofile.memory.torch_mode import SimulatedCuda
-
-        return SimulatedCuda(self)

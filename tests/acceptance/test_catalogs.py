@@ -1,7 +1,7 @@
 """One record per catalog entry, and the docs that list them read the same records (issue 34.1): the bug classes
 (``contract/bug_classes.py``) against ``docs/contract.md``, the checks' bug classes against the table, and the
-catch table in ``docs/checks.md`` against the mutants (``Backend.bug_class``) and their expected catches
-(``EXPECTED_CATCHES``, declared with each mutant in ``builtin/mutants.py``).
+catch table in ``docs/checks.md`` against the mutants (the class in each name, ``mutant_class``) and their expected
+catches (``EXPECTED_CATCHES``, declared with each mutant: ``@mutant``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from pytest_kvprofile.builtin.flashinfer_real import REAL_FLASHINFER_MUTANTS
 from pytest_kvprofile.builtin.mutants import EXPECTED_CATCHES, MUTANT_BACKENDS
 from pytest_kvprofile.checks.catalog import CHECKS
-from pytest_kvprofile.contract.bug_classes import BUG_CLASSES, bug_class
+from pytest_kvprofile.contract.bug_classes import BUG_CLASSES, bug_class, mutant_class
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_NAMES = {c.name for c in CHECKS}
@@ -53,7 +53,7 @@ def test_every_check_names_known_classes_and_every_class_has_a_check_and_a_mutan
     for check in CHECKS:
         assert check.bugs and set(check.bugs) <= numbers, (check.name, check.bugs)
     caught = {n for c in CHECKS for n in c.bugs}
-    carried = {b.bug_class for b in MUTANT_BACKENDS}
+    carried = {mutant_class(b.name) for b in MUTANT_BACKENDS}
     assert caught == numbers and carried == numbers
 
 
@@ -80,15 +80,15 @@ def test_the_catch_table_is_the_catalog():
         if backend is None:
             problems.append(f"{name}: no such mutant")
             continue
-        if cols[1] != str(backend.bug_class):
-            problems.append(f"{name}: bug class {cols[1]} in docs/checks.md, {backend.bug_class} in the catalog")
+        if cols[1] != str(mutant_class(backend.name)):
+            problems.append(f"{name}: bug class {cols[1]} in docs/checks.md, {mutant_class(backend.name)} in its name")
         named = {w for w in re.findall(r"[a-z_]+", cols[2]) if w in CHECK_NAMES}
         if name in EXPECTED_CATCHES and named != EXPECTED_CATCHES[name].checks:
             expected = sorted(EXPECTED_CATCHES[name].checks)
             problems.append(f"{name}: docs/checks.md names {sorted(named)}, mutants.py {expected}")
-        own = {c.name for c in CHECKS if backend.bug_class in c.bugs}
+        own = {c.name for c in CHECKS if mutant_class(backend.name) in c.bugs}
         if not named & own:
-            problems.append(f"{name}: its row names no check of bug class {backend.bug_class}")
+            problems.append(f"{name}: its row names no check of bug class {mutant_class(backend.name)}")
     assert not problems, "\n".join(problems)
 
 

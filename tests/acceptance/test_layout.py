@@ -93,6 +93,7 @@ LAZY_HEAVY: dict[str, str] = {
                                                 "torch tensors when built; the catalog lists it without either",
     "pytest_kvprofile.builtin.mutants": "torch-mode mutants allocate with torch when built, not when listed",
     "pytest_kvprofile.builtin.mutants_field": "field mutants allocate with torch when built, not when listed",
+    "pytest_kvprofile.builtin.mutants_workspaces": "torch-mode mutants allocate with torch when built, not when listed",
     "pytest_kvprofile.builtin.process_state": "its builders keep torch tensors per process, made when built",
     "pytest_kvprofile.builtin.stubs": "torch-mode stubs allocate with torch when built, not when listed",
     "pytest_kvprofile.contract.workspace": "an arena is a torch tensor only on a device in torch mode",
@@ -110,6 +111,9 @@ LAZY_HEAVY: dict[str, str] = {
     "pytest_kvprofile.engines.vllm.workspace": "vLLM's WorkspaceManager only under --kvprofile-workspace-manager vllm",
     "pytest_kvprofile.engines.sglang.flashinfer": "SGLang is imported by make_builders and refuses_layout only, never "
                                                   "at plugin import",
+    "pytest_kvprofile.engines.sglang.case_config": "SGLang's ServerArgs and ModelConfig, made in a case's run or "
+                                                   "refusal only",
+    "pytest_kvprofile.engines.sglang.runner": "SGLang's pools and kernels, made when an SGLang adapter runs only",
     "pytest_kvprofile.engines.sglang.memory": "SGLang's default mem_fraction_static, resolved by SGLang when a row "
                                               "is made (scripts/sglang_table.py), never at plugin import",
     "pytest_kvprofile.engines.sglang.post_capture": "SGLang's post_capture_kv_sizing_planned answers the engine's "
@@ -139,6 +143,8 @@ LAZY_HEAVY: dict[str, str] = {
 # (tests/acceptance/test_lazy_imports.py checks the plugin loads none of them).
 EAGER_HEAVY: dict[str, str] = {
     "pytest_kvprofile.memory.torch_mode": "serves torch \"cuda\" calls: it subclasses torch's TorchFunctionMode",
+    "pytest_kvprofile.memory.torch_dispatch": "torch mode's TorchFunctionMode; imported by torch_mode only",
+    "pytest_kvprofile.memory.cuda_standins": "torch mode's torch.cuda stand-ins; imported by torch_mode only",
 }
 
 

@@ -29,6 +29,7 @@ from pytest_kvprofile.builtin.stubs import ROUTE_STUB_BACKENDS, TORCH_STUB_BACKE
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS as CTX_STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import CHECKS, failing_checks
 from pytest_kvprofile.checks.sweep import catch_table, sweep
+from pytest_kvprofile.contract.bug_classes import mutant_class
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
@@ -211,7 +212,7 @@ def full_outcomes(name: str) -> dict[str, Outcome]:
 def _assert_mutant(backend: Any, cases: list[Case], results: dict[str, Outcome], *, full: bool) -> None:
     """Own bug class caught on every case but the listed equivalent ones; over the full sweep, the
     failing checks are exactly the catch table's columns (a subset of them over a covering subset)."""
-    own = {c.name for c in CHECKS if backend.bug_class in c.bugs}
+    own = {c.name for c in CHECKS if mutant_class(backend.name) in c.bugs}
     layouts, evidence = EQUIVALENT.get(backend.name, (frozenset(), lambda case: None))
     swept = {layout_id(c) for c in cases}
     problems = [f"listed equivalent layout {lid} is not in the sweep" for lid in sorted(layouts - swept) if full]
@@ -223,7 +224,8 @@ def _assert_mutant(backend: Any, cases: list[Case], results: dict[str, Outcome],
             if failed or why_not:
                 problems.append(f"{case.id} is listed equivalent but fails {sorted(failed)}; {why_not or ''}")
         elif not own & failed.keys():
-            problems.append(f"{case.id}: no check of bug class {backend.bug_class} failed, only {sorted(failed)}")
+            number = mutant_class(backend.name)
+            problems.append(f"{case.id}: no check of bug class {number} failed, only {sorted(failed)}")
     seen = {name for r in results.values() for name in r.failed}
     expected = EXPECTED_FAILURES[backend.name]
     if (seen != expected) if full else not (own & expected & seen and seen <= expected):
@@ -289,7 +291,7 @@ def test_the_representative_layouts_cover_every_axis_value():
 def test_check_is_shown_to_fail_on_a_mutant_of_its_bug_class(check):
     """Static over the table; the per-mutant tests prove the table against the sweep."""
     catchers = [b.name for b in MUTANT_BACKENDS
-                if check.name in EXPECTED_FAILURES[b.name] and b.bug_class in check.bugs]
+                if check.name in EXPECTED_FAILURES[b.name] and mutant_class(b.name) in check.bugs]
     assert catchers, f"no mutant of bug classes {check.bugs} fails {check.name}"
 
 

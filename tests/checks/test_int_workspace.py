@@ -21,6 +21,7 @@ from pytest_kvprofile.builtin.stubs import (
     Wrapper,
 )
 from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, failing_checks
+from pytest_kvprofile.contract.bug_classes import mutant_class
 from pytest_kvprofile.contract.protocol import BoundWorkspace, BuilderContext
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
@@ -81,7 +82,7 @@ def test_correct_stubs_pass(case, backend):
 
 def test_the_check_is_in_the_catalog_for_its_bug_class():
     assert CHECKS_BY_NAME[CHECK].bugs == (15,)
-    assert {b.name for b in MUTANT_BACKENDS if b.bug_class == 15} >= {
+    assert {b.name for b in MUTANT_BACKENDS if mutant_class(b.name) == 15} >= {
         "mutant-15a-int-workspace-too-small", "mutant-15e-torch-int-workspace-too-small"}
 
 

@@ -8,11 +8,12 @@ import pytest
 from gpu_fakes import FakeCuda, FakeTorch, HybridCuda, HybridTorch
 
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS
+from pytest_kvprofile.contract.device import Device
 from pytest_kvprofile.gpu.cuda_device import CudaDevice, CudaDeviceFactory
 from pytest_kvprofile.lifecycle.driver import run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix_text
 from pytest_kvprofile.memory.allocator import round_size, segment_size
-from pytest_kvprofile.memory.device import Device, DeviceOutOfMemory
+from pytest_kvprofile.memory.device import DeviceOutOfMemory
 from pytest_kvprofile.units import GiB, MiB
 
 

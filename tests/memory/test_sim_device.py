@@ -4,8 +4,9 @@ import pickle
 
 import pytest
 
+from pytest_kvprofile.contract.device import Device
 from pytest_kvprofile.matrix.gpus import lookup_gpu
-from pytest_kvprofile.memory.device import Allocation, Device, DeviceEvent, DeviceOutOfMemory, SimDevice
+from pytest_kvprofile.memory.device import Allocation, DeviceEvent, DeviceOutOfMemory, SimDevice
 from pytest_kvprofile.units import GiB, MiB
 
 

@@ -9,6 +9,7 @@ import pytest_kvprofile
 from pytest_kvprofile.contract.workspace import ArenaView, WorkspaceManager
 from pytest_kvprofile.memory import simulated_gpu as sg
 from pytest_kvprofile.memory.device import SimDevice
+from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
 
 def test_torch_cuda_surface_is_served_and_restored():
@@ -135,7 +136,7 @@ def test_arena_tensor_on_request_in_ctx_mode():
     assert WorkspaceManager(SimDevice(name="H100", total_memory=80 << 30, num_sm=132)).get_workspace(
         "x", 4096).tensor is None
     dev = SimDevice(name="H100", total_memory=80 << 30, num_sm=132)
-    mgr = WorkspaceManager(dev, arena_tensors=True)
+    mgr = WorkspaceManager(dev, arena_tensors=lambda: SimulatedCuda(dev))
     view = mgr.get_workspace("x", 4096)
     assert view.tensor is not None and view.tensor.numel() == 4096
     assert [x.nbytes for x in dev.live_allocations()] == [4096]

@@ -9,6 +9,7 @@ import pytest
 
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, MUTANT_CHECK_OPTIONS
 from pytest_kvprofile.checks.catalog import CHECKS, checks_for
+from pytest_kvprofile.contract.bug_classes import mutant_class
 
 # the tiny matrix carries no resource, so the resource-capacity check has nothing to look at there; no stub
 # has close(), so teardown_clean has nothing to judge
@@ -45,8 +46,8 @@ def _one_per_bug_class() -> list:
     seen: set[int] = set()
     params = []
     for m in MUTANT_BACKENDS:
-        marks = [pytest.mark.slow] if m.bug_class in seen else []
-        seen.add(m.bug_class)
+        marks = [pytest.mark.slow] if mutant_class(m.name) in seen else []
+        seen.add(mutant_class(m.name))
         params.append(pytest.param(m.name, marks=marks, id=m.name))
     return params
 
@@ -54,7 +55,7 @@ def _one_per_bug_class() -> list:
 @pytest.mark.parametrize("mutant", _one_per_bug_class())
 def test_each_mutant_fails_with_a_message_naming_the_rule(pytester, suite_args, mutant):
     backend = next(m for m in MUTANT_BACKENDS if m.name == mutant)
-    own = [c for c in CHECKS if backend.bug_class in c.bugs]
+    own = [c for c in CHECKS if mutant_class(backend.name) in c.bugs]
     budget = MUTANT_CHECK_OPTIONS[mutant].max_waste if mutant in MUTANT_CHECK_OPTIONS else None
     waste = ["--kvprofile-max-waste", f"{budget.amount:g}"] if budget else []  # judged under a waste budget
     result = pytester.runpytest(*suite_args, "--kvprofile-backend", mutant, "-q", *waste)

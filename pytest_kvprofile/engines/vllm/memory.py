@@ -16,7 +16,7 @@ import contextlib
 from typing import Any, Iterator, TypeAlias
 
 from pytest_kvprofile.contract.budget import BudgetTerm, EngineTerms, SnapshotPoint
-from pytest_kvprofile.memory.device import Device
+from pytest_kvprofile.contract.device import Device
 
 NAME = "vllm.memory_profiling"
 # vLLM's MemorySnapshot, its memory_profiling context and that context's result: each made by an earlier step of the
