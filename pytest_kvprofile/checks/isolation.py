@@ -7,8 +7,7 @@ from collections import Counter
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
 from pytest_kvprofile.checks.evidence import builder_names, fmt_alloc, grouped
-from pytest_kvprofile.lifecycle.module_state import ModuleHeld
-from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult, ModuleHeld
 
 _COUNTED = lc.PHASE_INDEX[lc.CLOSING]  # made before the closing measurement: KV sizing counts it
 

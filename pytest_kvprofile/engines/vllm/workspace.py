@@ -46,7 +46,7 @@ from pytest_kvprofile.contract.workspace import (
     checked_request,
 )
 from pytest_kvprofile.engines.adapter import EngineUnavailable, import_engine
-from pytest_kvprofile.lifecycle.driver import _RecordingMixin
+from pytest_kvprofile.lifecycle.engine import _RecordingMixin
 from pytest_kvprofile.lifecycle.record import Refusal
 
 if TYPE_CHECKING:
