@@ -13,17 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from pytest_kvprofile.lifecycle.engine import (
-    LOCK_PROBE,
-    LifecycleRun,
-    RecordingWorkspaceManager,
-    case_parts,
-    close_parts,
-    make_device,
-    ran_out_of_memory,
-)
+from pytest_kvprofile.lifecycle.engine import LifecycleRun, case_parts, make_device, ran_out_of_memory
 from pytest_kvprofile.lifecycle.probes import run_probe
 from pytest_kvprofile.lifecycle.record import LifecycleResult, ProbeTarget
+from pytest_kvprofile.lifecycle.recording import LOCK_PROBE, RecordingWorkspaceManager
+from pytest_kvprofile.lifecycle.teardown import close_parts
 from pytest_kvprofile.memory.host_memory import return_freed_host_memory
 
 if TYPE_CHECKING:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import os
 import sys
 import traceback
 import weakref
@@ -44,11 +42,10 @@ from pytest_kvprofile.contract.support import (
     resolve_support,
 )
 from pytest_kvprofile.contract.workspace import (
-    ArenaManager,
     ArenaView,
     WorkspaceLockedError,
-    WorkspaceManager,
 )
+from pytest_kvprofile.lifecycle import process_state
 from pytest_kvprofile.lifecycle.phases import (
     BASELINE,
     CAPTURE,
@@ -83,12 +80,14 @@ from pytest_kvprofile.lifecycle.record import (
     PhaseRecord,
     PlanRecord,
     ProbeTarget,
-    Refusal,
     SharedInt,
     TransientPeak,
     ViewGrant,
     ViewPlan,
 )
+from pytest_kvprofile.lifecycle.recording import LOCK_PROBE, _workspace_manager
+from pytest_kvprofile.lifecycle.sites import _cached_blocks, _caller_site, _method_site
+from pytest_kvprofile.lifecycle.teardown import _teardown_error
 from pytest_kvprofile.lifecycle.window import WindowObserver
 from pytest_kvprofile.matrix.cases import Case, DecodeCapture
 from pytest_kvprofile.matrix.models import kv_bytes_per_token
@@ -108,76 +107,17 @@ if TYPE_CHECKING:
     from pytest_kvprofile.lifecycle.module_state import Registered
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
+
 # what a builder's bound_workspaces() yields: a BoundWorkspace or any object with its fields (duck-typed), read
 # field by field; a missing or wrong one is the TypeError _bound raises
 ReportedRange: TypeAlias = Any
 
-LOCK_PROBE = "kvprofile-lock-probe"
+
 
 
 class _Abort(Exception):
     """Stops a run after a builder's error has been recorded."""
 
-
-class _RecordingMixin:
-    """Records every view a manager hands out and every growth it refuses, for the harness's manager and vLLM's
-    (``engines/vllm/workspace.py``, whose hooks ``_refused``, ``_caller``, ``_method`` and ``_building_ubatch``
-    this answers from the run).
-
-    A refusal is recorded before it is raised, so a builder that catches WorkspaceLockedError and
-    falls back on its own buffer still leaves the refusal in the record (docs/contract.md, "Shared arena").
-    """
-
-    def __init__(self, run: "LifecycleRun", device: Device, num_ubatches: int):
-        super().__init__(device, num_ubatches=num_ubatches)  # type: ignore[call-arg]
-        self._run = run
-
-    def get_workspace(self, requester: str, nbytes: int, ubatch: int = 0, route: str | None = None) -> ArenaView:
-        run = self._run
-        run._in_manager = True  # the manager slicing its own arena tensor is not a builder's use of it
-        try:
-            view: ArenaView = super().get_workspace(requester, nbytes, ubatch)  # type: ignore[misc]
-        except WorkspaceLockedError as exc:
-            if requester != LOCK_PROBE and not getattr(exc, "recorded", False):
-                run.result.refusals.append(Refusal(
-                    run.device.phase, requester, run._current_call, exc.ubatch, exc.requested, exc.current,
-                    _author_site()))
-            raise
-        finally:
-            run._in_manager = False
-        grant = ViewGrant(run.device.phase, requester, run._current_call, run._current_ubatch, view.ubatch, view.ptr,
-                          view.nbytes, route, run._asked_graph, _author_site() if requester != LOCK_PROBE else "")
-        run.result.grants.append(grant)
-        run._grant_of[id(view)] = (view, grant)  # two views of one arena may share pointer and bytes, not identity
-        return view
-
-    def _refused(self, refusal: Refusal) -> None:
-        if refusal.requester != LOCK_PROBE:
-            site = refusal.site or _author_site()
-            self._run.result.refusals.append(dataclasses.replace(refusal, site=site) if site else refusal)
-
-    def _caller(self) -> str:
-        run = self._run
-        return run.result.calls[-1].builder if run._current_call is not None and run.result.calls else "engine"
-
-    def _method(self) -> str | None:
-        return self._run._current_call
-
-    def _building_ubatch(self) -> int | None:
-        return self._run._current_ubatch
-
-
-class RecordingWorkspaceManager(_RecordingMixin, WorkspaceManager):
-    """The engine's manager (the harness's own), recording every view it hands out and every growth it refuses."""
-
-
-def _workspace_manager(run: "LifecycleRun", device: Device, num_ubatches: int) -> ArenaManager:
-    """The run's shared arena: the harness's manager, or the one ``EnginePolicy.manager_factory`` makes (vLLM's own,
-    ``engines/vllm/workspace.py``), which has the same interface without sharing its class."""
-    factory = run.policy.manager_factory
-    if factory is not None:
-        return factory(run, device, num_ubatches)
-    return RecordingWorkspaceManager(run, device, num_ubatches)
 
 
 class LifecycleRun:
@@ -709,22 +649,9 @@ class LifecycleRun:
             self._observe_after_close()
 
     def _observe_after_close(self) -> None:
-        """Device memory of this run's parts that a live thread or an atexit handler still holds once every part's
-        ``close()`` ran (``module_state.held_after_close``); the handlers are then let go (atexit keeps its own)."""
-        from pytest_kvprofile.lifecycle.module_state import held_after_close, held_in_modules, modules_of, remember
-
-        parts = set(self._parts.values())
-        mine = {id(a) for a in self.result.allocations}
-        before = {id(h.alloc) for h in self.result.module_held}
-        files = {a.stack.rsplit(":", 1)[0] for a in self.result.allocations if a.stack and a.owner in parts}
-        # what close() put into process-wide state (it held none of it before): the engine's memory outlives it
-        parked = [h for h in held_in_modules(modules_of(self.builders, files), self._memory_of)
-                  if id(h.alloc) in mine and h.alloc.owner in parts and id(h.alloc) not in before and h.alloc.alive]
-        remember(parked)  # taken back before every later run, as state found after a run is
-        self.result.after_close_held = [
-            *parked, *(h for h in held_after_close(self._memory_of, self._atexit)
-                       if id(h.alloc) in mine and h.alloc.owner in parts and h.alloc.alive)]
-        self._atexit.clear()
+        """What process-wide state holds of this run once its parts closed (``process_state.py``)."""
+        process_state.observe_after_close(self.result, self.builders, set(self._parts.values()), self._memory_of,
+                                          self._atexit)
 
     def _fresh_module_state(self) -> None:
         """Give this run the process-wide state a fresh process starts from (``module_state.fresh_view``)."""
@@ -733,43 +660,15 @@ class LifecycleRun:
         fresh_view(self._memory_of)
 
     def _observe_module_state(self) -> None:
-        """Device memory that process-wide state holds after the run (``module_state.py``); the modules holding
-        this run's memory are looked at again before every later run."""
-        from pytest_kvprofile.lifecycle.module_state import (
-            held_in_modules,
-            modules_of,
-            remember,
-        )
-
-        parts = set(self._parts.values())
-        files = {a.stack.rsplit(":", 1)[0] for a in self.result.allocations if a.stack and a.owner in parts}
-        self.result.module_held = held_in_modules(modules_of(self.builders, files), self._memory_of)
-        remember(h for h in self.result.module_held if h.alloc.owner in parts)
+        """What process-wide state holds after the run (``process_state.py``)."""
+        process_state.observe(self.result, self.builders, set(self._parts.values()), self._memory_of)
 
     def _start_second_engine(self) -> None:
-        """A second engine of the same backend in the same process, after this one, when this run left memory in
-        process-wide state: reusing it, the second makes none that the state keeps (opted-in runs on simulated
-        devices only: the check that reads it judges the profiling path)."""
-        from pytest_kvprofile.lifecycle.record import SecondEngine
-        from pytest_kvprofile.memory.device import SimDevice
-
-        parts = set(self._parts.values())
-        mine = {id(a) for a in self.result.allocations}
-        if self.result.errors or self.result.path != PROFILING or not isinstance(self.device, SimDevice) or not any(
-                id(h.alloc) in mine and h.alloc.owner in parts for h in self.result.module_held):
-            return
-        # a fresh process makes its engine config anew: the second engine gets an equal Case, not the same object
-        target = dataclasses.replace(self.result.probe, case=dataclasses.replace(self.case))
-        second = _SecondEngineRun(target, target.device_factory(target.case)).run()
-        close_parts(second)
-        made = {id(a) for a in second.allocations}
-        names = set(second.builder_names())
-        self.result.second_engine = SecondEngine(
-            second,
-            remade=[h for h in second.module_held if id(h.alloc) in made and h.alloc.owner in names],
-            error=next((f"{e.who} raised {e.exc_type} in phase {e.phase!r}: {e.message}" for e in second.errors),
-                       None),
-        )
+        """A second engine in the same process when this run left memory in process-wide state
+        (``process_state.second_engine``)."""
+        second = process_state.second_engine(self.result, self.device, set(self._parts.values()), _second_run)
+        if second is not None:
+            self.result.second_engine = second
 
     def _note_foreign_resources(self, owner: str, resources: list[object]) -> None:
         """A lease that carries an allocation of an earlier device reuses an earlier case's memory (ctx mode)."""
@@ -1134,56 +1033,10 @@ class LifecycleRun:
         self._unsubscribe()
 
 
-def _cached_blocks(device: Device) -> tuple[tuple[int, int], ...]:
-    """The reserved-but-free blocks of the device's caching allocator, as ``(ptr, size)``; none off the simulator."""
-    allocator = getattr(device, "allocator", None)
-    if allocator is None:
-        return ()
-    return tuple((b["address"], b["size"]) for seg in allocator.snapshot() for b in seg["blocks"]
-                 if b["state"] == "inactive")
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_BACKENDS_DIR = os.path.join(_PACKAGE_DIR, "builtin") + os.sep  # the built-in backends: authors' code
-
-
-def _author_site() -> str:
-    """``path:line in func`` of the innermost frame that is a backend's code (outside the harness; the built-in
-    backends are backends), "" when none is on the stack."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith(_PACKAGE_DIR) or path.startswith(_BACKENDS_DIR):
-            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return ""
-
-
-def _caller_site() -> str:
-    """``path:line in func`` of the builder code that called ``ctx.plan_into`` (the first frame outside the harness's
-    protocol and driver)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in _HARNESS_FILES:
-        frame = frame.f_back
-    if frame is None:
-        return ""
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-
-
-_HARNESS_FILES = frozenset({__file__, sys.modules[BuilderContext.__module__].__file__})
-
-
-@functools.cache
-def _method_site(cls: type, method: str) -> str:
-    """``path:line in Class.method`` of a builder's method (a ctx-mode allocation records no stack of its own)."""
-    code = getattr(getattr(cls, method, None), "__code__", None)
-    if code is None:
-        return ""
-    return f"{code.co_filename}:{code.co_firstlineno} in {cls.__name__}.{method}"
-
 
 def _graph_batch(capture: DecodeCapture) -> Batch:
     return Batch("decode", capture.num_reqs, capture.num_tokens, cuda_graph=True)
+
 
 
 def _bound(w: ReportedRange, device_ptr: Callable[[int, int], int]) -> BoundWorkspace:
@@ -1201,28 +1054,10 @@ def _bound(w: ReportedRange, device_ptr: Callable[[int, int], int]) -> BoundWork
     return BoundWorkspace(ub, role, mapped, nbytes, int_mapped, int_nbytes)
 
 
+
 def _with_ubatch(batch: Batch, ubatch: int) -> Batch:
     return Batch(batch.kind, batch.num_reqs, batch.num_tokens, batch.cuda_graph, ubatch)
 
-
-def close_parts(result: LifecycleResult) -> None:
-    """Let a finished run's parts drop their device memory (their optional ``close()``), once nothing more
-    will be built on them: the record keeps what the checks read, and a session keeping recent records must
-    not keep every case's workspaces (an engine's real builders hold hundreds of MiB each). Idempotent. A
-    ``close()`` that raises is recorded in ``result.errors`` (phase ``teardown``), after every phase the checks
-    read; memory it frees is marked freed in ``teardown`` (``LifecycleRun.close``)."""
-    closer = result.closer
-    if closer is not None:
-        closer()
-        return
-    for part in result.builders:  # a record no run finished (built by hand): no device to close on
-        close = getattr(part, "close", None)
-        if not callable(close):
-            continue
-        try:
-            close()
-        except Exception as exc:  # noqa: BLE001
-            result.errors.append(_teardown_error(builder_name(part), exc))
 
 
 def ran_out_of_memory(exc: BaseException) -> bool:
@@ -1239,12 +1074,6 @@ def ran_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
-def _teardown_error(who: str, exc: BaseException) -> PhaseError:
-    return PhaseError(
-        phase=TEARDOWN, who=who, exc_type=type(exc).__name__, message=f"close() raised: {exc}",
-        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    )
-
 
 def make_device(case: Case) -> Device:
     """The CPU tier's device for a case: a simulated GPU of the case's memory, SMs and non-torch bytes."""
@@ -1256,6 +1085,11 @@ def make_device(case: Case) -> Device:
     )
 
 
+
+def _second_run(target: ProbeTarget) -> LifecycleResult:
+    return _SecondEngineRun(target, target.device_factory(target.case)).run()
+
+
 class _SecondEngineRun(LifecycleRun):
     """A later engine in the same process: it finds the state the case's run left, and starts no third."""
 
@@ -1264,6 +1098,7 @@ class _SecondEngineRun(LifecycleRun):
 
     def _start_second_engine(self) -> None:
         pass
+
 
 
 @contextlib.contextmanager
@@ -1289,7 +1124,9 @@ def case_parts(backend: Backend, case: Case, device_factory: Callable[[Case], De
         run._teardown()
 
 
+
 def _parts_of(backend: Backend, case: Case) -> list[Builder]:
     from pytest_kvprofile.lifecycle.parts import model_parts
 
     return model_parts(backend, case)
+
