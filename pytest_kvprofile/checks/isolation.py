@@ -19,6 +19,7 @@ def _held(result: LifecycleResult, held: list[ModuleHeld]) -> str:
 
 def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions) -> list[str]:
     """Process-wide state judged as the first engine of a fresh process meets it, and as a second engine does.
+    Long because its messages name each way state can hold memory; each branch is one message.
 
     The run starts from a fresh view of the state (``module_state.fresh_view``), so a buffer kept there is made
     by this case on every case, in any order. It is safe when made before the closing measurement (KV sizing

@@ -738,6 +738,10 @@ class LifecycleRun:
         return [b for b in self.builders if getattr(b, "warmup_materializes_persistent", False)]
 
     def _run(self) -> None:
+        """The engine's phases in order (``phases.py``), each step a call to a part or a helper method.
+
+        Long on purpose: it is the one place a reader sees the whole order of the phases, top to bottom, and
+        splitting it would scatter that order across functions."""
         case, dev = self.case, self.device
         self._enter(SETUP)
         self._resolve()

@@ -175,7 +175,8 @@ def _failed_reservation(index: int, name: str, k: int, site: _Site, expected: He
 def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: _Site, expected: Held,
                       retry: bool, look_wide: bool = True, notes: list[str] | None = None) -> list[str]:
     """Fail ``name``'s reservation at its allocation ``k`` and, with ``retry``, reserve again; report what breaks the
-    rule. The second reservation follows the last fault point only (the one with the most made before it): a real
+    rule. Long because each rule it reports (first error, leak, retry held) reads the same fault's state in turn.
+    The second reservation follows the last fault point only (the one with the most made before it): a real
     builder's reservation costs as much as its lifecycle, and a leak or a wrong error shows at every point.
     ``look_wide`` False: a clean reservation from the same fresh view left nothing in process-wide state, so none of
     what this one leaves is exempt as such (and the module walk is skipped)."""
