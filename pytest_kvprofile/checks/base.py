@@ -2,9 +2,9 @@
 
 A check is a function from a LifecycleResult and the run's options to violations. Each check names the
 rule it enforces and the phase it needs; a run that aborted before that phase fails the check with the
-builder, phase and error that stopped it. An empty list is a pass. Every check only reads the record,
-except ``warmup_retryable``, which re-runs the builders of the record's probe target on fresh devices
-(the fault injection cannot happen inside the main run).
+builder, phase and error that stopped it. An empty list is a pass. Every check only reads the record. A check
+that needs faulted or retried runs (the fault cannot be injected inside the main run) names them in ``probes``;
+the lifecycle makes them once per case and the check reads their outcome (``LifecycleResult.probed``).
 
 What one check concluded about one (backend, case) is a :class:`CheckOutcome`: the packaged suite writes it,
 xdist carries it to the controller (as JSON, in ``user_properties``), and the JSON report, the verdict and the
@@ -161,6 +161,9 @@ class Check:
     fn: CheckFn
     relevant: Callable[[Case, list[Builder]], bool] = _always  # False: the check has nothing to look at here
     details: Callable[[LifecycleResult], CheckDetails] = _no_details  # what its record carries for the report
+    # the lifecycle's probes it reads (``lifecycle/record.py`` PROBES): made once per case, shared; a check that
+    # names one is judged on the case's own run only, not on the runs a probe retried
+    probes: tuple[str, ...] = ()
 
     def applies(self, path: str) -> bool:
         return self.path == BOTH or self.path == path

@@ -15,7 +15,7 @@ from pytest_kvprofile.checks.evidence import (
     resource_names,
     site,
 )
-from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.lifecycle.record import CAPTURE_PROBE, PROFILING, LifecycleResult
 from pytest_kvprofile.memory.device import own_frame
 
 if TYPE_CHECKING:
@@ -100,21 +100,13 @@ def check_captured_memory_stays(result: LifecycleResult, options: CheckOptions) 
             "place instead of making it again"]
 
 
-def capture_plan(result: LifecycleResult) -> tuple[str, ...]:
-    """The builders that allocated device memory while the engine captured (the capture probe's fault sites)."""
-    names = set(builder_names(result))
-    made = {a.owner for a in result.allocations if a.phase == lc.CAPTURE and a.kind == "device" and a.owner in names}
-    return tuple(name for name in result.builder_names() if name in made)
-
-
 def check_capture_retryable(result: LifecycleResult, options: CheckOptions) -> list[str]:
-    """Probed on fresh builders (``lifecycle/probes.py``): the engine's capture fails at each distinct allocation site
-    a builder has in it, the engine resets the failed graphs and captures again. Nothing the failed attempt made
-    stays (no allocation, so nothing keeps the graph pool's segments reserved), its error is the one raised, and the
-    retried capture leaves each builder holding what a clean capture does."""
-    from pytest_kvprofile.lifecycle.probes import capture_retry_violations
-
-    return capture_retry_violations(result.probe, capture_plan(result))
+    """What the lifecycle's ``capture`` probe found (``lifecycle/probe_capture.py``): on fresh builders, the engine's
+    capture fails at each distinct allocation site a builder has in it, the engine resets the failed graphs and
+    captures again. Nothing the failed attempt made stays (no allocation, so nothing keeps the graph pool's segments
+    reserved), its error is the one raised, and the retried capture leaves each builder holding what a clean capture
+    does."""
+    return list(result.probed(CAPTURE_PROBE).violations)
 
 
 CHECKS: tuple[Check, ...] = (
@@ -126,5 +118,5 @@ CHECKS: tuple[Check, ...] = (
     # names the builders that allocate in it (a run that stopped in capture is refused by the checks of capture)
     Check("capture_retryable", "a CUDA-graph capture that fails at any builder allocation leaves nothing behind, "
           "and the engine's second capture holds what a clean one holds", PROFILING, lc.WARMUP, (7,),
-          check_capture_retryable),
+          check_capture_retryable, probes=(CAPTURE_PROBE,)),
 )

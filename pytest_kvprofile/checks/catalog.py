@@ -2,7 +2,9 @@
 
 A check lives in the module of its family (``support``, ``leases``, ``reservation``, ``warmup``, ``arena``,
 ``freed``, ``capture``, ``resources``, ``isolation``, ``budget``, ``workspace``, ``int_workspace``, ``trtllm``),
-which lists it in its own ``CHECKS``; adding a check to a family touches that module only.
+which lists it in its own ``CHECKS``; adding a check to a family touches that module only. ``reservation`` judges
+its retried runs with every check, so it gets the catalog from here (``reservation.checks``) instead of importing
+it.
 """
 
 from __future__ import annotations
@@ -30,9 +32,17 @@ from pytest_kvprofile.checks.base import Check, CheckOptions, WasteBudget, parse
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 
 hookimpl = HookimplMarker("pytest")
-FAMILIES = (support, leases, reservation, warmup, arena, freed, capture, resources, isolation, budget, workspace,
-            int_workspace, trtllm)
-CHECKS: tuple[Check, ...] = tuple(check for family in FAMILIES for check in family.CHECKS)
+
+
+def _every() -> tuple[Check, ...]:
+    return CHECKS
+
+
+CHECKS: tuple[Check, ...] = (
+    *support.CHECKS, *leases.CHECKS, *reservation.checks(_every), *warmup.CHECKS, *arena.CHECKS, *freed.CHECKS,
+    *capture.CHECKS, *resources.CHECKS, *isolation.CHECKS, *budget.CHECKS, *workspace.CHECKS, *int_workspace.CHECKS,
+    *trtllm.CHECKS,
+)
 CHECKS_BY_NAME = {c.name: c for c in CHECKS}
 
 

@@ -7,8 +7,7 @@ from collections import Counter
 import pytest_kvprofile.lifecycle.phases as lc
 from pytest_kvprofile.checks.base import Check, CheckOptions
 from pytest_kvprofile.checks.evidence import builder_names, fmt_alloc, grouped
-from pytest_kvprofile.lifecycle.module_state import ModuleHeld
-from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult, ModuleHeld
 
 _COUNTED = lc.PHASE_INDEX[lc.CLOSING]  # made before the closing measurement: KV sizing counts it
 
@@ -20,6 +19,7 @@ def _held(result: LifecycleResult, held: list[ModuleHeld]) -> str:
 
 def check_no_state_outlives_case(result: LifecycleResult, options: CheckOptions) -> list[str]:
     """Process-wide state judged as the first engine of a fresh process meets it, and as a second engine does.
+    Long because its messages name each way state can hold memory; each branch is one message.
 
     The run starts from a fresh view of the state (``module_state.fresh_view``), so a buffer kept there is made
     by this case on every case, in any order. It is safe when made before the closing measurement (KV sizing

@@ -9,7 +9,7 @@ from pytest_kvprofile.checks.evidence import (
     builder_names,
     grouped,
 )
-from pytest_kvprofile.lifecycle.record import PROFILING, LifecycleResult
+from pytest_kvprofile.lifecycle.record import PROFILING, WARMUP_PROBE, LifecycleResult
 from pytest_kvprofile.units import bytes_text
 
 
@@ -44,13 +44,9 @@ def check_warmup_idempotent(result: LifecycleResult, options: CheckOptions) -> l
 
 
 def check_warmup_retryable(result: LifecycleResult, options: CheckOptions) -> list[str]:
-    from pytest_kvprofile.lifecycle.probes import warmup_retry_violations
-
-    names = result.builder_names()
-    allocated = {(a.phase, a.owner) for a in result.allocations if result.alloc_origin.get(a.id) == "warmup"}
-    warmups: tuple[lc.Phase, ...] = (lc.PROFILE_WARMUP, lc.WARMUP)
-    plan = tuple((state, i, name) for state in warmups for i, name in enumerate(names) if (state, name) in allocated)
-    return warmup_retry_violations(result.probe, plan)
+    """What the lifecycle's ``warmup`` probe found: each warmup the run saw allocate, failed at each allocation and
+    retried on fresh builders (``lifecycle/probe_warmup.py``)."""
+    return list(result.probed(WARMUP_PROBE).violations)
 
 
 CHECKS: tuple[Check, ...] = (
@@ -60,5 +56,5 @@ CHECKS: tuple[Check, ...] = (
     Check("warmup_idempotent", "a second warmup allocates nothing", PROFILING, lc.WARMUP_REPEAT, (7,),
           check_warmup_idempotent),
     Check("warmup_retryable", "a warmup that fails part-way leaks nothing and the retry completes it",
-          PROFILING, lc.WARMUP, (7,), check_warmup_retryable),
+          PROFILING, lc.WARMUP, (7,), check_warmup_retryable, probes=(WARMUP_PROBE,)),
 )

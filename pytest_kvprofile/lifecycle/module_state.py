@@ -33,13 +33,11 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from pytest_kvprofile.lifecycle.record import ModuleHeld
 from pytest_kvprofile.memory.device import Allocation, EventSource
-
-if TYPE_CHECKING:
-    from pytest_kvprofile.lifecycle.record import LifecycleResult
 
 _LRU_WRAPPER = type(functools.lru_cache(maxsize=None)(len))
 MAX_DEPTH = 4
@@ -61,25 +59,6 @@ MemoryOf = Callable[[object], "Allocation | None"]
 # member (key: the value), "cell" a closure cell, "cache" a functools cache; None where nothing can be cleared
 Slot = tuple[str, StateValue, StateValue]
 _Held = tuple[Slot | None, Slot | None]  # a slot holding an allocation, and the slot holding that container
-
-
-@dataclass(frozen=True)
-class ModuleHeld:
-    """A device allocation reachable from process-wide state, the first path that reaches it and its module."""
-
-    where: str
-    alloc: Allocation
-    module: str = ""
-    resettable: bool = True  # whether a fresh view can take it out of every place that holds it
-
-
-@dataclass
-class SecondEngine:
-    """What a second engine of the same backend, started in the same process after the case's run, did."""
-
-    run: LifecycleResult  # its record (its allocations' methods and phases)
-    remade: list[ModuleHeld] = field(default_factory=list)  # memory it made that process-wide state keeps
-    error: str | None = None  # how it failed, if it did
 
 
 def modules_of(parts: Iterable[object], files: Iterable[str]) -> list[types.ModuleType]:

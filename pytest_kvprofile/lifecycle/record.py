@@ -18,7 +18,6 @@ from pytest_kvprofile.contract.lease import Lease
 from pytest_kvprofile.contract.protocol import BoundWorkspace, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import SupportResolution, builder_name
 from pytest_kvprofile.contract.workspace import ArenaView
-from pytest_kvprofile.lifecycle.module_state import ModuleHeld, SecondEngine
 from pytest_kvprofile.lifecycle.phases import Phase
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.memory.budget import Budget, ProfileWindow
@@ -246,12 +245,64 @@ class TransientPeak:
 
 
 @dataclass(frozen=True)
+class ModuleHeld:
+    """A device allocation reachable from process-wide state, the first path that reaches it and its module."""
+
+    where: str
+    alloc: Allocation
+    module: str = ""
+    resettable: bool = True  # whether a fresh view can take it out of every place that holds it
+
+
+@dataclass
+class SecondEngine:
+    """What a second engine of the same backend, started in the same process after the case's run, did."""
+
+    run: LifecycleResult  # its record (its allocations' methods and phases)
+    remade: list[ModuleHeld] = field(default_factory=list)  # memory it made that process-wide state keeps
+    error: str | None = None  # how it failed, if it did
+
+
+@dataclass(frozen=True)
 class ProbeTarget:
     """What a probe needs to build the same builders again on a fresh device."""
 
     backend: Backend
     case: Case
     device_factory: Callable[[Case], Device]
+
+
+# the faulted and retried runs a check may need (``Check.probes``), each made by ``lifecycle/probes.py``
+RESERVATION_PROBE = "reservation"  # each reservation failed part-way and retried; the rest of the lifecycle run after
+WARMUP_PROBE = "warmup"  # each warmup failed at each allocation and retried
+CAPTURE_PROBE = "capture"  # the engine's capture failed at each builder allocation site, reset and captured again
+PROBES = (RESERVATION_PROBE, WARMUP_PROBE, CAPTURE_PROBE)
+
+
+@dataclass(frozen=True)
+class RetriedRun:
+    """The case's lifecycle after ``builder``'s reservation failed at its allocation ``fault`` (0-based) and the
+    engine retried it: a closed record every check judges."""
+
+    builder: str
+    fault: int
+    result: LifecycleResult
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """What one probe found on one case: refusals (``violations``), what it reports (``costs``: what failed
+    reservations left held) and the runs it retried, for the checks to judge."""
+
+    violations: tuple[str, ...] = ()
+    costs: tuple[str, ...] = ()
+    retried: tuple[RetriedRun, ...] = ()
+
+
+NOT_PROBED = ProbeOutcome()  # a record with no prober: a probe's own run, or one built by hand
+
+# runs a named probe for a record (``lifecycle/probes.py`` ``run_probe``, attached by ``run_lifecycle``)
+Prober = Callable[["LifecycleResult", str], ProbeOutcome]
 
 
 @dataclass
@@ -310,6 +361,9 @@ class LifecycleResult:
     reserved_at_start: int = 0  # the device's reserved bytes before the run made anything (snapshot device_start)
     # the run's teardown (``driver.close_parts`` calls it once): the parts' close() on the run's device
     closer: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    # the lifecycle's probes for this case (``run_lifecycle`` attaches them); each runs once, on first need
+    prober: Prober | None = field(default=None, repr=False, compare=False)
+    probe_outcomes: dict[str, ProbeOutcome] = field(default_factory=dict, repr=False, compare=False)
 
     def phase(self, name: str) -> PhaseRecord | None:
         for rec in self.phases:
@@ -326,6 +380,15 @@ class LifecycleResult:
     def post_kv_overrun(self) -> int:
         """Bytes the device peaked at after KV sizing beyond total x gmu (negative: headroom; 0 without a budget)."""
         return self.post_kv_peak_used - self.budget.limit if self.budget is not None else 0
+
+    def probed(self, probe: str) -> ProbeOutcome:
+        """What the lifecycle's ``probe`` (one of ``PROBES``) found on this case: run by the lifecycle once, when a
+        check that declares it first reads it, then shared by every check; ``NOT_PROBED`` without a prober."""
+        if probe not in PROBES:
+            raise ValueError(f"unknown probe {probe!r}: one of {PROBES}")
+        if probe not in self.probe_outcomes:
+            self.probe_outcomes[probe] = NOT_PROBED if self.prober is None else self.prober(self, probe)
+        return self.probe_outcomes[probe]
 
     def builder_names(self) -> list[str]:
         return [builder_name(b) for b in self.builders]

@@ -28,12 +28,12 @@ from pytest_kvprofile.builtin.mutants import (
 from pytest_kvprofile.builtin.stubs import ROUTE_STUB_BACKENDS, TORCH_STUB_BACKENDS
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS as CTX_STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import CHECKS, failing_checks
-from pytest_kvprofile.checks.sweep import catch_table, sweep
 from pytest_kvprofile.contract.bug_classes import mutant_class
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.memory.budget import KV_ALIGN
+from pytest_kvprofile.report.sweep import catch_table, sweep
 from pytest_kvprofile.sizing import for_case
 from pytest_kvprofile.sizing.case import need_for_planned
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 
 from pytest_kvprofile.builtin.stubs import STUB_BACKENDS, FlashInferLikeBuilder
-from pytest_kvprofile.checks.capture import capture_plan, check_capture_retryable
+from pytest_kvprofile.checks.capture import check_capture_retryable
 from pytest_kvprofile.checks.catalog import CheckOptions
 from pytest_kvprofile.contract.backends import Backend
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
+from pytest_kvprofile.lifecycle.probes import capture_plan
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 from pytest_kvprofile.memory.device import DeviceOutOfMemory
 from pytest_kvprofile.units import KiB

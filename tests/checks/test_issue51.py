@@ -29,11 +29,11 @@ from pytest_kvprofile.builtin.stubs import (
 )
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.checks.evidence import fmt_batch
-from pytest_kvprofile.checks.sweep import sweep
 from pytest_kvprofile.contract.backends import GRAPH_ESTIMATES, BackendError, EnginePolicy
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+from pytest_kvprofile.report.sweep import sweep
 from pytest_kvprofile.sizing.case import for_case, need_for_routes, sizable_refusal
 
 BACKENDS = {b.name: b for b in (*MUTANT_BACKENDS, *STUB_BACKENDS, *ROUTE_STUB_BACKENDS, *TORCH_STUB_BACKENDS,

@@ -17,8 +17,7 @@ from pytest_kvprofile.builtin.mutants_field import FIELD_TWINS, SCAN_BYTES_PER_T
 from pytest_kvprofile.builtin.stubs import FlashInferLikeBuilder
 from pytest_kvprofile.checks.budget import check_transient_peak_profiled
 from pytest_kvprofile.checks.catalog import CheckOptions, failing_checks
-from pytest_kvprofile.checks.sweep import layout_refusal
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.backends import Backend, layout_refusal
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle

@@ -14,9 +14,9 @@ from pytest_kvprofile.attention.trtllm import LAUNCHER_TEXT, launcher_path, soft
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.stubs import ROUTE_STUB_BACKENDS
 from pytest_kvprofile.checks.catalog import failing_checks
-from pytest_kvprofile.checks.sweep import sweep
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
+from pytest_kvprofile.report.sweep import sweep
 from pytest_kvprofile.sizing.case import sizable_refusal
 from pytest_kvprofile.sizing.trtllm import trtllm_carve, trtllm_need, trtllm_routes
 

@@ -16,8 +16,7 @@ import pytest
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS
 from pytest_kvprofile.builtin.mutants_field import FIELD_TWINS, stop_field_threads
 from pytest_kvprofile.checks.catalog import failing_checks
-from pytest_kvprofile.checks.sweep import layout_refusal
-from pytest_kvprofile.contract.backends import Backend
+from pytest_kvprofile.contract.backends import Backend, layout_refusal
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix

@@ -76,7 +76,7 @@ def test_only_a_prefix_that_costs_more_than_a_fork_is_forked(monkeypatch):
                                   "mutant-17c-cleanup-masks-first-error"])
 def test_probes_give_the_same_verdict_forked_and_on_fresh_builders(name, monkeypatch):
     from pytest_kvprofile.checks.catalog import failing_checks
-    from pytest_kvprofile.lifecycle import probes
+    from pytest_kvprofile.lifecycle import probe_reservation, probe_warmup
     from pytest_kvprofile.lifecycle.driver import run_lifecycle
     from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
     from pytest_kvprofile.registry import builtin_backends
@@ -86,8 +86,8 @@ def test_probes_give_the_same_verdict_forked_and_on_fresh_builders(name, monkeyp
     verdicts = []
     for policy in ("always", "never"):
         monkeypatch.setenv("KVPROFILE_PROBE_FORK", policy)
-        probes._probe_simulated.cache_clear()
-        probes._reservation_simulated.cache_clear()
+        probe_warmup._probe_simulated.cache_clear()
+        probe_reservation._reservation_simulated.cache_clear()
         result = run_lifecycle(backend, case)
         verdicts.append(failing_checks(result))
     assert verdicts[0] == verdicts[1]

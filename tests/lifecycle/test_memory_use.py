@@ -21,7 +21,7 @@ from pytest_kvprofile.builtin.stubs import (
 )
 from pytest_kvprofile.checks.catalog import CHECKS_BY_NAME, failing_checks
 from pytest_kvprofile.contract.protocol import Batch, BuilderContext
-from pytest_kvprofile.lifecycle import probes
+from pytest_kvprofile.lifecycle import probe_reservation
 from pytest_kvprofile.lifecycle.record import LifecycleResult
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
@@ -252,12 +252,12 @@ def test_fault_points_are_bounded_by_distinct_sites():
             self.stack, self.nbytes, self.tag = stack, nbytes, tag
 
     ctx_mode = [A(None, 8 * MiB, f"int [{i}]") for i in range(6)] + [A(None, MiB)]
-    assert probes._fault_points(ctx_mode) == [0, 1, 6]  # tags differ, the site (role, bytes) does not
+    assert probe_reservation._fault_points(ctx_mode) == [0, 1, 6]  # tags differ, the site (role, bytes) does not
     torch_mode = [A("x.py:1", 8 * MiB), A("x.py:2", 4), A("x.py:1", 8 * MiB), A("x.py:2", 4), A("x.py:1", 8 * MiB)]
-    assert probes._fault_points(torch_mode) == [0, 1, 2, 3, 4]  # each source line twice, and the last
+    assert probe_reservation._fault_points(torch_mode) == [0, 1, 2, 3, 4]  # each source line twice, and the last
     many = [A(f"x.py:{i}", 4) for i in range(30)]
-    points = probes._fault_points(many)
-    assert len(points) == probes.MAX_FAULT_POINTS and points[0] == 0 and points[-1] == 29  # bounded, spread out
+    points = probe_reservation._fault_points(many)
+    assert len(points) == probe_reservation.MAX_FAULT_POINTS and points[0] == 0 and points[-1] == 29  # bounded
 
 
 def test_the_verdict_is_the_same_for_a_case_run_alone(case):
@@ -265,7 +265,7 @@ def test_the_verdict_is_the_same_for_a_case_run_alone(case):
     twin = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.id == case.id.replace("0.98", "0.90"))
     backend = BACKENDS["mutant-17a-reservation-keeps-partial"]
     after_twin = (failing_checks(run_lifecycle(backend, twin)), failing_checks(run_lifecycle(backend, case)))[1]
-    probes._reservation_simulated.cache_clear()
+    probe_reservation._reservation_simulated.cache_clear()
     alone = failing_checks(run_lifecycle(backend, case))
     assert after_twin == alone and RESERVATION in alone
 

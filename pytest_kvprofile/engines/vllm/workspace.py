@@ -46,8 +46,8 @@ from pytest_kvprofile.contract.workspace import (
     checked_request,
 )
 from pytest_kvprofile.engines.adapter import EngineUnavailable, import_engine
-from pytest_kvprofile.lifecycle.driver import _RecordingMixin
 from pytest_kvprofile.lifecycle.record import Refusal
+from pytest_kvprofile.lifecycle.recording import _RecordingMixin
 
 if TYPE_CHECKING:
     from types import ModuleType
