@@ -1,9 +1,12 @@
 """Matrices: which models, GPUs and parallel layouts a run covers, expanded into cases.
 
+This package is the code; the shipped matrix files (the data) are YAML in ``pytest_kvprofile/matrices/``.
+
 | name | module | what it is |
 |---|---|---|
 | `Case`, `Envelope`, `DecodeCapture`, `Matrix`, `Resource` | `cases` | one expanded point, the engine limits, captured decode steps |
 | `MatrixError`, `load_matrix`, `load_matrices`, `packaged_matrix` | `schema` | YAML validation and expansion |
+| `Axis`, `AXES` (not re-exported) | `axes` | one record per axis: key, parse, expansion, id part, exclusion |
 | `GpuSpec`, `lookup_gpu`, `GPU_CATALOG` | `gpus` | the GPU catalog (SMs, memory, interconnect, compute capability) |
 | `ModelSpec`, `RankHeads`, `rank_heads`, `kv_bytes_per_token`, `impossible_layout` | `models` | head layouts and their per-rank view |
 """  # noqa: E501 - markdown table rows cannot wrap
