@@ -33,7 +33,6 @@ from pytest_kvprofile.lifecycle.driver import (
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING, LifecycleResult
 from pytest_kvprofile.matrix.cases import Case, Matrix
 from pytest_kvprofile.matrix.schema import MatrixError, load_matrices, packaged_matrix
-from pytest_kvprofile.plugin.gc_freeze import freeze_between_pairs
 from pytest_kvprofile.registry import (
     BackendProfile,
     PartsOnDevice,
@@ -216,7 +215,6 @@ class KvprofileSession:
         key = (backend.name, case.id)
         result = self._results.get(key)
         if result is None:
-            freeze_between_pairs()  # no case in flight: later full collections skip what lives as long as the run
             if self.device_factory is None:
                 result = run_lifecycle(backend, case, make_device)
                 close_parts(result)  # the cache keeps records, not every case's workspaces
