@@ -63,3 +63,12 @@ def test_subset_compares_only_the_backends_the_second_report_ran(tmp_path: Path)
     after = _report(tmp_path / "b.json", _result())
     assert _module().main([str(before), str(after)]) == 1
     assert _module().main([str(before), str(after), "--subset"]) == 0
+
+
+def test_a_cut_moved_by_a_longer_path_and_an_object_id_do_not_differ() -> None:
+    module = _module()
+    old = "at /work/baseline/src/x.py:3 held by _PARKED[140234567890123] then more text [... 161 characters cut]"
+    new = "at /work/wt/x.py:9 held by _PARKED[139876543210987] then more te [... 136 characters cut]"
+    assert module.same_message(old, new)
+    assert not module.same_message(old, new.replace("then", "than"))
+    assert not module.same_message("a\nb", "a")
