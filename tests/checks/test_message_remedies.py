@@ -29,7 +29,7 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
     "arena_stable_after_closing": ("mutant-04b-realloc-on-rebind", "ask no larger view after it", "mutants.py"),
     "arena_not_grown_after_lock": ("mutant-04c-swallowed-grow-after-lock", "ask that view before lock",
                                    "mutants.py"),
-    "captured_memory_stays": ("mutant-04d-remakes-captured-index-buffers", "refill it in place", "mutants.py"),
+    "captured_memory_stays": ("mutant-04d-remakes-captured-index-buffers", "refill it in place", "mutants_workspaces.py"),
     "ubatch_arenas_disjoint": ("mutant-05-ubatch-alias", "ctx.get_workspace(nbytes, ubatch)", None),
     "support_declaration": ("mutant-06c-neutral-frees-late-state-in-close", "Declare REQUIRED", "mutants.py"),
     "warmup_idempotent": ("mutant-07a-warmup-not-idempotent", "Return early once warmed", "mutants.py"),
