@@ -12,31 +12,16 @@ from the snapshot vLLM takes it at, are read against the ledger by ``budget_coun
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, TypeAlias
+from typing import Any, TypeAlias
 
 from pytest_kvprofile.contract.budget import BudgetTerm, EngineTerms, SnapshotPoint
 from pytest_kvprofile.contract.device import Device
+from pytest_kvprofile.engines.adapter import torch_on
 
 NAME = "vllm.memory_profiling"
 # vLLM's MemorySnapshot, its memory_profiling context and that context's result: each made by an earlier step of the
 # window (None before it), and read without a None check
 VllmMeasurement: TypeAlias = Any
-
-
-@contextlib.contextmanager
-def _torch_on(device: Device) -> Iterator[None]:
-    """torch "cuda" (and ``torch.accelerator``) answered by ``device``: the run's own simulation when it is in torch
-    mode on this device, a scope of its own otherwise; the GPU tier's device already is torch's."""
-    from pytest_kvprofile.memory.device import SimDevice
-    from pytest_kvprofile.memory.torch_mode import SimulatedCuda, active_simulation
-
-    sim = active_simulation()
-    if not isinstance(device, SimDevice) or (sim is not None and sim.device is device):
-        yield
-        return
-    with SimulatedCuda(device):
-        yield
 
 
 class VllmMemoryProfiling:
@@ -55,18 +40,18 @@ class VllmMemoryProfiling:
         import torch
         from vllm.utils.mem_utils import MemorySnapshot
 
-        with _torch_on(device):
+        with torch_on(device):
             self._before = MemorySnapshot(device=torch.device("cuda", 0))
 
     def window_opens(self, device: Device) -> None:
         from vllm.utils.mem_utils import memory_profiling
 
-        with _torch_on(device):
+        with torch_on(device):
             self._profiling = memory_profiling(self._before)
             self.result = self._profiling.__enter__()
 
     def window_closes(self, device: Device) -> int:
-        with _torch_on(device):
+        with torch_on(device):
             self._profiling.__exit__(None, None, None)
         return int(self.result.non_kv_cache_memory)
 
@@ -93,7 +78,7 @@ class VllmBudget:
         import torch
         from vllm.utils.mem_utils import MemorySnapshot, memory_profiling
 
-        with _torch_on(device):
+        with torch_on(device):
             if point == self.at:
                 self._init = MemorySnapshot(device=torch.device("cuda", 0))
             if point == "baseline":  # determine_available_memory enters memory_profiling around the profile run
