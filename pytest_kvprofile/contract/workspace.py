@@ -105,6 +105,10 @@ class WorkspaceManager:
         views carry tensors outside torch mode too; inside torch mode they always do."""
         if num_ubatches < 1:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+        if isinstance(arena_tensors, bool):  # the form before issue 53: say the new one rather than fail on a call
+            raise TypeError("WorkspaceManager(arena_tensors=...) takes a factory of the device's torch-mode "
+                            "simulation now, not a bool: arena_tensors=lambda: SimulatedCuda(device) "
+                            "(pytest_kvprofile.memory.torch_mode.SimulatedCuda)")
         self.device = device
         self.num_ubatches = num_ubatches
         self.alignment = alignment

@@ -144,6 +144,12 @@ def test_arena_tensor_on_request_in_ctx_mode():
     assert not dev.live_allocations()
 
 
+def test_the_old_boolean_arena_tensors_says_the_new_form():
+    dev = SimDevice(name="H100", total_memory=80 << 30, num_sm=132)
+    with pytest.raises(TypeError, match=r"arena_tensors=lambda: SimulatedCuda\(device\)"):
+        WorkspaceManager(dev, arena_tensors=True)  # type: ignore[arg-type]
+
+
 def test_the_simulated_gpu_has_no_cudnn_runtime():
     """FlashInfer's plan() asks on compute capability 10.0 whether cuDNN may serve a paged prefill; the CPU machine's
     cuDNN frontend raises when asked, a machine without cuDNN answers no, and so does the simulated B200."""
