@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_LOCATION = re.compile(r"[\w./-]+\.py(:\d+)?")  # a source file, with its line: moved by a refactor
+_LOCATION = re.compile(r"(?:/[\w.-]+)+(?::\d+)?|[\w.-]+\.py(?::\d+)?")  # a path (cut or whole), with its line
 _CUT = re.compile(r" \[\.\.\. [\d,]+ characters cut\]$")  # where the recorder cut a long line
+_LINES_CUT = re.compile(r"^\[\.\.\. \d+ more line\(s\) cut\]$")  # where the recorder cut the whole message
 _OBJECT_ID = re.compile(r"\b\d{13,}\b")  # id() of an object: new every run (bytes stay below 13 digits)
 _COMPARED = ("outcome", "waste", "budget")
 
@@ -58,6 +59,12 @@ def same_message(old: str, new: str) -> bool:
     """The same text once locations and ids are blanked; a cut line agrees up to the shorter cut (a longer checkout
     path moves where the recorder cuts)."""
     a, b = _message_lines(old), _message_lines(new)
+    a_cut = bool(a) and _LINES_CUT.match(a[-1][0]) is not None
+    b_cut = bool(b) and _LINES_CUT.match(b[-1][0]) is not None
+    if a_cut or b_cut:  # cut at a total length: the lines both kept, the last of them perhaps cut too
+        a, b = a[:-1] if a_cut else a, b[:-1] if b_cut else b
+        n = min(len(a), len(b))
+        a, b = a[:n], b[:n]
     if len(a) != len(b):
         return False
     for (x, x_cut), (y, y_cut) in zip(a, b):

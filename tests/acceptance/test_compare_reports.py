@@ -72,3 +72,11 @@ def test_a_cut_moved_by_a_longer_path_and_an_object_id_do_not_differ() -> None:
     assert module.same_message(old, new)
     assert not module.same_message(old, new.replace("then", "than"))
     assert not module.same_message("a\nb", "a")
+
+
+def test_a_message_cut_after_fewer_lines_by_a_longer_path_does_not_differ() -> None:
+    module = _module()
+    old = "head\n- at /work/baseline/src/a.py:1 x\n[... 2 more line(s) cut]"
+    new = "head\n- at /work/a.py:1 x\n- at /work/a.py:1 y\n[... 1 more line(s) cut]"
+    assert module.same_message(old, new)
+    assert not module.same_message(old, new.replace("head", "other"))
