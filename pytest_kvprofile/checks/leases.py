@@ -179,12 +179,13 @@ def check_lease_released_before_graph_profiling(result: LifecycleResult, options
 
 def check_teardown_clean(result: LifecycleResult, options: CheckOptions) -> list[str]:
     """The parts' ``close()`` neither raises nor frees anything twice (a double free raises on the device)."""
-    errors = Counter((e.who, e.exc_type, e.message) for e in result.errors if e.phase == lc.TEARDOWN)
+    errors = Counter((e.who, e.exc_type, e.message, e.site) for e in result.errors if e.phase == lc.TEARDOWN)
     return [
         f"teardown_clean: {who}.close() raised {exc_type} in phase {lc.TEARDOWN!r}: {message}"
-        f"{f' ({n} times)' if n > 1 else ''}. An engine closes its builders on shutdown and on every elastic "
-        "restart: close() must free each allocation exactly once and return"
-        for (who, exc_type, message), n in sorted(errors.items())
+        f"{f' ({n} times)' if n > 1 else ''}{f' (raised at {site})' if site else ''}. An engine closes its builders "
+        "on shutdown and on every elastic restart: close() must free each allocation exactly once and return; "
+        "drop each allocation from the builder as you free it"
+        for (who, exc_type, message, site), n in sorted(errors.items())
     ]
 
 

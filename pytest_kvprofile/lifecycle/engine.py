@@ -87,7 +87,7 @@ from pytest_kvprofile.lifecycle.record import (
     ViewPlan,
 )
 from pytest_kvprofile.lifecycle.recording import LOCK_PROBE, _workspace_manager
-from pytest_kvprofile.lifecycle.sites import _cached_blocks, _caller_site, _method_site
+from pytest_kvprofile.lifecycle.sites import _cached_blocks, _caller_site, _method_site, _raised_at
 from pytest_kvprofile.lifecycle.teardown import _teardown_error
 from pytest_kvprofile.lifecycle.window import WindowObserver
 from pytest_kvprofile.matrix.cases import Case, DecodeCapture
@@ -280,7 +280,7 @@ class LifecycleRun:
             PhaseError(
                 phase=self.device.phase, who=who, exc_type=type(exc).__name__, message=str(exc),
                 traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-                out_of_memory=ran_out_of_memory(exc),
+                out_of_memory=ran_out_of_memory(exc), site=_raised_at(exc),
             )
         )
         self.result.aborted_in = self.device.phase

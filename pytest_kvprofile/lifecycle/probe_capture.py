@@ -84,7 +84,7 @@ def _clean_capture(plan: CapturePlan, run: _ProbeRun) -> _CleanCapture:
     dev = run.device
     before = {a.id for a in dev.live_allocations()}
     allocs = _allocations_of(dev, functools.partial(_engine_capture, run))
-    sites = tuple(_Site(a.owner, a.kind, a.role, a.stack, a.nbytes, a.tag) for a in allocs)
+    sites = tuple(_Site(a.owner, a.kind, a.role, a.stack, a.nbytes, a.tag, a.where) for a in allocs)
     return _CleanCapture(sites, tuple((name, _held(dev, name, before)) for name in plan), _pool_reserved(dev))
 
 
@@ -138,7 +138,7 @@ def _failed_capture(plan: CapturePlan, k: int, clean: _CleanCapture, run: _Probe
     """Fail the capture at its allocation ``k``; the engine resets the failed attempt's graphs and captures again.
     Report what breaks the rule, per builder of ``plan``."""
     dev, site = run.device, clean.sites[k]
-    where = f" at {site.stack}" if site.stack else ""
+    where = f" at {site.where}" if site.where else ""
     by = f", by builder {site.owner!r}" if len(plan) > 1 else ""
     what = (f"a CUDA-graph capture (phase {lc.CAPTURE!r}) that failed at its allocation #{k + 1} ({site.tag!r}, "
             f"{size_text(site.nbytes)}{where}{by})")
@@ -202,7 +202,7 @@ def _capture_difference(device: Device, name: str, what: str, before: set[int], 
                 "each step whole again when its capture is retried"]
     extra = got - expected
     pools = sorted({a.pool for a in device.live_allocations() if a.owner == name and a.id not in before
-                    and a.kind == "device" and a.pool != "default" and (a.tag, a.nbytes, a.stack or "") in extra})
+                    and a.kind == "device" and a.pool != "default" and (a.tag, a.nbytes, a.where or "") in extra})
     in_pools = ""
     if pools:
         reserved = _pool_reserved(device)

@@ -32,6 +32,7 @@ from pytest_kvprofile.lifecycle.probe_runs import (
     _total,
 )
 from pytest_kvprofile.lifecycle.record import ProbeTarget
+from pytest_kvprofile.lifecycle.sites import _raised_at
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.units import bytes_text, size_text
 
@@ -159,7 +160,7 @@ def _clean_reservation(index: int, name: str, run: _ProbeRun) -> tuple[list[_Sit
     before = {a.id for a in run.device.live_allocations()}
     allocs = _allocations_of(run.device, functools.partial(_reserve, run, run.builders[index]))
     wide = _process_wide(run)
-    sites = [_Site(a.owner, a.kind, a.role, a.stack, a.nbytes, a.tag) for a in allocs]
+    sites = [_Site(a.owner, a.kind, a.role, a.stack, a.nbytes, a.tag, a.where) for a in allocs]
     return sites, _held(run.device, name, before, frozenset(wide)), bool(wide)
 
 
@@ -192,7 +193,8 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: _Site
         _reserve(run, b)
     except Exception as exc:  # noqa: BLE001 - the injected failure, or what the builder made of it
         if not _first_error_wins(exc):
-            raised = f"{type(exc).__name__}: {exc}"
+            site = _raised_at(exc)
+            raised = f"{type(exc).__name__}: {exc}" + (f" (raised at {site})" if site else "")
     else:
         if ooms:
             return [f"builder {name!r}: {what}, and it returned a lease instead of raising: a failed reservation "

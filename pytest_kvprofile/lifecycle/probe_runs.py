@@ -23,6 +23,7 @@ from pytest_kvprofile.contract.support import builder_name
 from pytest_kvprofile.lifecycle.engine import LifecycleRun, _Abort, _SecondEngineRun, make_device
 from pytest_kvprofile.lifecycle.forked import ChildFailed, can_fork, in_child, worth_forking
 from pytest_kvprofile.lifecycle.record import LifecycleResult, ProbeTarget
+from pytest_kvprofile.lifecycle.sites import _raised_at
 from pytest_kvprofile.lifecycle.teardown import close_parts
 from pytest_kvprofile.memory.device import DeviceOutOfMemory
 from pytest_kvprofile.units import bytes_text, size_text
@@ -211,7 +212,7 @@ def _held(device: Device, owner: str, before: set[int], process_wide: frozenset[
     range buffer outlive any one reservation). ``process_wide`` are allocations process-wide state keeps (a module
     global made once per process): a failed reservation may leave those, the retry reuses them, and
     ``no_state_outlives_case`` judges them."""
-    return Counter((a.tag, a.nbytes, a.stack or "") for a in device.live_allocations()
+    return Counter((a.tag, a.nbytes, a.where or "") for a in device.live_allocations()
                    if a.owner == owner and a.kind == "device" and a.id not in before and a.id not in process_wide)
 
 
@@ -242,6 +243,7 @@ class _Site:
     stack: str | None
     nbytes: int
     tag: str
+    where: str | None = None  # the source line a message names (``Allocation.where``: in ctx mode the builder's)
 
 
 
@@ -287,5 +289,8 @@ def _replaced_error(exc: BaseException) -> str | None:
     """What a failed capture raised in place of the injected out-of-memory error (``_Abort`` is the driver's wrapping
     of a builder's error), or None when the first error won."""
     cause = exc.__cause__ if isinstance(exc, _Abort) and exc.__cause__ is not None else exc
-    return None if _first_error_wins(cause) else f"{type(cause).__name__}: {cause}"
+    if _first_error_wins(cause):
+        return None
+    site = _raised_at(cause)
+    return f"{type(cause).__name__}: {cause}" + (f" (raised at {site})" if site else "")
 

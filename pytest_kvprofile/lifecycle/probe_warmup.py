@@ -31,6 +31,7 @@ from pytest_kvprofile.lifecycle.probe_runs import (
     _ProbeRun,
 )
 from pytest_kvprofile.lifecycle.record import ProbeTarget
+from pytest_kvprofile.lifecycle.sites import _method_site, _raised_at
 from pytest_kvprofile.matrix.cases import Case
 from pytest_kvprofile.units import bytes_text, size_text
 
@@ -126,7 +127,10 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
     except Exception:  # noqa: BLE001 - the injected failure (or what the builder made of it)
         pass
     else:
-        return [f"builder {name!r}: warmup {where} swallowed an out-of-memory error at its allocation #{k + 1}"]
+        site = _method_site(type(b), "warmup")
+        return [f"builder {name!r}: warmup {where} swallowed an out-of-memory error at its allocation #{k + 1}"
+                + (f" (warmup at {site})" if site else "") + ". Let the error propagate (free what the attempt made "
+                "first), so the engine sees the failure and retries"]
     finally:
         unsubscribe()
         dev.fail_after(None)
@@ -145,8 +149,10 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
     try:
         _warmup(run, b)
     except Exception as exc:  # noqa: BLE001
+        site = _raised_at(exc)
         out.append(f"builder {name!r}: the retry {where} after a failure at allocation #{k + 1} raised "
-                   f"{type(exc).__name__}: {exc}")
+                   f"{type(exc).__name__}: {exc}" + (f" (raised at {site})" if site else "")
+                   + ". A warmup the engine retries runs again from the start: undo a failed attempt's partial work")
         return out
     retried = _new_pool_bytes(dev, pools_before)
     if retried > pool_bytes and kept_pools:
@@ -158,10 +164,12 @@ def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Cou
             parts.append("missing " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in expected - got))
         if got - expected:
             parts.append("extra " + ", ".join(f"{t!r} ({n} bytes)" for (t, n) in got - expected))
+        site = _method_site(type(b), "warmup")
         out.append(
             f"builder {name!r}: after a warmup {where} failed at allocation #{k + 1} and was retried, its persistent "
             f"memory differs from a clean warmup's ({'; '.join(parts)}): the warmup was left half-built. Mark it "
             "warmed only once it completed, and undo (or finish) a failed attempt's partial work on the retry"
+            + (f" (warmup at {site})" if site else "")
         )
     return out
 

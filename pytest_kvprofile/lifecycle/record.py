@@ -62,6 +62,7 @@ class PhaseError:
     traceback: str
     injected: bool = False
     out_of_memory: bool = False  # the device ran out of memory: the error, or an error in its chain (an adapter's)
+    site: str = ""  # ``path:line in func``: the innermost backend frame it was raised through ("" when none)
 
     def describe(self) -> str:
         return f"{self.who} raised {self.exc_type} in phase {self.phase!r}: {self.message}"

@@ -45,6 +45,19 @@ def _author_site() -> str:
 
 
 
+def _raised_at(exc: BaseException) -> str:
+    """``path:line in func`` of the innermost backend frame ``exc`` was raised through (the author's line that
+    raised it, or that called what raised it), "" when none is in its traceback."""
+    tb, site = exc.__traceback__, ""
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if not path.startswith(_PACKAGE_DIR) or path.startswith(_BACKENDS_DIR):
+            site = f"{path}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    return site
+
+
+
 def _caller_site() -> str:
     """``path:line in func`` of the builder code that called ``ctx.plan_into`` (the first frame outside the harness's
     protocol and driver)."""

@@ -11,6 +11,7 @@ from pytest_kvprofile.lifecycle.record import (
     LifecycleResult,
     PhaseError,
 )
+from pytest_kvprofile.lifecycle.sites import _raised_at
 
 
 def close_parts(result: LifecycleResult) -> None:
@@ -37,6 +38,6 @@ def close_parts(result: LifecycleResult) -> None:
 def _teardown_error(who: str, exc: BaseException) -> PhaseError:
     return PhaseError(
         phase=TEARDOWN, who=who, exc_type=type(exc).__name__, message=f"close() raised: {exc}",
-        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), site=_raised_at(exc),
     )
 

@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 
 from pytest_kvprofile.builtin.mutants import MUTANT_BACKENDS, check_options_for
-from pytest_kvprofile.checks.catalog import failing_checks
+from pytest_kvprofile.checks.catalog import CHECKS, failing_checks
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix
 
-CASE = next(c for c in load_matrix(packaged_matrix("ci")).cases if c.id == "qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90")
+CI = {c.id: c for c in load_matrix(packaged_matrix("ci")).cases}
+CASE = CI["qwen3-8b-tp1-dcp1-mtp0-l40s-gmu0.90"]
+DCP_CASE = CI["qwen3-8b-tp4-dcp2-mtp0-l40s-gmu0.90"]  # trtllm-gen carves its LSE slab under DCP only
 MUTANTS = {b.name: b for b in MUTANT_BACKENDS}
 SITE = re.compile(r"[\w/.-]+\.py:\d+")
 
@@ -49,12 +51,23 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
     "no_use_after_free": ("mutant-16a-plans-into-released-workspace", "Ask ctx.get_workspace() again", "stubs.py"),
     "no_post_kv_overrun": ("mutant-07d-post-kv-warmup-leaks", "Make what you keep inside the profiling window",
                            "mutants.py"),
+    "legacy_path_unchanged": ("mutant-06b-unsupported-reserves", "Free what the window made", "stubs.py"),
+    "teardown_clean": ("mutant-18b-close-double-free", "drop each allocation from the builder", "mutants.py"),
+    "reservation_exception_safe": ("mutant-17a-reservation-keeps-partial", "Reuse or free what the failed attempt",
+                                   "stubs.py"),
+    "capture_retryable": ("mutant-07g-torch-failed-capture-keeps-step", "free what build() made",
+                          "mutants_field.py"),
+    "budget_counts_every_byte": ("mutant-10c-torch-runner-buffers-before-snapshot", "Take the engine's snapshot",
+                                 "mutants_field.py"),
+    "transient_peak_profiled": ("mutant-08b-gdn-scan-warmed-at-64-tokens", "Warm the scratch at the serving shape",
+                                "mutants_field.py"),
+    "trtllm_workspace_covers_launcher": ("mutant-11e-trtllm-no-lse-slab", "Size it as", "stubs.py"),
 }
 
 
 def _failed(name: str) -> dict[str, list[str]]:
     backend = MUTANTS[name]
-    result = run_lifecycle(backend, CASE)
+    result = run_lifecycle(backend, DCP_CASE if name == "mutant-11e-trtllm-no-lse-slab" else CASE)
     close_parts(result)
     return failing_checks(result, check_options_for(backend))
 
@@ -69,6 +82,26 @@ def test_the_refusal_says_what_to_do_and_where(check: str) -> None:
     if source is not None:
         sites = SITE.findall(head)
         assert any(s.rsplit(":", 1)[0].endswith(source) for s in sites), (source, head)
+
+
+def test_every_check_is_held_to_a_remedy() -> None:
+    assert set(EXPECT) == {c.name for c in CHECKS}
+
+
+@pytest.mark.parametrize(("mutant", "check", "site"), [
+    # ctx mode: what the retried reservation holds beside a clean one, at the builder's line
+    ("mutant-17a-reservation-keeps-partial", "reservation_exception_safe",
+     r"at \S+builtin/stubs\.py:\d+ in _new_wrapper"),
+    # the error that replaced the injected one: where the builder raised it (its cleanup's double free)
+    ("mutant-17c-cleanup-masks-first-error", "reservation_exception_safe",
+     r"\(raised at \S+builtin/stubs\.py:\d+ in _drop\) instead of the out-of-memory error"),
+    # a half-built warmup leaves nothing to point at: its warmup method is named
+    ("mutant-07b-warmup-not-retryable", "warmup_retryable", r"\(warmup at \S+builtin/mutants\.py:\d+ in \w+\.warmup\)"),
+    ("mutant-18a-close-raises", "teardown_clean", r"\(raised at \S+builtin/mutants\.py:\d+ in close\)"),
+])
+def test_a_probed_refusal_names_the_authors_line(mutant: str, check: str, site: str) -> None:
+    head = _failed(mutant)[check][0]
+    assert re.search(site, head), head
 
 
 def test_a_ctx_mode_allocation_names_the_builders_line_and_its_call_site() -> None:
