@@ -193,8 +193,8 @@ def _fail_reservation(run: _ProbeRun, index: int, name: str, k: int, site: _Site
         _reserve(run, b)
     except Exception as exc:  # noqa: BLE001 - the injected failure, or what the builder made of it
         if not _first_error_wins(exc):
-            site = _raised_at(exc)
-            raised = f"{type(exc).__name__}: {exc}" + (f" (raised at {site})" if site else "")
+            raised_site = _raised_at(exc)
+            raised = f"{type(exc).__name__}: {exc}" + (f" (raised at {raised_site})" if raised_site else "")
     else:
         if ooms:
             return [f"builder {name!r}: {what}, and it returned a lease instead of raising: a failed reservation "

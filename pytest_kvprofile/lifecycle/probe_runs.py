@@ -20,9 +20,10 @@ from pytest_kvprofile.contract.protocol import (
 )
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import builder_name
-from pytest_kvprofile.lifecycle.engine import LifecycleRun, _Abort, _SecondEngineRun, make_device
+from pytest_kvprofile.lifecycle.engine import LifecycleRun, _SecondEngineRun, make_device
 from pytest_kvprofile.lifecycle.forked import ChildFailed, can_fork, in_child, worth_forking
 from pytest_kvprofile.lifecycle.record import LifecycleResult, ProbeTarget
+from pytest_kvprofile.lifecycle.run_state import _Abort
 from pytest_kvprofile.lifecycle.sites import _raised_at
 from pytest_kvprofile.lifecycle.teardown import close_parts
 from pytest_kvprofile.memory.device import DeviceOutOfMemory

@@ -70,8 +70,10 @@ def _caller_site() -> str:
 
 
 
-# the engine (``engine.py``, whose ``note_plan`` asks) and the protocol (``ctx.plan_into``): never the builder's line
-_HARNESS_FILES = frozenset({os.path.join(os.path.dirname(__file__), "engine.py"),
+# the engine (``engine.py`` and the modules its run is built from; ``run_uses.py``'s ``note_plan`` asks) and the
+# protocol (``ctx.plan_into``): never the builder's line
+_HARNESS_FILES = frozenset({*(os.path.join(os.path.dirname(__file__), f"{m}.py")
+                              for m in ("engine", "run_state", "run_uses", "run_steps")),
                             sys.modules[BuilderContext.__module__].__file__})
 
 
