@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 
 def _vllm_for_run(run: LifecycleRun, device: Device, num_ubatches: int) -> ArenaManager:
-    from pytest_kvprofile.engines.vllm.workspace import RecordingVllmWorkspaceManager
+    from pytest_kvprofile.engines.vllm.workspace import recording_manager
 
-    return RecordingVllmWorkspaceManager(run, device, num_ubatches)
+    return recording_manager(run, device, num_ubatches)
 
 
 # Any: vLLM's own manager as vLLM shapes it (its get_workspace takes no route), which a test's fixture asks for

@@ -14,8 +14,16 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, cast
 
+from pytest_kvprofile.contract.backends import KvSizingMode
 from pytest_kvprofile.engines.model_config import config_dir, decoder_config
 from pytest_kvprofile.engines.vllm.facts import VLLM_FACTS
+from pytest_kvprofile.engines.vllm.release import (
+    EXTENSIBLE,
+    PROFILE_WINDOW,
+    extensible_kv_cache_request,
+    has_extensible_kv_cache,
+    vllm_version,
+)
 from pytest_kvprofile.matrix.cases import Case
 
 if TYPE_CHECKING:
@@ -27,8 +35,8 @@ if TYPE_CHECKING:
     from pytest_kvprofile.matrix.models import ModelSpec
 
 __all__ = ["STANDIN_ARCHITECTURE", "UnexpressibleCase", "hf_config", "hf_config_dir", "kv_cache_spec",
-           "layer_names", "make_vllm_config", "resolve_cudagraph_mode", "resolve_kv_cache_layout", "standin_layers",
-           "standin_model_registered"]
+           "kv_sizing_mode", "layer_names", "make_vllm_config", "resolve_cudagraph_mode", "resolve_kv_cache_layout",
+           "standin_layers", "standin_model_registered"]
 
 STANDIN_ARCHITECTURE = "KvprofileStandinForCausalLM"
 # The stand-in model's own dtypes (torch names): an unquantized KV cache is the model's dtype; a quantized one (its
@@ -240,8 +248,6 @@ def make_vllm_config(case: Case, *, hf_dir: Path | None = None) -> VllmConfig:
 
         kwargs["speculative_config"] = SpeculativeConfig(method="ngram", num_speculative_tokens=case.mtp,
                                                          prompt_lookup_max=2, prompt_lookup_min=1)
-    from pytest_kvprofile.engines.vllm.release import extensible_kv_cache_request
-
     # Any: a CacheConfig field the installed vLLM may not have (0.34's enable_extensible_kv_cache), passed by name
     request: dict[str, Any] = dict(extensible_kv_cache_request(case))
     cache = CacheConfig(block_size=env.page_size, cache_dtype=cache_dtype(case), **request)
@@ -335,3 +341,33 @@ def standin_layers(case: Case, vllm_config: VllmConfig) -> None:
     with set_current_vllm_config(vllm_config):
         for name in layer_names(case):
             context[name] = StandinAttentionLayer()
+
+
+def kv_sizing_mode(case: Case, config: VllmConfig | None = None) -> KvSizingMode:
+    """Where the installed vLLM sizes the KV cache on ``case``, as vLLM resolves it (``VllmConfig``'s own
+    ``_resolve_extensible_kv_cache`` on the case's config, made on the stand-in platform), and why."""
+    if not has_extensible_kv_cache():
+        return KvSizingMode(PROFILE_WINDOW, "profile", f"vLLM {vllm_version()} has no extensible KV cache")
+    if config is None:
+        from pytest_kvprofile.engines.vllm.standins import vllm_standins
+
+        with vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp):
+            config = make_vllm_config(case)
+    if getattr(config.cache_config, "enable_extensible_kv_cache", False):  # a field of 0.34 and later
+        return KvSizingMode(EXTENSIBLE, "post_warmup")
+    return KvSizingMode(PROFILE_WINDOW, "profile", _off_reason(case, config))
+
+
+def _off_reason(case: Case, config: VllmConfig) -> str:
+    """Why vLLM turned its extensible KV cache off on this case, in its ``_resolve_extensible_kv_cache``'s terms."""
+    cache = config.cache_config
+    if case.envelope.kv_sizing == "profile":
+        return ("the matrix asks for the profiling window (envelope.kv_sizing: profile): "
+                "enable_extensible_kv_cache=False")
+    if cache.kv_cache_memory_bytes is not None:
+        return "kv_cache_memory_bytes is set, which the extensible KV cache's measurement would override"
+    if cache.num_gpu_blocks_override is not None:
+        return "num_gpu_blocks_override is set, which the extensible KV cache's measurement would override"
+    if config.parallel_config.enable_elastic_ep:
+        return "elastic EP reuses the profiled KV cache size"
+    return "vLLM's _resolve_extensible_kv_cache turned it off on this config"

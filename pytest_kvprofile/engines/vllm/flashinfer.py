@@ -52,11 +52,11 @@ from pytest_kvprofile.engines.batches import (
     pages_per_request,
     runner_batch,
 )
-from pytest_kvprofile.engines.vllm import _vllm_for_run
 from pytest_kvprofile.engines.vllm.config import (
     UnexpressibleCase,
     check_expressible,
     kv_cache_spec,
+    kv_sizing_mode,
     layer_names,
     make_vllm_config,
     resolve_cudagraph_mode,
@@ -64,7 +64,7 @@ from pytest_kvprofile.engines.vllm.config import (
     standin_layers,
 )
 from pytest_kvprofile.engines.vllm.memory import vllm_budget
-from pytest_kvprofile.engines.vllm.release import EXTENSIBLE, has_v1_runner, kv_sizing_mode, vllm_provenance
+from pytest_kvprofile.engines.vllm.release import EXTENSIBLE, has_v1_runner, vllm_provenance
 from pytest_kvprofile.engines.vllm.selector import backend_class_of, selector_refusal
 from pytest_kvprofile.engines.vllm.standins import (
     _BACKEND_MODULE,
@@ -72,6 +72,7 @@ from pytest_kvprofile.engines.vllm.standins import (
     import_vllm_flashinfer,
     vllm_standins,
 )
+from pytest_kvprofile.engines.vllm.workspace import recording_manager
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -140,7 +141,7 @@ def vllm_kv_sizing(case: Case) -> KvSizingMode:
         return KvSizingMode("profile window", "profile", str(exc))
 
 
-VLLM_POLICY = EnginePolicy(workspace_manager="vllm", manager_factory=_vllm_for_run, gate=speculative_gate,
+VLLM_POLICY = EnginePolicy(workspace_manager="vllm", manager_factory=recording_manager, gate=speculative_gate,
                            kv_sizing_for=vllm_kv_sizing, budget=vllm_budget)
 """How vLLM's runner integrates its builders: vLLM's own WorkspaceManager as the arena (the pull request's builder
 reserves nothing without it), its runner's gate, the sizing point of the installed release on each case, and vLLM's

@@ -17,15 +17,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from pytest_kvprofile.contract.backends import KvSizingMode, Provenance
+from pytest_kvprofile.contract.backends import Provenance
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
 
     from pytest_kvprofile.matrix.cases import Case
 
 __all__ = ["EXTENSIBLE", "PROFILE_WINDOW", "extensible_kv_cache_request", "has_v1_runner", "has_extensible_kv_cache",
-           "kv_sizing_mode", "provenance", "runner_name", "vllm_provenance", "vllm_version"]
+           "provenance", "runner_name", "vllm_provenance", "vllm_version"]
 
 EXTENSIBLE = "extensible KV cache (after warmup and capture)"
 PROFILE_WINDOW = "profile window"
@@ -86,37 +85,6 @@ def pinned_flashinfer() -> str:
         if req.replace("_", "-").startswith(_PINS_FLASHINFER) and "extra ==" not in req:
             return req.split(";")[0].strip()
     return ""
-
-
-def kv_sizing_mode(case: Case, config: VllmConfig | None = None) -> KvSizingMode:
-    """Where the installed vLLM sizes the KV cache on ``case``, as vLLM resolves it (``VllmConfig``'s own
-    ``_resolve_extensible_kv_cache`` on the case's config, made on the stand-in platform), and why."""
-    if not has_extensible_kv_cache():
-        return KvSizingMode(PROFILE_WINDOW, "profile", f"vLLM {vllm_version()} has no extensible KV cache")
-    if config is None:
-        from pytest_kvprofile.engines.vllm.config import make_vllm_config
-        from pytest_kvprofile.engines.vllm.standins import vllm_standins
-
-        with vllm_standins(case.gpu, dcp=case.dcp, ranks=case.tp):
-            config = make_vllm_config(case)
-    if getattr(config.cache_config, "enable_extensible_kv_cache", False):  # a field of 0.34 and later
-        return KvSizingMode(EXTENSIBLE, "post_warmup")
-    return KvSizingMode(PROFILE_WINDOW, "profile", _off_reason(case, config))
-
-
-def _off_reason(case: Case, config: VllmConfig) -> str:
-    """Why vLLM turned its extensible KV cache off on this case, in its ``_resolve_extensible_kv_cache``'s terms."""
-    cache = config.cache_config
-    if case.envelope.kv_sizing == "profile":
-        return ("the matrix asks for the profiling window (envelope.kv_sizing: profile): "
-                "enable_extensible_kv_cache=False")
-    if cache.kv_cache_memory_bytes is not None:
-        return "kv_cache_memory_bytes is set, which the extensible KV cache's measurement would override"
-    if cache.num_gpu_blocks_override is not None:
-        return "num_gpu_blocks_override is set, which the extensible KV cache's measurement would override"
-    if config.parallel_config.enable_elastic_ep:
-        return "elastic EP reuses the profiled KV cache size"
-    return "vLLM's _resolve_extensible_kv_cache turned it off on this config"
 
 
 def vllm_provenance(backend_name: str) -> Callable[[], Provenance]:

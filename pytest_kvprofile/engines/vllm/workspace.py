@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     import torch
 
     from pytest_kvprofile.contract.device import Allocation, Device
+    from pytest_kvprofile.contract.workspace import ArenaManager
+    from pytest_kvprofile.lifecycle.engine import LifecycleRun
     from pytest_kvprofile.memory.torch_mode import SimulatedCuda
 
 T = TypeVar("T")
@@ -564,7 +566,10 @@ def _observed_class(workspace: VllmModule) -> type:
 _OBSERVED: dict[int, type] = {}
 
 
-
-
 class RecordingVllmWorkspaceManager(_RecordingMixin, VllmWorkspaceManager):
     """vLLM's manager as a lifecycle run's arena: every view and refusal recorded in the run's result."""
+
+
+def recording_manager(run: LifecycleRun, device: Device, num_ubatches: int) -> ArenaManager:
+    """``EnginePolicy.manager_factory`` of vLLM's backends: vLLM's own manager, recording into ``run``."""
+    return RecordingVllmWorkspaceManager(run, device, num_ubatches)
