@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 from pytest_kvprofile.units import MiB
 
 if TYPE_CHECKING:
+    from pytest_kvprofile.attention.trtllm import TrtllmCarve
     from pytest_kvprofile.checks.base import JsonObject
     from pytest_kvprofile.matrix.cases import Case, Envelope, Matrix
+    from pytest_kvprofile.sizing.requirement import SizingResult
 
 
 def _default_matrix() -> Path:
@@ -192,6 +194,8 @@ def _case(args: argparse.Namespace) -> Case:
 
 
 def _cmd_size(args: argparse.Namespace) -> int:
+    """``kvprofile size``: one case's float, int and trtllm-gen workspaces, as JSON or a table.
+    Long because its JSON document is written out key by key, one per line."""
     if args.report is not None:
         return _cmd_report(args)
     from pytest_kvprofile.attention.oracle import OracleError
@@ -211,20 +215,9 @@ def _cmd_size(args: argparse.Namespace) -> int:
     except (OracleError, ValueError) as exc:
         print(f"kvprofile size: error: {exc}", file=sys.stderr)
         return 1
-    from pytest_kvprofile.sizing.trtllm import ROUTES as TRTLLM_ROUTES
-    from pytest_kvprofile.sizing.trtllm import trtllm_carve, trtllm_need, trtllm_routes
+    native, trt, mla_decode = _size_routes(args, case)
+    from pytest_kvprofile.sizing.trtllm import trtllm_carve, trtllm_need
 
-    asked = routes(case) if args.routes is None else tuple(r.strip() for r in args.routes.split(",") if r.strip())
-    mla_decode = case.model.attention == "mla" and "decode" in asked
-    unknown = [r for r in asked if r not in routes(case) and not (r == "decode" and mla_decode)]
-    if unknown:
-        _fail(f"--routes: {', '.join(unknown)} is not a route of the case (its routes: {', '.join(routes(case))})")
-    native = tuple(r for r in asked if r in routes(case))
-    trt = trtllm_routes(case, native) if args.trtllm is None else \
-        tuple(r.strip() for r in args.trtllm.split(",") if r.strip())
-    bad = [r for r in trt if r not in TRTLLM_ROUTES]
-    if bad:
-        _fail(f"--trtllm: {', '.join(bad)} is not a trtllm-gen route (known: {', '.join(TRTLLM_ROUTES)})")
     float_bytes, sized = need_for_routes(case, native)
     int_bytes = max((res.routes[r].int_bytes for r in sized), default=0)
     trtllm_bytes, trtllm_worst = trtllm_need(case, trt)
@@ -270,6 +263,38 @@ def _cmd_size(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
+    _print_size(case, res, sized, float_bytes, int_bytes, carves, trtllm_bytes, mla_decode)
+    return 0
+
+
+def _size_routes(args: argparse.Namespace, case: Case) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """The routes ``kvprofile size`` sizes: the case's native routes asked (``--routes``), its trtllm-gen routes
+    (``--trtllm``, else those the engine sends there) and whether an MLA decode was asked (sized as trtllm-gen's)."""
+    from pytest_kvprofile.sizing.case import routes
+    from pytest_kvprofile.sizing.trtllm import ROUTES as TRTLLM_ROUTES
+    from pytest_kvprofile.sizing.trtllm import trtllm_routes
+
+    asked = routes(case) if args.routes is None else tuple(r.strip() for r in args.routes.split(",") if r.strip())
+    mla_decode = case.model.attention == "mla" and "decode" in asked
+    unknown = [r for r in asked if r not in routes(case) and not (r == "decode" and mla_decode)]
+    if unknown:
+        _fail(f"--routes: {', '.join(unknown)} is not a route of the case (its routes: {', '.join(routes(case))})")
+    native = tuple(r for r in asked if r in routes(case))
+    trt = trtllm_routes(case, native) if args.trtllm is None else \
+        tuple(r.strip() for r in args.trtllm.split(",") if r.strip())
+    bad = [r for r in trt if r not in TRTLLM_ROUTES]
+    if bad:
+        _fail(f"--trtllm: {', '.join(bad)} is not a trtllm-gen route (known: {', '.join(TRTLLM_ROUTES)})")
+    return native, trt, mla_decode
+
+
+def _print_size(case: Case, res: SizingResult, sized: tuple[str, ...], float_bytes: int, int_bytes: int,
+                carves: dict[str, TrtllmCarve], trtllm_bytes: int, mla_decode: bool) -> None:
+    """``kvprofile size``'s table: per route, the required line, trtllm-gen's carves, the notes."""
+    from pytest_kvprofile.sizing.case import compute_capability
+
+    heads, model = case.heads, case.model
+    qo, _, graph = res.worst_batch if res.worst_batch else ((), (), False)
     print(f"FlashInfer {res.flashinfer_version}, {case.gpu.num_sm} SMs "
           f"(sm_{''.join(map(str, compute_capability(case)))}), "
           f"per rank {heads.heads_q} q / {heads.heads_kv} kv heads, head_dim {model.head_dim}/{model.dim_vo}, "
@@ -291,7 +316,7 @@ def _cmd_size(args: argparse.Namespace) -> int:
         print("note: an MLA case's decode is sized as trtllm-gen's (FlashInfer's MLA planner is not FA2)")
     for note in res.notes:
         print(f"note: {note}")
-    return 0
+
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

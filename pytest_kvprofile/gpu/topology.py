@@ -257,15 +257,11 @@ def _nvlink_active(nvml: NvmlModule, handle: object) -> int:
     return active
 
 
-def detect_topology(nvml: NvmlModule = None, torch_cuda: TorchCuda = None, *, use_torch: bool = False,
-                    env: Mapping[str, str] | None = None) -> GpuTopology:
-    """Describe the machine's GPUs.
+_NvmlDevice: TypeAlias = tuple[int, str, str, int, int]  # NVML index, name, UUID, total memory, active NVLinks
 
-    ``nvml`` defaults to the ``pynvml`` module; ``torch_cuda`` (``torch.cuda`` when ``use_torch``
-    and not given) supplies SM counts and compute capability for the devices this process sees.
-    Passing ``torch_cuda`` implies ``use_torch``. Raises TopologyError when NVML cannot answer.
-    """
-    env = os.environ if env is None else env
+
+def _read_nvml(nvml: NvmlModule) -> tuple[str, list[_NvmlDevice], list[GpuLink]]:
+    """The driver version, each device and the links between them, as NVML answers; TopologyError when it cannot."""
     if nvml is None:
         try:
             import pynvml
@@ -281,7 +277,7 @@ def detect_topology(nvml: NvmlModule = None, torch_cuda: TorchCuda = None, *, us
         driver = _text(nvml.nvmlSystemGetDriverVersion())
         count = int(nvml.nvmlDeviceGetCount())
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        raw = []
+        raw: list[_NvmlDevice] = []
         for i, h in enumerate(handles):
             raw.append((i, _text(nvml.nvmlDeviceGetName(h)), _text(nvml.nvmlDeviceGetUUID(h)),
                         int(nvml.nvmlDeviceGetMemoryInfo(h).total), _nvlink_active(nvml, h)))
@@ -295,23 +291,41 @@ def detect_topology(nvml: NvmlModule = None, torch_cuda: TorchCuda = None, *, us
             nvml.nvmlShutdown()
         except Exception:  # noqa: BLE001 - shutdown failures change nothing for the answer
             pass
+    return driver, raw, links
 
+
+def _torch_properties(torch_cuda: TorchCuda, visible: list[int], cuda_visible: str | None,
+                      notes: list[str]) -> dict[int, tuple[int, tuple[int, int]]]:
+    """SM count and compute capability per NVML index, from torch for the devices this process sees."""
+    props: dict[int, tuple[int, tuple[int, int]]] = {}
+    if torch_cuda is None:
+        import torch
+
+        torch_cuda = torch.cuda
+    seen = int(torch_cuda.device_count())
+    if seen != len(visible):
+        notes.append(f"torch sees {seen} devices, CUDA_VISIBLE_DEVICES={cuda_visible!r} names {len(visible)}")
+    for j in range(min(seen, len(visible))):
+        p = torch_cuda.get_device_properties(j)
+        props[visible[j]] = (int(p.multi_processor_count), (int(p.major), int(p.minor)))
+    return props
+
+
+def detect_topology(nvml: NvmlModule = None, torch_cuda: TorchCuda = None, *, use_torch: bool = False,
+                    env: Mapping[str, str] | None = None) -> GpuTopology:
+    """Describe the machine's GPUs.
+
+    ``nvml`` defaults to the ``pynvml`` module; ``torch_cuda`` (``torch.cuda`` when ``use_torch``
+    and not given) supplies SM counts and compute capability for the devices this process sees.
+    Passing ``torch_cuda`` implies ``use_torch``. Raises TopologyError when NVML cannot answer.
+    """
+    env = os.environ if env is None else env
+    driver, raw, links = _read_nvml(nvml)
     cuda_visible = env.get("CUDA_VISIBLE_DEVICES")
     visible = visible_nvml_indices(cuda_visible, [r[2] for r in raw])
     cuda_index = {nv: j for j, nv in enumerate(visible)}
-    props: dict[int, tuple[int, tuple[int, int]]] = {}
     notes: list[str] = []
-    if torch_cuda is not None or use_torch:
-        if torch_cuda is None:
-            import torch
-
-            torch_cuda = torch.cuda
-        seen = int(torch_cuda.device_count())
-        if seen != len(visible):
-            notes.append(f"torch sees {seen} devices, CUDA_VISIBLE_DEVICES={cuda_visible!r} names {len(visible)}")
-        for j in range(min(seen, len(visible))):
-            p = torch_cuda.get_device_properties(j)
-            props[visible[j]] = (int(p.multi_processor_count), (int(p.major), int(p.minor)))
+    props = _torch_properties(torch_cuda, visible, cuda_visible, notes) if torch_cuda is not None or use_torch else {}
     devices = tuple(
         GpuDevice(
             index=i, name=name, uuid=uuid, total_memory=total, nvlink_active=nvl,

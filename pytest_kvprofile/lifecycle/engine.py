@@ -214,7 +214,7 @@ class LifecycleRun(EngineSteps):
     def _run(self) -> None:
         """The engine's phases in order (``phases.py``), each step a call to a part or a helper method.
 
-        Long on purpose: it is the one place a reader sees the whole order of the phases, top to bottom, and
+        Long because it is the one place a reader sees the whole order of the phases, top to bottom, and
         splitting it would scatter that order across functions."""
         case, dev = self.case, self.device
         self._enter(SETUP)

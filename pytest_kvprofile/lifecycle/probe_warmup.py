@@ -114,7 +114,8 @@ def _warmup_fault(index: int, name: str, k: int, expected: Counter[tuple[str, in
 def _fail_and_retry(run: _ProbeRun, index: int, name: str, k: int, expected: Counter[tuple[str, int]],
                     state: lc.Phase, pool_bytes: int = 0) -> list[str]:
     """Fail warmup at its allocation ``k`` in ``state``, then retry; report leaks, a half-built result, and private
-    graph pools a failed CUDA-graph capture kept (``pool_bytes``: what a clean warmup's pools keep reserved)."""
+    graph pools a failed CUDA-graph capture kept (``pool_bytes``: what a clean warmup's pools keep reserved).
+    Long because the fault, the retry and the three things judged after it share one device's state, read in order."""
     b, dev = run.builders[index], run.device
     where = "inside the profiling window" if state == lc.PROFILE_WARMUP else "after KV sizing"
     live_before = {a.id for a in dev.live_allocations()}

@@ -80,7 +80,7 @@ class PlacementMode(TorchFunctionMode):
     def __torch_function__(self, func: TorchFunc, types: object, args: tuple[TorchArg, ...] = (),
                            kwargs: dict[str, TorchArg] | None = None) -> TorchArg:
         """Every torch call while the simulation is active passes here: metadata reads, quiet calls on live storages,
-        the special tensor methods, then placement, use and recording. Kept in one function, over 60 lines, because it
+        the special tensor methods, then placement, use and recording. Long because it
         is the hottest path of a run: each helper call would be paid on every torch call."""
         registry = self.sim._registry
         try:

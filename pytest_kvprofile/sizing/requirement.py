@@ -206,6 +206,42 @@ def _confirm(res: RouteResult, batch: PlanBatch, envelope: PlanEnvelope, oracle:
     return oracle_evaluator(oracle, res, envelope)(batch)
 
 
+def _sizing_method(version: str, installed: str | None, family: str, use_oracle: bool | None,
+                   notes: list[str]) -> tuple[Oracle | None, SizingMethod]:
+    """The planner that confirms the model (FlashInfer ``version``'s own, when it builds) and how the sizing was made;
+    why the oracle is not used is added to ``notes``. ``use_oracle=True`` raises where it cannot be used."""
+    oracle = None
+    if use_oracle is False:
+        how = SizingMethod("analytic", version, family, "use_oracle=False: the analytic model only")
+    else:
+        oracle, how = _oracle_or_why(None if version == installed else version)
+        if oracle is None and use_oracle:
+            raise OracleUnavailable(f"the oracle cannot size FlashInfer {version}: {how.reason}")
+        if oracle is None:
+            notes.append(f"oracle unavailable, analytic only: {how.reason}")
+    if version != installed and oracle is None:
+        notes.append(f"FlashInfer {version} is not installed: sized from the {family} family's "
+                     "model and the Python port, not confirmed by that version's planner")
+    return oracle, how
+
+
+def _route_sizing(res: RouteResult, envelope: PlanEnvelope, oracle: Oracle | None) -> RouteSizing:
+    """One route's sizing: the model's, confirmed by the oracle on its worst batch (the larger kept where they
+    differ, and said in the route's notes)."""
+    fbytes, exact, confirmed = res.float_bytes, res.exact, False
+    rnotes = list(res.notes)
+    if oracle is not None and res.batch is not None:
+        got_f, _ = _confirm(res, res.batch, envelope, oracle)
+        confirmed = got_f == res.float_bytes if res.exact else got_f <= res.float_bytes
+        if not confirmed:
+            rnotes.append(f"oracle carves {got_f} bytes on the worst batch, model said "
+                          f"{res.float_bytes}; using the larger")
+            fbytes, exact = max(fbytes, got_f), False
+    batch = res.batch.as_tuple() if res.batch is not None else None
+    return RouteSizing(res.route, fbytes, res.int_bytes, batch, exact, res.gap_bytes, confirmed,
+                       res.layout.heads_q, res.layout.heads_kv, res.blocks_per_sm, tuple(rnotes))
+
+
 @lru_cache(maxsize=4096)
 def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | None, num_sm: int,
               envelope: PlanEnvelope, routes: tuple[str, ...], decode_tensor_cores: bool,
@@ -223,18 +259,7 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
         raise OracleUnavailable("no FlashInfer installed and no flashinfer_version given")
     family = family_of(version)
     notes: list[str] = []
-    oracle = None
-    if use_oracle is False:
-        how = SizingMethod("analytic", version, family, "use_oracle=False: the analytic model only")
-    else:
-        oracle, how = _oracle_or_why(None if version == installed else version)
-        if oracle is None and use_oracle:
-            raise OracleUnavailable(f"the oracle cannot size FlashInfer {version}: {how.reason}")
-        if oracle is None:
-            notes.append(f"oracle unavailable, analytic only: {how.reason}")
-    if version != installed and oracle is None:
-        notes.append(f"FlashInfer {version} is not installed: sized from the {family} family's "
-                     "model and the Python port, not confirmed by that version's planner")
+    oracle, how = _sizing_method(version, installed, family, use_oracle, notes)
     results = route_results(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                             head_dim_vo=head_dim_vo, num_sm=num_sm, envelope=envelope,
                             routes=routes, decode_tensor_cores=decode_tensor_cores, family=family,
@@ -243,20 +268,8 @@ def _required(heads_q: int, heads_kv: int, head_dim: int, head_dim_vo: int | Non
                             compute_capability=compute_capability, kv_dtype_bytes=kv_dtype_bytes)
     sized: dict[str, RouteSizing] = {}
     for res in results:
-        fbytes, exact, confirmed = res.float_bytes, res.exact, False
-        rnotes = list(res.notes)
-        if oracle is not None and res.batch is not None:
-            got_f, _ = _confirm(res, res.batch, envelope, oracle)
-            confirmed = got_f == res.float_bytes if res.exact else got_f <= res.float_bytes
-            if not confirmed:
-                rnotes.append(f"oracle carves {got_f} bytes on the worst batch, model said "
-                              f"{res.float_bytes}; using the larger")
-                fbytes, exact = max(fbytes, got_f), False
-        batch = res.batch.as_tuple() if res.batch is not None else None
-        sized[res.route] = RouteSizing(res.route, fbytes, res.int_bytes, batch, exact,
-                                       res.gap_bytes, confirmed, res.layout.heads_q,
-                                       res.layout.heads_kv, res.blocks_per_sm, tuple(rnotes))
-        notes.extend(rnotes)
+        sized[res.route] = _route_sizing(res, envelope, oracle)
+        notes.extend(sized[res.route].notes)
     worst = max(sized.values(), key=lambda r: (r.float_bytes, r.route)) if sized else None
     float_bytes = worst.float_bytes if worst else 0
     int_bytes = max((r.int_bytes for r in sized.values()), default=0)

@@ -10,6 +10,7 @@ top-level imports (what runs at import); the layering reads every import, inside
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -324,3 +325,49 @@ def test_the_tests_mirror_the_packages():
     assert dirs - packages <= {"acceptance"}, f"test directories that mirror no package: {sorted(dirs - packages)}"
     loose = sorted(p.name for p in tests.glob("test_*.py"))
     assert not loose, f"tests outside a package's directory: {loose}"
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+# a function over MAX_FUNCTION_LINES says why in its docstring: "Long because ..."
+LONG_REASON = re.compile(r"\bLong because\b")
+
+
+def long_modules(modules: dict[str, Path]) -> list[str]:
+    """The modules over ``MAX_MODULE_LINES`` lines, with their length."""
+    return [f"{name}: {n} lines" for name, path in sorted(modules.items())
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+
+
+def long_functions_without_a_reason(modules: dict[str, Path]) -> list[str]:
+    """The functions over ``MAX_FUNCTION_LINES`` lines whose docstring does not say why ("Long because ...")."""
+    found = []
+    for name, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES and not LONG_REASON.search(ast.get_docstring(node) or ""):
+                    found.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
+    return found
+
+
+def test_no_module_is_over_600_lines():
+    assert not long_modules(MODULES), "split these by what they hold (docs/architecture.md)"
+
+
+def test_a_function_over_60_lines_says_why():
+    assert not long_functions_without_a_reason(MODULES), 'shorten these, or say why in the docstring: "Long because"'
+
+
+def test_the_size_rules_fail_on_a_long_module_and_an_unexplained_function(tmp_path: Path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    unexplained = tmp_path / "unexplained.py"
+    unexplained.write_text(f'def f():\n    """Does much."""\n{body}\n')
+    explained = tmp_path / "explained.py"
+    explained.write_text(f'def f():\n    """Does much. Long because it is one table."""\n{body}\n')
+    padded = tmp_path / "padded.py"
+    padded.write_text("\n" * MAX_MODULE_LINES + "x = 1\n")
+    assert long_functions_without_a_reason({"unexplained": unexplained}) == ["unexplained.f (line 1): 62 lines"]
+    assert long_functions_without_a_reason({"explained": explained}) == []
+    assert long_modules({"padded": padded}) == [f"padded: {MAX_MODULE_LINES + 1} lines"]
+    assert long_modules({"explained": explained}) == []

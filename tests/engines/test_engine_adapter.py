@@ -17,14 +17,7 @@ import torch
 from pytest_kvprofile.checks.catalog import failing_checks
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines.adapter import (
-    EngineAdapter,
-    EngineBuildError,
-    Patches,
-    ReservingAdapter,
-    engine_backend,
-    reservation_api,
-)
+from pytest_kvprofile.engines.adapter import EngineAdapter, EngineBuildError, Patches, ReservingAdapter, engine_backend
 from pytest_kvprofile.engines.batches import (
     capture_sizes,
     pad_to_capture,
@@ -33,6 +26,7 @@ from pytest_kvprofile.engines.batches import (
     runner_batch,
     window_batches,
 )
+from pytest_kvprofile.engines.contract_api import reservation_api
 from pytest_kvprofile.lifecycle.driver import close_parts, run_lifecycle
 from pytest_kvprofile.lifecycle.record import LEGACY, PROFILING
 from pytest_kvprofile.matrix.schema import load_matrix, packaged_matrix

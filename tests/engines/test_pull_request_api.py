@@ -11,7 +11,7 @@ import pytest
 
 from pytest_kvprofile import Backend, run_lifecycle
 from pytest_kvprofile.checks.catalog import failing_checks
-from pytest_kvprofile.engines.adapter import UnusableContract
+from pytest_kvprofile.engines.contract_api import UnusableContract
 from pytest_kvprofile.engines.vllm.flashinfer import (
     TRI_STATE,
     TWO_PASS,

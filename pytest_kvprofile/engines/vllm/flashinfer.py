@@ -33,16 +33,11 @@ from pytest_kvprofile.contract.protocol import Batch, BuilderContext, WorkspaceD
 from pytest_kvprofile.contract.roles import Role
 from pytest_kvprofile.contract.support import ProfilingSupport
 from pytest_kvprofile.engines.adapter import (
-    CONTRACT_DECLARATION,
-    CONTRACT_RESERVATION,
     EngineAdapter,
     EngineBuildError,
-    ReservationApi,
     ReservingAdapter,
     device_active,
     engine_backend,
-    find_revision,
-    map_support,
 )
 from pytest_kvprofile.engines.batches import (
     RunnerBatch,
@@ -51,6 +46,13 @@ from pytest_kvprofile.engines.batches import (
     pad_to_capture,
     pages_per_request,
     runner_batch,
+)
+from pytest_kvprofile.engines.contract_api import (
+    CONTRACT_DECLARATION,
+    CONTRACT_RESERVATION,
+    ReservationApi,
+    find_revision,
+    map_support,
 )
 from pytest_kvprofile.engines.vllm.config import (
     UnexpressibleCase,

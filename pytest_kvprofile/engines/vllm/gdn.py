@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, ContextManager, cast
 
 from pytest_kvprofile.contract.protocol import Batch, WorkspaceDeclaration
 from pytest_kvprofile.contract.support import ProfilingSupport
-from pytest_kvprofile.engines.adapter import declared_support, module_standin
+from pytest_kvprofile.engines.adapter import module_standin
+from pytest_kvprofile.engines.contract_api import declared_support
 from pytest_kvprofile.engines.vllm.config import UnexpressibleCase, model_dtype
 from pytest_kvprofile.engines.vllm.flashinfer import DECLARATION_NAMES, VllmAdapter
 

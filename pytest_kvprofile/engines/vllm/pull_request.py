@@ -69,7 +69,8 @@ def _workspace_module() -> ModuleType:
 @functools.cache
 def pull_request_builder(plan: bool) -> type:
     """The installed vLLM's ``FlashInferMetadataBuilder`` with the pull request's tri-state API; ``plan``: plan each
-    wrapper once inside the window."""
+    wrapper once inside the window. Long because the subclass is made here, from the class the installed vLLM ships,
+    so the pull request's methods sit inside it."""
     # Any: vLLM's builder class, read from the module imported now: mypy takes no base class from a variable
     base: Any = import_vllm_flashinfer().FlashInferMetadataBuilder
 
