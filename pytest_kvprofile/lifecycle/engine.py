@@ -34,7 +34,7 @@ from pytest_kvprofile.contract.support import (
 from pytest_kvprofile.contract.workspace import (
     WorkspaceLockedError,
 )
-from pytest_kvprofile.lifecycle import process_state
+from pytest_kvprofile.lifecycle import state_watch
 from pytest_kvprofile.lifecycle.phases import (
     BASELINE,
     CAPTURE,
@@ -156,8 +156,8 @@ class LifecycleRun(EngineSteps):
             self._observe_after_close()
 
     def _observe_after_close(self) -> None:
-        """What process-wide state holds of this run once its parts closed (``process_state.py``)."""
-        process_state.observe_after_close(self.result, self.builders, set(self._parts.values()), self._memory_of,
+        """What process-wide state holds of this run once its parts closed (``state_watch.py``)."""
+        state_watch.observe_after_close(self.result, self.builders, set(self._parts.values()), self._memory_of,
                                           self._atexit)
 
     def _fresh_module_state(self) -> None:
@@ -167,13 +167,13 @@ class LifecycleRun(EngineSteps):
         fresh_view(self._memory_of)
 
     def _observe_module_state(self) -> None:
-        """What process-wide state holds after the run (``process_state.py``)."""
-        process_state.observe(self.result, self.builders, set(self._parts.values()), self._memory_of)
+        """What process-wide state holds after the run (``state_watch.py``)."""
+        state_watch.observe(self.result, self.builders, set(self._parts.values()), self._memory_of)
 
     def _start_second_engine(self) -> None:
         """A second engine in the same process when this run left memory in process-wide state
-        (``process_state.second_engine``)."""
-        second = process_state.second_engine(self.result, self.device, set(self._parts.values()), _second_run)
+        (``state_watch.second_engine``)."""
+        second = state_watch.second_engine(self.result, self.device, set(self._parts.values()), _second_run)
         if second is not None:
             self.result.second_engine = second
 

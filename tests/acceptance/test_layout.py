@@ -371,3 +371,42 @@ def test_the_size_rules_fail_on_a_long_module_and_an_unexplained_function(tmp_pa
     assert long_functions_without_a_reason({"explained": explained}) == []
     assert long_modules({"padded": padded}) == [f"padded: {MAX_MODULE_LINES + 1} lines"]
     assert long_modules({"explained": explained}) == []
+
+
+# module names that more than one package uses, each the same idea in parallel packages: what each copy is
+SHARED_NAMES: dict[str, str] = {
+    "budget": "the KV budget: its terms (contract), its arithmetic (memory), its checks, SGLang's own",
+    "device": "the device: the protocol a builder sees (contract), the simulated GPU (memory)",
+    "facts": "fixed sizes: FlashInfer's (attention; sizing re-exports them), each engine's own",
+    "flashinfer": "each engine's FlashInfer backends",
+    "memory": "each engine's memory arithmetic",
+    "resources": "non-builder resources: the protocol, the built-in one, what a matrix names, their check",
+    "standins": "what each engine lacks on a CPU-only machine",
+    "support": "the support declaration and its checks",
+    "trtllm": "trtllm-gen: the launcher's carve (attention), a case's routes (sizing), its check",
+    "workspace": "the shared arena: the reference manager (contract), vLLM's, the sizing check",
+}
+
+
+def shared_module_names(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Module file names (``__init__`` aside) that more than one package uses, with the packages."""
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for name in modules:
+        parts = name.split(".")
+        if len(parts) > 2 and parts[-1] != "__init__":
+            by_name[parts[-1]].append(".".join(parts[:-1]))
+    return {n: sorted(p) for n, p in by_name.items() if len(p) > 1}
+
+
+def test_no_two_modules_share_a_name_unless_the_same_idea():
+    shared = shared_module_names(MODULES)
+    unexplained = {n: p for n, p in shared.items() if n not in SHARED_NAMES}
+    assert not unexplained, f"rename these, or say in SHARED_NAMES what idea they share: {unexplained}"
+    gone = sorted(set(SHARED_NAMES) - set(shared))
+    assert not gone, f"SHARED_NAMES lists names no longer shared; delete them: {gone}"
+
+
+def test_a_new_shared_name_is_caught(tmp_path: Path):
+    planted = {"pytest_kvprofile.lifecycle.engine": tmp_path / "a.py",
+               "pytest_kvprofile.report.engine": tmp_path / "b.py"}
+    assert shared_module_names(planted) == {"engine": ["pytest_kvprofile.lifecycle", "pytest_kvprofile.report"]}
