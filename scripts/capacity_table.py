@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The capacity table of docs/vllm-results.md: per case of a matrix and per micro-batch count, the KV tokens vLLM's
+"""The capacity table of results/vllm-capacity.md (read in docs/vllm-results.md): per case of a matrix and per
+micro-batch count, the KV tokens vLLM's
 released FlashInfer builder gets from KV sizing (V1 and V2 integrations), what fits once the memory it allocates
 after KV sizing is there, and the KV tokens of the reserving builder (examples/vllm-flashinfer-reserving) at vLLM's
 default arena and at the sizing module's exact arena.

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The tables of docs/sglang-results.md: per case of a matrix, SGLang's own FlashInferAttnBackend on both of SGLang's
+"""The tables of results/sglang-ci.md (read in docs/sglang-results.md): per case of a matrix, SGLang's own
+FlashInferAttnBackend on both of SGLang's
 paths (``pytest_kvprofile.engines.sglang.memory``). The static path: what it makes after KV sizing, its waste against
 FlashInfer's exact need, what ``mem_fraction_static`` must leave for it, whether SGLang's default heuristic covers it.
 The post-capture path (``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1``): the contract's checks at SGLang's sizing point,

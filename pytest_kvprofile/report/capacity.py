@@ -1,5 +1,6 @@
 """KV capacity per case: what the engine sizes with the released builder, what really fits once the memory that
-appeared after KV sizing is there, and what a reserving builder sizes (``docs/vllm-results.md``, "Capacity").
+appeared after KV sizing is there, and what a reserving builder sizes (``results/vllm-capacity.md``; read in
+``docs/vllm-results.md``, "Capacity").
 
 Read from lifecycle records only (``LifecycleResult``), with the same arithmetic the verdict's and the summary's
 legacy cost use (``checks/post_kv_cost.py``), so the table and the verdict carry the same numbers.

@@ -1,5 +1,5 @@
 """``engines/sglang/memory.py`` and ``scripts/sglang_table.py``: SGLang's static-path cost rows, its own default
-``mem_fraction_static``, the table of docs/sglang-results.md and the script's resumable journal.
+``mem_fraction_static``, the tables of results/sglang-ci.md and the script's resumable journal.
 
 The rows and the table need no SGLang; the default fraction and a row from a real run skip without it, naming the
 install (scripts/install_sglang_cpu.sh)."""

@@ -193,7 +193,7 @@ def default_mem_fraction(case: Case, *, post_capture: bool = False, attention_ba
 
 
 def sglang_table(rows: list[SglangCostRow], refused: dict[str, str]) -> list[str]:
-    """The Markdown table of docs/sglang-results.md: one line per row, then the refused cases with their reason."""
+    """The static path's table of results/sglang-ci.md: one line per row, then the refused cases with their reason."""
     out = [
         "| case | after KV sizing, per rank | of it: float / int workspaces | waste vs exact need | "
         "`mem_fraction_static` must leave | SGLang's default (reserve) | "
@@ -222,7 +222,7 @@ def sglang_table(rows: list[SglangCostRow], refused: dict[str, str]) -> list[str
 
 
 def post_capture_table(rows: list[PostCaptureRow]) -> list[str]:
-    """The post-capture table of docs/sglang-results.md: one line per case, SGLang's static reason where it has one."""
+    """The post-capture table of results/sglang-ci.md: one line per case, SGLang's static reason where it has one."""
     out = [
         "| case | contract's checks | made after the sizing point and kept | waste vs exact need | "
         "serving headroom used | SGLang's post-capture default (headroom) | default headroom covers |",
