@@ -4,13 +4,23 @@
     python scripts/generate_catalogs.py          # exit 1 and name the stale tables
     python scripts/generate_catalogs.py --write  # rewrite them in place
 
-Tables done so far: ``gpus`` (docs/contract.md, from ``matrix/gpus.py``). The others (checks, bug classes, catch
-table, options) are still kept by hand and checked by tests/acceptance/test_docs.py and test_catalogs.py.
+Tables done so far:
+
+- ``gpus`` (docs/contract.md): from ``matrix/gpus.py``;
+- ``checks`` (docs/checks.md): from ``checks/catalog.py``'s ``CHECKS``, each check's own ``rule`` (the test's
+  docstring and the failure's first line say the same);
+- ``catches`` (docs/checks.md): each mutant's declaration (``@mutant``: class, checks, options) with the cases each
+  check failed on in the last recount over the default matrix, ``tests/builtin/catch_counts.json``
+  (``scripts/recount_catches.py`` writes it).
+
+The others (bug classes, options) are kept by hand and checked by tests/acceptance/test_docs.py and
+test_catalogs.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -34,7 +44,48 @@ def gpu_table() -> str:
     return "\n".join(rows)
 
 
-TABLES: dict[str, tuple[str, Callable[[], str]]] = {"gpus": ("docs/contract.md", gpu_table)}
+def checks_table() -> str:
+    """One row per check, in the order the suite runs them: its path, bug classes and rule."""
+    from pytest_kvprofile.checks.catalog import CHECKS
+
+    rows = ["| check | path | bug classes | rule |", "|---|---|---|---|"]
+    rows += [f"| `{c.name}` | {c.path} | {', '.join(map(str, c.bugs))} | {c.rule} |" for c in CHECKS]
+    return "\n".join(rows)
+
+
+CATCH_COUNTS = ROOT / "tests" / "builtin" / "catch_counts.json"
+
+
+def catch_table() -> str:
+    """One row per mutant: its label, class, each declared check with the cases it failed on, and the cases where
+    nothing failed. Own-class checks first, then the collateral ones, each by cases failed."""
+    from pytest_kvprofile.builtin.mutants import MUTANTS
+    from pytest_kvprofile.checks.catalog import CHECKS
+
+    counts = json.loads(CATCH_COUNTS.read_text(encoding="utf-8"))
+    rows = ["| mutant | bug class | failing checks (cases) | escaped |", "|---|---|---|---|"]
+    for mutant in MUTANTS:
+        recount = counts.get(mutant.name)
+        if recount is None:
+            raise SystemExit(f"{CATCH_COUNTS.relative_to(ROOT)}: no recount of {mutant.name}; "
+                             f"run scripts/recount_catches.py --only {mutant.name}")
+        own = {c.name for c in CHECKS if mutant.bug_class in c.bugs}
+        checks = sorted(mutant.catches, key=lambda c: (c not in own, -recount["counts"].get(c, 0), c))
+        labels = ["torch mode"] * mutant.backend.torch_mode
+        if mutant.options is not None and mutant.options.max_waste is not None:
+            budget = mutant.options.max_waste
+            labels.append(f"{budget.amount:g} {budget.unit} waste budget")
+        label = f" ({', '.join(labels)})" if labels else ""
+        failing = ", ".join(f"{c} ({recount['counts'].get(c, 0)})" for c in checks)
+        rows.append(f"| {mutant.name}{label} | {mutant.bug_class} | {failing} | {recount['escaped']} |")
+    return "\n".join(rows)
+
+
+TABLES: dict[str, tuple[str, Callable[[], str]]] = {
+    "gpus": ("docs/contract.md", gpu_table),
+    "checks": ("docs/checks.md", checks_table),
+    "catches": ("docs/checks.md", catch_table),
+}
 
 
 def _block(name: str) -> re.Pattern[str]:
