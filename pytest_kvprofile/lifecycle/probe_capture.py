@@ -23,7 +23,6 @@ from pytest_kvprofile.lifecycle.probe_runs import (
     _replaced_error,
     _Site,
     _total,
-    only_new_objects_collected,
 )
 from pytest_kvprofile.lifecycle.record import ProbeTarget
 from pytest_kvprofile.matrix.cases import Case
@@ -136,12 +135,6 @@ def _probe_capture(target: ProbeTarget, plan: CapturePlan) -> list[str]:
 
 
 def _failed_capture(plan: CapturePlan, k: int, clean: _CleanCapture, run: _ProbeRun) -> list[str]:
-    """:func:`_fail_capture`, a collection inside it looking only at the objects the faulted capture made."""
-    with only_new_objects_collected():
-        return _fail_capture(plan, k, clean, run)
-
-
-def _fail_capture(plan: CapturePlan, k: int, clean: _CleanCapture, run: _ProbeRun) -> list[str]:
     """Fail the capture at its allocation ``k``; the engine resets the failed attempt's graphs and captures again.
     Report what breaks the rule, per builder of ``plan``."""
     dev, site = run.device, clean.sites[k]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gc
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
@@ -36,23 +35,6 @@ if TYPE_CHECKING:
 
 
 T = TypeVar("T")
-
-
-@contextlib.contextmanager
-def only_new_objects_collected() -> Iterator[None]:
-    """Inside the block, a collection (automatic or ``gc.collect()``) looks only at objects made in it: what lived
-    before is frozen (``gc.freeze``) until the block ends. A faulted step asks whether a reference cycle (its
-    traceback's frames), not its builder, holds what it made; only objects the step made can be that cycle, and
-    collecting them alone takes milliseconds where the whole heap takes 0.3 s with torch imported. Inside another
-    freeze (``gc.get_freeze_count()``), the outer one holds and nothing changes."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 
