@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +33,24 @@ SLOWEST = ("mutant-14e", "mutant-14f", "mutant-14g", "mutant-14h", "mutant-14i",
 
 
 def _catalog() -> Any:
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "builtin")]
+    """The slow sweep's module (``tests/builtin/test_mutant_catalog.py``), importable from this tree."""
+    for path in (str(ROOT / "tests" / "builtin"), str(ROOT)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     import test_mutant_catalog
 
     return test_mutant_catalog
+
+
+def _backend(catalog: Any, name: str) -> Any:
+    return next(b for b in (*catalog.MUTANT_BACKENDS, *catalog.STUB_BACKENDS) if b.name == name)
 
 
 def _outcomes(task: tuple[str, int, int]) -> tuple[str, int, dict[str, Any], float]:
     """One backend on the default cases ``start:stop``, in a fresh worker: each case's outcome."""
     name, start, stop = task
     catalog = _catalog()
-    backend = next(b for b in (*catalog.MUTANT_BACKENDS, *catalog.STUB_BACKENDS) if b.name == name)
+    backend = _backend(catalog, name)
     started = time.monotonic()
     results = catalog.outcomes(backend, list(catalog.default_cases())[start:stop])
     return name, start, results, time.monotonic() - started
@@ -52,7 +60,7 @@ def row(name: str, results: dict[str, Any], seconds: float) -> dict[str, Any]:
     """One backend's recount from every case's outcome, held to the slow sweep's asserts: failing checks by count,
     the cases where nothing failed, the asserts' problems."""
     catalog = _catalog()
-    backend = next(b for b in (*catalog.MUTANT_BACKENDS, *catalog.STUB_BACKENDS) if b.name == name)
+    backend = _backend(catalog, name)
     cases = list(catalog.default_cases())
     problems = None
     try:
@@ -63,10 +71,7 @@ def row(name: str, results: dict[str, Any], seconds: float) -> dict[str, Any]:
         catalog._assert_highest_gmu_shows_every_failure(results)
     except AssertionError as error:
         problems = str(error)[:3000]
-    counts: dict[str, int] = {}
-    for outcome in results.values():
-        for check in outcome.failed:
-            counts[check] = counts.get(check, 0) + 1
+    counts = Counter(check for outcome in results.values() for check in outcome.failed)
     return {"name": name, "cases": len(results), "counts": dict(sorted(counts.items())),
             "escaped": sum(1 for o in results.values() if not o.failed), "problems": problems,
             "seconds": round(seconds, 1)}
