@@ -11,10 +11,10 @@ Tables done so far:
   docstring and the failure's first line say the same);
 - ``catches`` (docs/checks.md): each mutant's declaration (``@mutant``: class, checks, options) with the cases each
   check failed on in the last recount over the default matrix, ``tests/builtin/catch_counts.json``
-  (``scripts/recount_catches.py`` writes it).
-
-The others (bug classes, options) are kept by hand and checked by tests/acceptance/test_docs.py and
-test_catalogs.py.
+  (``scripts/recount_catches.py`` writes it);
+- ``bug_classes`` (docs/contract.md): ``contract/bug_classes.py``'s ``BUG_CLASSES``;
+- ``options`` (docs/reference.md): what the plugin's ``pytest_addoption`` adds, each option beside its ini twin,
+  its ``help`` the meaning (``pytest --help`` prints the same).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Callable
 
@@ -81,10 +82,63 @@ def catch_table() -> str:
     return "\n".join(rows)
 
 
+def bug_class_list() -> str:
+    """The numbered list of bug classes, wrapped as the docs' Markdown is (116 columns, 4-space continuation)."""
+    from pytest_kvprofile.contract.bug_classes import BUG_CLASSES
+
+    return "\n".join(textwrap.fill(b.summary, width=116, initial_indent=f"{b.number}. ", subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False) for b in BUG_CLASSES)
+
+
+class _Options:
+    """Stands in for pytest's parser and its option group: records what ``pytest_addoption`` adds, in order."""
+
+    def __init__(self) -> None:
+        self.options: list[tuple[str, str | None, str]] = []  # (name, metavar, help)
+        self.inis: dict[str, str] = {}
+
+    def getgroup(self, *args: object, **kwargs: object) -> _Options:
+        return self
+
+    def addoption(self, *names: str, metavar: str | None = None, help: str = "", **kwargs: object) -> None:
+        self.options += [(n, metavar, help.replace("%%", "%")) for n in names if n.startswith("--kvprofile")]
+
+    def addini(self, name: str, help: str, **kwargs: object) -> None:
+        self.inis[name] = help
+
+
+def _as_code(help_text: str) -> str:
+    """A help string as Markdown: its quoted literals, options and ini keys in backticks."""
+    text = re.sub(r"(?<![A-Za-z])'([^']+)'(?![A-Za-z])", r"`\1`", help_text)
+    parts = text.split("`")  # the odd parts are code already
+    for i in range(0, len(parts), 2):
+        parts[i] = re.sub(r"(--[a-z][a-z-]+|\b[a-z]+(?:_[a-z]+)+\b)", r"`\1`", parts[i])
+    return "`".join(parts)
+
+
+def options_table() -> str:
+    """One row per ``--kvprofile-*`` option, beside its ini twin, then the ini keys without one."""
+    from pytest_kvprofile.plugin import pytest_addoption
+
+    parser = _Options()
+    pytest_addoption(parser)  # type: ignore[arg-type]
+    rows = ["| option | ini | meaning |", "|---|---|---|"]
+    twins = set()
+    for name, metavar, meaning in parser.options:
+        ini = name.lstrip("-").replace("-", "_")
+        twin = f"`{ini}`" if ini in parser.inis else ""
+        twins.add(ini)
+        rows.append(f"| `{name}{' ' + metavar if metavar else ''}` | {twin} | {_as_code(meaning)} |")
+    rows += [f"| | `{ini}` | {_as_code(meaning)} |" for ini, meaning in parser.inis.items() if ini not in twins]
+    return "\n".join(rows)
+
+
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "gpus": ("docs/contract.md", gpu_table),
     "checks": ("docs/checks.md", checks_table),
     "catches": ("docs/checks.md", catch_table),
+    "bug_classes": ("docs/contract.md", bug_class_list),
+    "options": ("docs/reference.md", options_table),
 }
 
 

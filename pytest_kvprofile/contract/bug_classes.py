@@ -1,8 +1,8 @@
 """The bug classes the contract forbids: one numbered record each.
 
 Checks name the classes they catch (``Check.bugs``), mutants the class they carry (the number in their name,
-``mutant_class``), and the list in ``docs/contract.md`` is this table (``tests/acceptance/test_catalogs.py`` fails
-on any difference).
+``mutant_class``), and the list in ``docs/contract.md`` is generated from this table
+(``scripts/generate_catalogs.py``; ``tests/acceptance/test_generated_catalogs.py`` fails on any difference).
 """
 
 from __future__ import annotations

@@ -104,47 +104,39 @@ def _rootdir_without_option_values(config: pytest.Config) -> None:
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvprofile", "KV-cache profiling conformance (pytest-kvprofile)")
     group.addoption("--kvprofile", action="store_true", default=None,
-                    help="add the packaged conformance suite to the collection (from any directory)")
+                    help="add the packaged suite to the collection, from any directory")
     group.addoption("--kvprofile-gpu", action="store_true", default=None,
-                    help="run the GPU tier on real CUDA devices (a usage error without one)")
+                    help="run the GPU tier; a usage error without a CUDA device, except with --collect-only")
     group.addoption("--kvprofile-matrix", action="append", default=None, metavar="PATH",
-                    help="matrix YAML to expand into cases (repeatable; default: the packaged default.yaml)")
-    group.addoption("--kvprofile-json", default=None, metavar="PATH", help="write the JSON report here")
+                    help="matrix files (repeatable); default: the packaged default.yaml")
     group.addoption("--kvprofile-backend", action="append", default=None, metavar="SPEC",
-                    help="backend to check: 'package.module:factory', 'stubs', 'mutants' or a built-in name "
-                         "(repeatable; default: the correct stubs unless entry points or the hook provide some)")
-    group.addoption("--kvprofile-verdict", default=None, metavar="PATH",
-                    help="write the opt-in verdict document here")
+                    help="backends (repeatable): 'package.module:factory', 'stubs', 'mutants' or a built-in name; "
+                         "default: entry points and the hook, else the correct stubs")
+    group.addoption("--kvprofile-json", default=None, metavar="PATH", help="JSON report: every case and result")
+    group.addoption("--kvprofile-verdict", default=None, metavar="PATH", help="the opt-in verdict (attach it)")
     group.addoption("--kvprofile-html", default=None, metavar="PATH",
-                    help="write one self-contained HTML page of the verdict here (opens offline)")
-    group.addoption("--kvprofile-timeout", default=None, type=float, metavar="SECONDS",
-                    help="per-check time limit; a hang becomes a failure with the hanging thread's stack")
+                    help="one offline HTML page of the verdicts and failures")
+    group.addoption("--kvprofile-timeout", default=None, type=float, metavar="S",
+                    help="per-check time limit in seconds; a hang fails with its thread's stack")
     group.addoption("--kvprofile-max-waste", default=None, metavar="BUDGET",
-                    help="workspace waste per case that fails workspace_covers_planner: MiB ('64'), KV tokens per "
-                         "rank ('2000 tok') or a share of the case's KV pool ('1.5%%'); default: none (waste is "
-                         "reported, not refused)")
+                    help="waste that fails workspace_covers_planner: MiB ('64'), KV tokens ('2000 tok') or pool "
+                         "share ('1.5%%'); default none")
     group.addoption("--kvprofile-workspace-manager", default=None, metavar="NAME",
-                    help="the lifecycle's shared arena for every backend: 'harness' (the harness's WorkspaceManager), "
-                         "'vllm' (vLLM's own vllm.v1.worker.workspace.WorkspaceManager on the simulated device; needs "
-                         "vLLM) or a name a plugin registers; "
-                         "default: each backend's own (vLLM's manager for vLLM's builders, the harness's for the "
-                         "rest)")
+                    help="the shared arena manager: 'harness', 'vllm' (default for vLLM's builders) or a registered "
+                         "one")
     parser.addini("kvprofile", "add the packaged conformance suite to the collection (like --kvprofile)",
                   type="bool", default=False)
     parser.addini("kvprofile_gpu", "run the GPU tier (like --kvprofile-gpu)", type="bool", default=False)
     parser.addini("kvprofile_matrix", "matrix YAML files (like --kvprofile-matrix)", type="paths", default=[])
     parser.addini("kvprofile_json", "JSON report path (like --kvprofile-json)", default="")
     parser.addini("kvprofile_backend", "backends (like --kvprofile-backend)", type="linelist", default=[])
-    parser.addini("kvprofile_backends", "the former spelling of kvprofile_backend, still read when it is unset",
+    parser.addini("kvprofile_backends", "the former spelling of kvprofile_backend, read when it is unset",
                   type="linelist", default=[])
     parser.addini("kvprofile_verdict", "verdict document path (like --kvprofile-verdict)", default="")
     parser.addini("kvprofile_html", "HTML page path (like --kvprofile-html)", default="")
     parser.addini("kvprofile_timeout", "per-check time limit in seconds (0: none)", default="0")
     parser.addini("kvprofile_max_waste", "workspace waste budget per case (like --kvprofile-max-waste)", default="")
-    parser.addini("kvprofile_workspace_slack_mib",
-                  "deprecated: a waste budget in MiB, used when kvprofile_max_waste and --kvprofile-max-waste are "
-                  "unset",
-                  default="")
+    parser.addini("kvprofile_workspace_slack_mib", "deprecated: a waste budget in MiB", default="")
     parser.addini("kvprofile_workspace_manager", "the lifecycle's shared arena manager, harness or vllm (like "
                   "--kvprofile-workspace-manager); empty: each backend's own", default="")
 

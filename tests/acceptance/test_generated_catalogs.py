@@ -19,7 +19,7 @@ def _generator():
 
 def _copy_docs(tmp_path):
     (tmp_path / "docs").mkdir()
-    for page in ("contract.md", "checks.md"):
+    for page in ("contract.md", "checks.md", "reference.md"):
         shutil.copy(ROOT / "docs" / page, tmp_path / "docs" / page)
 
 
@@ -53,6 +53,34 @@ def test_a_changed_check_rule_or_catch_count_is_found_stale(tmp_path):
     assert rule in text
     doc.write_text(text.replace(rule, rule.replace("nothing", "little")))
     assert set(gen.stale(tmp_path)) == {"checks"}
+
+
+def test_a_changed_bug_class_or_option_is_found_stale(tmp_path, monkeypatch):
+    """Both ways: an edited doc line is stale, and so is the doc when the code's record changes."""
+    from pytest_kvprofile.contract import bug_classes
+
+    gen = _generator()
+    _copy_docs(tmp_path)
+    contract, reference = tmp_path / "docs" / "contract.md", tmp_path / "docs" / "reference.md"
+    line = "5. micro-batch arenas aliasing each other"
+    contract.write_text(contract.read_text().replace(line, line.replace("each other", "one another")))
+    assert set(gen.stale(tmp_path)) == {"bug_classes"}
+    shutil.copy(ROOT / "docs" / "contract.md", contract)
+    renamed = tuple(bug_classes.BugClass(b.number, b.summary + "!") if b.number == 5 else b
+                    for b in bug_classes.BUG_CLASSES)
+    monkeypatch.setattr(bug_classes, "BUG_CLASSES", renamed)
+    assert set(gen.stale(tmp_path)) == {"bug_classes"}
+    monkeypatch.undo()
+    row = "| `--kvprofile-verdict PATH` | `kvprofile_verdict` | the opt-in verdict (attach it) |"
+    assert row in reference.read_text()
+    reference.write_text(reference.read_text().replace(row, row.replace("attach", "keep")))
+    assert set(gen.stale(tmp_path)) == {"options"}
+
+
+def test_the_options_table_renders_help_as_markdown():
+    gen = _generator()
+    assert gen._as_code("MiB ('64') or --collect-only, like kvprofile_max_waste; vLLM's") == \
+        "MiB (`64`) or `--collect-only`, like `kvprofile_max_waste`; vLLM's"
 
 
 def test_the_recount_is_of_every_mutant_and_stub_and_held_them_to_the_sweep():
