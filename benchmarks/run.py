@@ -649,7 +649,6 @@ def before_after(b: Bench, ref: str, subset: Path, lifecycle_size: int, collect_
 
 # -- issue 33: the real-engine path (vLLM's builders, real FlashInfer), before and after ------------------------------
 
-EXAMPLES = HERE.parent / "examples"
 ENGINE_BACKENDS = ("vllm-flashinfer", "vllm-flashinfer-reserving", "flashinfer")
 """The backends measured per case: vLLM's released builder on the legacy path, the reserving example, and FlashInfer's
 own wrappers. The example comes from ``examples/`` on ``PYTHONPATH`` (no install needed)."""
@@ -686,26 +685,39 @@ def engine_per_case(name: str, count: int) -> dict[str, float]:
         failing_checks(result)
         life, checks = life + t1 - t0, checks + cpu_time() - t1
     calls = 0
-    original = torch_mode._Mode.__torch_function__
+    mode = _torch_function_mode(torch_mode)
+    original = mode.__torch_function__
 
     def counted(self: object, *args: object, **kwargs: object) -> object:
         nonlocal calls
         calls += 1
         return original(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    torch_mode._Mode.__torch_function__ = counted  # type: ignore[method-assign]
+    mode.__torch_function__ = counted  # type: ignore[method-assign]
     try:
         failing_checks(run_lifecycle(backend, cases[-1]))
     finally:
-        torch_mode._Mode.__torch_function__ = original  # type: ignore[method-assign]
+        mode.__torch_function__ = original  # type: ignore[method-assign]
     n = len(cases) - 2
     return {"life": life / n, "checks": checks / n, "cases": n, "torch_calls": calls,
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def _torch_function_mode(torch_mode: Any) -> Any:
+    """The torch function mode class of the measured tree: ``memory/torch_dispatch.PlacementMode`` since the split
+    of torch mode (issue 53), ``memory/torch_mode._Mode`` before it."""
+    old = getattr(torch_mode, "_Mode", None)
+    if old is not None:
+        return old
+    from pytest_kvprofile.memory.torch_dispatch import PlacementMode
+
+    return PlacementMode
+
+
 def _engine_env(tree: Path | None) -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join([str(tree if tree is not None else HERE.parent),
-                                           str(EXAMPLES / "vllm-flashinfer-reserving")])}
+    """The measured tree's package and its own reserving example (an example follows its package's imports)."""
+    root = tree if tree is not None else HERE.parent
+    return {"PYTHONPATH": os.pathsep.join([str(root), str(root / "examples" / "vllm-flashinfer-reserving")])}
 
 
 def engine_cost(b: Bench, trees: dict[str, Path | None], count: int) -> None:

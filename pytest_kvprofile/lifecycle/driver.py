@@ -19,6 +19,7 @@ from pytest_kvprofile.lifecycle.record import LifecycleResult, ProbeTarget
 from pytest_kvprofile.lifecycle.recording import LOCK_PROBE, RecordingWorkspaceManager
 from pytest_kvprofile.lifecycle.teardown import close_parts
 from pytest_kvprofile.memory.host_memory import return_freed_host_memory
+from pytest_kvprofile.memory.long_lived import freeze_long_lived
 
 if TYPE_CHECKING:
     from pytest_kvprofile.contract.backends import Backend
@@ -33,6 +34,7 @@ def run_lifecycle(backend: Backend, case: Case, device_factory: Callable[[Case],
     ``observers`` (``lifecycle/window.py``) measure the profiling window beside the harness. The record carries
     the case's probes (``LifecycleResult.probed``), run on first need."""
     return_freed_host_memory()  # what earlier runs' simulated devices freed, so a long sweep does not grow
+    freeze_long_lived()  # no run in flight: later full collections (vLLM's memory_profiling) skip the imports
     target = ProbeTarget(backend, case, device_factory)
     result = LifecycleRun(target, device_factory(case), observers).run()
     result.prober = run_probe

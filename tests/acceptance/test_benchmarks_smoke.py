@@ -72,3 +72,34 @@ def test_baseline_rows_put_before_and_after_side_by_side(tmp_path: Path) -> None
         assert [r["metric"].rsplit(", ", 1)[1] for r in counts] == ["before (HEAD)", "after", "after / before"]
         assert all(r["value"] > 0 for r in counts)
         assert 0.9 < counts[2]["value"] < 1.1  # the same tree twice: the count barely moves
+
+
+def test_the_engine_probe_counts_calls_through_this_trees_torch_function_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine section counts torch calls by wrapping the measured tree's mode class; it moved in issue 53's split
+    of torch mode (``torch_mode._Mode`` -> ``torch_dispatch.PlacementMode``), and the section failed on it."""
+    import importlib.util
+
+    from torch.overrides import TorchFunctionMode
+
+    from pytest_kvprofile.memory import torch_dispatch, torch_mode
+
+    spec = importlib.util.spec_from_file_location("kvprofile_bench_run", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    run = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, run)  # its dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts benchmarks/ on the path
+    spec.loader.exec_module(run)
+    mode = run._torch_function_mode(torch_mode)
+    assert mode is torch_dispatch.PlacementMode and issubclass(mode, TorchFunctionMode)
+    assert "__torch_function__" in vars(mode)  # the wrapper replaces the method the mode itself defines
+    assert run._engine_env(Path("/tree"))["PYTHONPATH"].split(":") == [
+        "/tree", "/tree/examples/vllm-flashinfer-reserving"]
+
+
+@pytest.mark.slow  # one real-FlashInfer case, its first untimed: ~20 s
+def test_the_engine_probe_runs_on_this_tree() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--engine-probe", "flashinfer", "--cases", "1"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert data["cases"] == 1 and data["torch_calls"] > 0 and data["life"] > 0

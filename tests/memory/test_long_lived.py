@@ -1,0 +1,64 @@
+"""``memory/long_lived.py``: a run starts with the process's long-lived objects out of the collector's reach."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+
+import pytest
+
+from pytest_kvprofile.memory import long_lived
+
+
+@pytest.fixture
+def unfrozen(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(long_lived, "_frozen_at", -1)
+    yield
+    gc.unfreeze()
+
+
+def test_collects_garbage_first_then_freezes_once_per_set_of_modules(unfrozen: None) -> None:
+    seen = types.SimpleNamespace(freed=False)
+
+    class Marker:
+        def __del__(self) -> None:
+            seen.freed = True
+
+    cycle: list[object] = [Marker()]
+    cycle.append(cycle)
+    del cycle
+    assert long_lived.freeze_long_lived()
+    assert seen.freed, "garbage in a reference cycle was frozen instead of freed"
+    assert gc.get_freeze_count() > 0
+    assert not long_lived.freeze_long_lived(), "no module imported since: no second collection"
+    sys.modules["kvprofile_long_lived_probe"] = types.ModuleType("kvprofile_long_lived_probe")
+    try:
+        assert long_lived.freeze_long_lived(), "a module imported since: its objects are frozen too"
+    finally:
+        del sys.modules["kvprofile_long_lived_probe"]
+
+
+def test_a_cycle_made_after_the_freeze_is_still_collected(unfrozen: None) -> None:
+    """What a run makes (after the freeze) is collected as before: the probes' and vLLM's collections still see it."""
+    long_lived.freeze_long_lived()
+    seen = types.SimpleNamespace(freed=False)
+
+    class Marker:
+        def __del__(self) -> None:
+            seen.freed = True
+
+    cycle: list[object] = [Marker()]
+    cycle.append(cycle)
+    del cycle
+    gc.collect()
+    assert seen.freed
+
+
+def test_leaves_a_disabled_collector_alone(unfrozen: None) -> None:
+    gc.disable()
+    try:
+        assert not long_lived.freeze_long_lived()
+        assert long_lived._frozen_at == -1
+    finally:
+        gc.enable()
