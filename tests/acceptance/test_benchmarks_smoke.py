@@ -103,3 +103,22 @@ def test_the_engine_probe_runs_on_this_tree() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     assert data["cases"] == 1 and data["torch_calls"] > 0 and data["life"] > 0
+
+
+def test_case_parts_takes_each_probe_apart_from_the_check_that_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``benchmarks/case_parts.py``: the case's lifecycle, its probes and its checks, each timed once."""
+    import importlib.util
+
+    import pytest_kvprofile.lifecycle.driver as driver
+
+    path = SCRIPT.parent / "case_parts.py"
+    spec = importlib.util.spec_from_file_location("kvprofile_bench_case_parts", path)
+    assert spec is not None and spec.loader is not None
+    parts = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(driver, "run_probe", driver.run_probe)  # measure() wraps it: put it back afterwards
+    spec.loader.exec_module(parts)
+    spent, n = parts.measure("stub-flashinfer", 3)
+    assert n == 3
+    assert {"lifecycle", "probe:reservation", "check:reservation_exception_safe"} <= set(spent)
+    assert all(seconds >= 0 for seconds in spent.values())
