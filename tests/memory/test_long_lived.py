@@ -18,7 +18,8 @@ def unfrozen(monkeypatch: pytest.MonkeyPatch):
     gc.unfreeze()
 
 
-def test_collects_garbage_first_then_freezes_once_per_set_of_modules(unfrozen: None) -> None:
+def _garbage_cycle() -> types.SimpleNamespace:
+    """A reference cycle no name holds; ``freed`` turns True when the collector frees it."""
     seen = types.SimpleNamespace(freed=False)
 
     class Marker:
@@ -27,7 +28,11 @@ def test_collects_garbage_first_then_freezes_once_per_set_of_modules(unfrozen: N
 
     cycle: list[object] = [Marker()]
     cycle.append(cycle)
-    del cycle
+    return seen
+
+
+def test_collects_garbage_first_then_freezes_once_per_set_of_modules(unfrozen: None) -> None:
+    seen = _garbage_cycle()
     assert long_lived.freeze_long_lived()
     assert seen.freed, "garbage in a reference cycle was frozen instead of freed"
     assert gc.get_freeze_count() > 0
@@ -42,15 +47,7 @@ def test_collects_garbage_first_then_freezes_once_per_set_of_modules(unfrozen: N
 def test_a_cycle_made_after_the_freeze_is_still_collected(unfrozen: None) -> None:
     """What a run makes (after the freeze) is collected as before: the probes' and vLLM's collections still see it."""
     long_lived.freeze_long_lived()
-    seen = types.SimpleNamespace(freed=False)
-
-    class Marker:
-        def __del__(self) -> None:
-            seen.freed = True
-
-    cycle: list[object] = [Marker()]
-    cycle.append(cycle)
-    del cycle
+    seen = _garbage_cycle()
     gc.collect()
     assert seen.freed
 
