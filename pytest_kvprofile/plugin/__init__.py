@@ -120,7 +120,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="per-check time limit in seconds; a hang fails with its thread's stack")
     group.addoption("--kvprofile-max-waste", default=None, metavar="BUDGET",
                     help="waste that fails workspace_covers_planner: MiB ('64'), KV tokens ('2000 tok') or pool "
-                         "share ('1.5%%'); default none")
+                         "share ('1.5%%'); default none (reported, not refused)")
     group.addoption("--kvprofile-workspace-manager", default=None, metavar="NAME",
                     help="the shared arena manager: 'harness', 'vllm' (default for vLLM's builders) or a registered "
                          "one")
