@@ -11,6 +11,10 @@ How: before a run, when modules were imported since the last time, collect (so n
 Why verdicts do not move: no run is in flight there, so every object a run makes (its tensors, builders, cycles) is
 made after the freeze and collected as before. An object frozen there and dropped later in a reference cycle is
 never freed: a leak of a few runs' records, not memory of a later run's device.
+
+Where not: a process that has initialized CUDA (the GPU tier). There a frozen object may hold real device memory
+(an earlier run's tensors the caller still holds), and a cycle dropped later would keep it from later runs'
+measurements; such a process collects as it always did.
 """
 
 from __future__ import annotations
@@ -23,12 +27,18 @@ __all__ = ["freeze_long_lived"]
 _frozen_at = -1  # len(sys.modules) at the last freeze
 
 
+def _cuda_initialized() -> bool:
+    """Whether this process started CUDA; asked without importing torch or starting it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
 def freeze_long_lived() -> bool:
     """Collect and freeze when modules were imported since the last freeze; whether it did. Call it only where no
-    run is in flight. A disabled collector is left alone."""
+    run is in flight. A disabled collector, and a process that started CUDA, are left alone."""
     global _frozen_at
     count = len(sys.modules)
-    if count == _frozen_at or not gc.isenabled():
+    if count == _frozen_at or not gc.isenabled() or _cuda_initialized():
         return False
     gc.collect()
     gc.freeze()

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,21 +75,28 @@ def test_baseline_rows_put_before_and_after_side_by_side(tmp_path: Path) -> None
         assert 0.9 < counts[2]["value"] < 1.1  # the same tree twice: the count barely moves
 
 
+def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A benchmarks/ script as a module, undone after the test: its entry in ``sys.modules`` (its dataclasses look
+    their module up) and the ``sys.path`` entry it adds for ``matrixgen``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"kvprofile_bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_engine_probe_counts_calls_through_this_trees_torch_function_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine section counts torch calls by wrapping the measured tree's mode class; it moved in issue 53's split
     of torch mode (``torch_mode._Mode`` -> ``torch_dispatch.PlacementMode``), and the section failed on it."""
-    import importlib.util
-
     from torch.overrides import TorchFunctionMode
 
     from pytest_kvprofile.memory import torch_dispatch, torch_mode
 
-    spec = importlib.util.spec_from_file_location("kvprofile_bench_run", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    run = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, run)  # its dataclasses look their module up
-    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts benchmarks/ on the path
-    spec.loader.exec_module(run)
+    run = _load_script(SCRIPT, monkeypatch)
     mode = run._torch_function_mode(torch_mode)
     assert mode is torch_dispatch.PlacementMode and issubclass(mode, TorchFunctionMode)
     assert "__torch_function__" in vars(mode)  # the wrapper replaces the method the mode itself defines
@@ -107,17 +115,10 @@ def test_the_engine_probe_runs_on_this_tree() -> None:
 
 def test_case_parts_takes_each_probe_apart_from_the_check_that_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """``benchmarks/case_parts.py``: the case's lifecycle, its probes and its checks, each timed once."""
-    import importlib.util
-
     import pytest_kvprofile.lifecycle.driver as driver
 
-    path = SCRIPT.parent / "case_parts.py"
-    spec = importlib.util.spec_from_file_location("kvprofile_bench_case_parts", path)
-    assert spec is not None and spec.loader is not None
-    parts = importlib.util.module_from_spec(spec)
-    monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(driver, "run_probe", driver.run_probe)  # measure() wraps it: put it back afterwards
-    spec.loader.exec_module(parts)
+    parts = _load_script(SCRIPT.parent / "case_parts.py", monkeypatch)
     spent, n = parts.measure("stub-flashinfer", 3)
     assert n == 3
     assert {"lifecycle", "probe:reservation", "check:reservation_exception_safe"} <= set(spent)

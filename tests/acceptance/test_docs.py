@@ -75,27 +75,18 @@ def test_the_readme_is_a_ten_minute_read_that_points_at_every_doc():
 
 def test_the_reference_lists_every_option_with_its_ini_twin():
     """docs/reference.md's option table has a row for every --kvprofile-* option the plugin adds, and every ini key."""
+    import importlib.util
     import re
 
     from pytest_kvprofile.plugin import pytest_addoption
 
-    class Recorder:  # what pytest_addoption calls on pytest's parser and its option group
-        def __init__(self) -> None:
-            self.options: list[str] = []
-            self.inis: list[str] = []
-
-        def getgroup(self, *args: object) -> "Recorder":
-            return self
-
-        def addoption(self, *names: str, **kwargs: object) -> None:
-            self.options += [n for n in names if n.startswith("--kvprofile")]
-
-        def addini(self, name: str, *args: object, **kwargs: object) -> None:
-            self.inis.append(name)
-
-    parser = Recorder()
-    pytest_addoption(parser)  # type: ignore[arg-type]
-    options, inis = sorted(parser.options), sorted(parser.inis)
+    spec = importlib.util.spec_from_file_location("generate_catalogs", ROOT / "scripts" / "generate_catalogs.py")
+    assert spec is not None and spec.loader is not None
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    parser = generator._Options()  # the recorder the option table is generated with
+    pytest_addoption(parser)
+    options, inis = sorted(name for name, _metavar, _help in parser.options), sorted(parser.inis)
     doc = (ROOT / "docs" / "reference.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| `--kvprofile")]
     missing = [o for o in options if not any(re.match(rf"\| `{re.escape(o)}[ `]", r) for r in rows)]

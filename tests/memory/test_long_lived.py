@@ -59,3 +59,12 @@ def test_leaves_a_disabled_collector_alone(unfrozen: None) -> None:
         assert long_lived._frozen_at == -1
     finally:
         gc.enable()
+
+
+def test_a_process_that_started_cuda_is_left_alone(unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU tier: a frozen cycle could hold an earlier run's real device memory from later measurements."""
+    cuda = types.SimpleNamespace(is_initialized=lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert not long_lived.freeze_long_lived()
+    cuda.is_initialized = lambda: False
+    assert long_lived.freeze_long_lived()
