@@ -4,7 +4,7 @@ Why shards: a vLLM backend on the 1,308 runnable cases of ``default.yaml`` is a 
 that finished keeps its verdict and its time in ``DIR``, so a job stopped (a timeout, a reboot) resumes where it was
 and re-runs nothing. The shards' verdicts merge into one with ``kvprofile verdict merge`` (the union must cover the
 whole matrix, as for several runners), and ``DIR/job.md`` reports the measured wall and CPU time of every shard and
-their sum, against the target (``--target-min``, 30 minutes for a vLLM backend on the default matrix).
+their sum, against the target (``--target-min``, 20 minutes for a vLLM backend on the default matrix: issue 54).
 
     python benchmarks/matrix_job.py --backend vllm-flashinfer --matrix default --dir /tmp/job [--shards K]
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, required=True, help="where shards keep their verdicts and times")
     ap.add_argument("--shards", type=int, default=None, help="run at most this many more shards now")
     ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers per shard")
-    ap.add_argument("--target-min", type=float, default=30.0)
+    ap.add_argument("--target-min", type=float, default=20.0)
     args = ap.parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     matrix = args.matrix if Path(args.matrix).is_file() else str(
