@@ -603,6 +603,43 @@ def instructions_per_case(b: Bench, trees: dict[str, Path | None], sizes: tuple[
           note="the load-free measure of the per-case change")
 
 
+def main_job_before_after(b: Bench, ref: str, repeats: int, timeout: float) -> None:
+    """The README's main job (``pytest --kvprofile``: the stubs on the default matrix, one process) on ``ref``
+    (before) and on this checkout (after), alternated ``repeats`` times in one run, run from an empty directory as a
+    user would; then bare pytest on as many items, for the per-item ratio."""
+    tree = _baseline_tree(b.work, ref)
+    cwd = b.work / "main-job"
+    cwd.mkdir()
+    try:
+        trees: dict[str, Path | None] = {f"before ({ref})": tree, "after": None}
+        runs: dict[str, list[Proc]] = {k: [] for k in trees}
+        items = 0
+        for i in range(repeats):
+            for label, where in trees.items():
+                env = {"PYTHONPATH": str(where if where is not None else HERE.parent)}
+                proc = run_proc([PY, "-m", "pytest", "--kvprofile", "-q", "-p", "no:cacheprovider"], cwd, env=env,
+                                timeout=timeout)
+                _require(proc, f"main job ({label})")
+                items = items_run(proc.out)
+                runs[label].append(proc)
+                b.log(f"    main job {label}, run {i + 1}: {items} items, wall {proc.wall:.1f} s, CPU {proc.cpu:.1f} s")
+        base = bare(b, items, timeout=timeout)
+        for label, got in runs.items():
+            wall = statistics.median(p.wall for p in got)
+            cpu = statistics.median(p.cpu for p in got)
+            after = label == "after"
+            b.add("main job", f"README main job wall ({items} items), {label}", wall, "s", "<= 120",
+                  wall <= 120 if after else None, f"median of {repeats}; CPU {cpu:.1f} s; peak RSS "
+                  f"{max(p.maxrss for p in got) >> 20} MiB")
+            b.add("main job", f"per-item CPU ratio against bare pytest, {label}", cpu / base.cpu, "x", "<= 1.5",
+                  cpu / base.cpu <= 1.5 if after else None, f"bare pytest {base.cpu:.1f} s CPU on {items} items")
+        before, after_runs = runs.values()
+        b.add("main job", "main job wall, before / after", statistics.median(p.wall for p in before)
+              / statistics.median(p.wall for p in after_runs), "x", note="speed-up")
+    finally:
+        _drop_baseline_tree(tree)
+
+
 def before_after(b: Bench, ref: str, subset: Path, lifecycle_size: int, collect_size: int, backend: str,
                  repeats: int, timeout: float, instruction_sizes: tuple[int, int]) -> None:
     """The same measurements on ``ref`` (before) and on this checkout (after), alternated in one run: the per-item
@@ -885,6 +922,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-baseline", action="store_true", help="with --baseline: only the before/after section")
     ap.add_argument("--engines", action="store_true",
                     help="with --baseline: only the real-engine section (vLLM, real FlashInfer, torch mode)")
+    ap.add_argument("--main-job", action="store_true",
+                    help="with --baseline: only the README's main job, before and after (about 10 minutes a pair)")
+    ap.add_argument("--repeats", type=int, default=1, help="with --main-job: pairs of runs (the median is kept)")
     ap.add_argument("--cases", type=int, default=6, help="ci cases per backend in the real-engine section")
     ap.add_argument("--lifecycle-probe", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-probe", default=None, help=argparse.SUPPRESS)
@@ -903,13 +943,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mode = args.mode or "full"
     cfg = MODES[mode]
-    out = args.out or HERE / ("engines.md" if args.engines else "results.md")
+    out = args.out or HERE / ("engines.md" if args.engines else "main-job.md" if args.main_job else "results.md")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvprofile-bench-") as tmp:
         b = Bench(mode, Path(tmp), log=lambda s: print(s, flush=True))
         (b.work / "test_bare.py").write_text(BARE_TEST, encoding="utf-8")
         print(f"pytest-kvprofile benchmarks ({mode}); work dir {tmp}", flush=True)
-        if args.baseline and args.engines:
+        if args.baseline and args.main_job:
+            print(f"[main job] before ({args.baseline}) and after, side by side", flush=True)
+            main_job_before_after(b, args.baseline, args.repeats, 1800)
+        elif args.baseline and args.engines:
             print(f"[engines] before ({args.baseline}) and after, side by side", flush=True)
             engines_before_after(b, args.baseline, args.cases, 2000 if mode != "smoke" else 100)
         elif args.baseline:
@@ -917,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
             before_after(b, args.baseline, matrixgen.subset_matrix(b.work, 1), cfg["lifecycle"][-1],
                          cfg["collect"][-1], args.backend, 2 if mode != "smoke" else 1, cfg["timeout"],
                          cfg["instructions"])
-        if not (args.only_baseline or args.engines):
+        if not (args.only_baseline or args.engines or args.main_job):
             sections(b, cfg, args.backend)
     elapsed = time.perf_counter() - start
     info = machine()
@@ -926,7 +969,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print(f"\n{mode} run took {elapsed:.0f} s; " + ", ".join(f"{k} {v}" for k, v in info.items()))
     write_markdown(out, mode, b.rows, info, elapsed, args.baseline,
-                   f" --engines --cases {args.cases}" if args.engines else "")
+                   f" --engines --cases {args.cases}" if args.engines
+                   else f" --main-job --repeats {args.repeats}" if args.main_job else "")
     if args.json:
         args.json.write_text(json.dumps({"mode": mode, "elapsed_s": elapsed, "machine": info,
                                          "rows": [asdict(r) for r in b.rows]}, indent=1), encoding="utf-8")
