@@ -603,10 +603,11 @@ def instructions_per_case(b: Bench, trees: dict[str, Path | None], sizes: tuple[
           note="the load-free measure of the per-case change")
 
 
-def main_job_before_after(b: Bench, ref: str, repeats: int, timeout: float) -> None:
+def main_job_before_after(b: Bench, ref: str, repeats: int, timeout: float, matrix: Path | None = None) -> None:
     """The README's main job (``pytest --kvprofile``: the stubs on the default matrix, one process) on ``ref``
     (before) and on this checkout (after), alternated ``repeats`` times in one run, run from an empty directory as a
-    user would; then bare pytest on as many items, for the per-item ratio."""
+    user would; then bare pytest on as many items, for the per-item ratio. ``matrix`` replaces the default one
+    (``--smoke``: ci.yaml)."""
     tree = _baseline_tree(b.work, ref)
     cwd = b.work / "main-job"
     cwd.mkdir()
@@ -617,8 +618,9 @@ def main_job_before_after(b: Bench, ref: str, repeats: int, timeout: float) -> N
         for i in range(repeats):
             for label, where in trees.items():
                 env = {"PYTHONPATH": str(where if where is not None else HERE.parent)}
-                proc = run_proc([PY, "-m", "pytest", "--kvprofile", "-q", "-p", "no:cacheprovider"], cwd, env=env,
-                                timeout=timeout)
+                chosen = ["--kvprofile-matrix", str(matrix)] if matrix is not None else []
+                proc = run_proc([PY, "-m", "pytest", "--kvprofile", *chosen, "-q", "-p", "no:cacheprovider"], cwd,
+                                env=env, timeout=timeout)
                 _require(proc, f"main job ({label})")
                 items = items_run(proc.out)
                 runs[label].append(proc)
@@ -951,7 +953,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pytest-kvprofile benchmarks ({mode}); work dir {tmp}", flush=True)
         if args.baseline and args.main_job:
             print(f"[main job] before ({args.baseline}) and after, side by side", flush=True)
-            main_job_before_after(b, args.baseline, args.repeats, 1800)
+            main_job_before_after(b, args.baseline, args.repeats, 1800,
+                                  HERE.parent / "matrices" / "ci.yaml" if mode == "smoke" else None)
         elif args.baseline and args.engines:
             print(f"[engines] before ({args.baseline}) and after, side by side", flush=True)
             engines_before_after(b, args.baseline, args.cases, 2000 if mode != "smoke" else 100)

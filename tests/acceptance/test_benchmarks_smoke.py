@@ -75,6 +75,23 @@ def test_baseline_rows_put_before_and_after_side_by_side(tmp_path: Path) -> None
         assert 0.9 < counts[2]["value"] < 1.1  # the same tree twice: the count barely moves
 
 
+@pytest.mark.slow  # the suite on ci.yaml in two trees, then bare pytest: about a minute
+def test_main_job_rows_put_before_and_after_side_by_side(tmp_path: Path) -> None:
+    """``--baseline REF --main-job``: the README's main job once per tree (``--smoke``: on ci.yaml), its wall and
+    its per-item ratio against bare pytest, and the speed-up."""
+    js = tmp_path / "main-job.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--baseline", "HEAD", "--main-job",
+                           "--out", str(tmp_path / "main-job.md"), "--json", str(js)],
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [r for r in json.loads(js.read_text())["rows"] if r["section"] == "main job"]
+    walls = [r for r in rows if r["metric"].startswith("README main job wall")]
+    assert [r["metric"].rsplit(", ", 1)[1] for r in walls] == ["before (HEAD)", "after"]
+    assert all(r["value"] > 0 for r in rows)
+    assert [r["metric"] for r in rows][-1] == "main job wall, before / after"
+    assert "--main-job --repeats 1" in (tmp_path / "main-job.md").read_text()
+
+
 def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A benchmarks/ script as a module, undone after the test: its entry in ``sys.modules`` (its dataclasses look
     their module up) and the ``sys.path`` entry it adds for ``matrixgen``."""
