@@ -53,16 +53,21 @@ def test_smoke_run_prints_a_table_of_numbers(tmp_path: Path) -> None:
     assert md.count("\n| ") == len(rows) + 1
 
 
+def _baseline_rows(tmp_path: Path, mode: str, section: str) -> list[dict[str, Any]]:
+    """``run.py --smoke --baseline HEAD MODE`` (HEAD against this checkout): the rows of ``section``."""
+    js = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--baseline", "HEAD", mode,
+                           "--out", str(tmp_path / "results.md"), "--json", str(js)],
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [r for r in json.loads(js.read_text())["rows"] if r["section"] == section]
+
+
 @pytest.mark.slow  # two trees, each through the suite, the lifecycle probe and (with valgrind) callgrind: ~2 min
 def test_baseline_rows_put_before_and_after_side_by_side(tmp_path: Path) -> None:
     """``--baseline REF``: every before/after measurement once per tree, and the instruction counts (a count, not a
     time) with their ratio, or a row saying valgrind is missing."""
-    js = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--baseline", "HEAD", "--only-baseline",
-                           "--out", str(tmp_path / "results.md"), "--json", str(js)],
-                          capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [r for r in json.loads(js.read_text())["rows"] if r["section"] == "before/after"]
+    rows = _baseline_rows(tmp_path, "--only-baseline", "before/after")
     for metric in ("per-item CPU ratio", "lifecycle+checks CPU per case", "collection of"):
         labels = [r["metric"].rsplit(", ", 1)[1] for r in rows if r["metric"].startswith(metric)]
         assert labels == ["before (HEAD)", "after"], (metric, labels)
@@ -79,17 +84,12 @@ def test_baseline_rows_put_before_and_after_side_by_side(tmp_path: Path) -> None
 def test_main_job_rows_put_before_and_after_side_by_side(tmp_path: Path) -> None:
     """``--baseline REF --main-job``: the README's main job once per tree (``--smoke``: on ci.yaml), its wall and
     its per-item ratio against bare pytest, and the speed-up."""
-    js = tmp_path / "main-job.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--baseline", "HEAD", "--main-job",
-                           "--out", str(tmp_path / "main-job.md"), "--json", str(js)],
-                          capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [r for r in json.loads(js.read_text())["rows"] if r["section"] == "main job"]
+    rows = _baseline_rows(tmp_path, "--main-job", "main job")
     walls = [r for r in rows if r["metric"].startswith("README main job wall")]
     assert [r["metric"].rsplit(", ", 1)[1] for r in walls] == ["before (HEAD)", "after"]
     assert all(r["value"] > 0 for r in rows)
     assert [r["metric"] for r in rows][-1] == "main job wall, before / after"
-    assert "--main-job --repeats 1" in (tmp_path / "main-job.md").read_text()
+    assert "--main-job --repeats 1" in (tmp_path / "results.md").read_text()
 
 
 def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
