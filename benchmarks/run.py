@@ -615,10 +615,10 @@ def main_job_before_after(b: Bench, ref: str, repeats: int, timeout: float, matr
         trees: dict[str, Path | None] = {f"before ({ref})": tree, "after": None}
         runs: dict[str, list[Proc]] = {k: [] for k in trees}
         items = 0
+        chosen = ["--kvprofile-matrix", str(matrix)] if matrix is not None else []
         for i in range(repeats):
             for label, where in trees.items():
                 env = {"PYTHONPATH": str(where if where is not None else HERE.parent)}
-                chosen = ["--kvprofile-matrix", str(matrix)] if matrix is not None else []
                 proc = run_proc([PY, "-m", "pytest", "--kvprofile", *chosen, "-q", "-p", "no:cacheprovider"], cwd,
                                 env=env, timeout=timeout)
                 _require(proc, f"main job ({label})")
@@ -626,18 +626,17 @@ def main_job_before_after(b: Bench, ref: str, repeats: int, timeout: float, matr
                 runs[label].append(proc)
                 b.log(f"    main job {label}, run {i + 1}: {items} items, wall {proc.wall:.1f} s, CPU {proc.cpu:.1f} s")
         base = bare(b, items, timeout=timeout)
+        walls = {label: statistics.median(p.wall for p in got) for label, got in runs.items()}
         for label, got in runs.items():
-            wall = statistics.median(p.wall for p in got)
             cpu = statistics.median(p.cpu for p in got)
             after = label == "after"
-            b.add("main job", f"README main job wall ({items} items), {label}", wall, "s", "<= 120",
-                  wall <= 120 if after else None, f"median of {repeats}; CPU {cpu:.1f} s; peak RSS "
+            b.add("main job", f"README main job wall ({items} items), {label}", walls[label], "s", "<= 120",
+                  walls[label] <= 120 if after else None, f"median of {repeats}; CPU {cpu:.1f} s; peak RSS "
                   f"{max(p.maxrss for p in got) >> 20} MiB")
             b.add("main job", f"per-item CPU ratio against bare pytest, {label}", cpu / base.cpu, "x", "<= 1.5",
                   cpu / base.cpu <= 1.5 if after else None, f"bare pytest {base.cpu:.1f} s CPU on {items} items")
-        before, after_runs = runs.values()
-        b.add("main job", "main job wall, before / after", statistics.median(p.wall for p in before)
-              / statistics.median(p.wall for p in after_runs), "x", note="speed-up")
+        before, after_wall = walls.values()
+        b.add("main job", "main job wall, before / after", before / after_wall, "x", note="speed-up")
     finally:
         _drop_baseline_tree(tree)
 
